@@ -1,0 +1,138 @@
+"""STSA-E: estimating the Gram matrix from class sums and counts (spec §2.9, Eq. 9).
+
+Each (dummy) client k uploads only C_k (M × c, class-wise feature sums) and n_k (c counts).
+For class i, with n = Σ_k n_k, S = Σ_k C_k (columns i), Eq. 9 reads
+
+    Ĝ^(i) = A_i Σ_k C_k C_kᵀ / n_k  −  B_i S Sᵀ,
+    A_i = (n − 1)/(K − 1),   B_i = (n − K)/((K − 1) n),
+
+and Ĝ = Σ_i Ĝ^(i). Equivalently (spec §2.9, "interpretable form", when B_i is not clipped)
+
+    Ĝ^(i) = n m mᵀ + (n − 1)/(K − 1) Σ_k n_k (m_k − m)(m_k − m)ᵀ,  m_k = C_k/n_k, m = S/n:
+
+the exact "mean part" plus (n − 1) times a covariance estimate built from the spread of
+client-wise class means (Var m_k = Σ/n_k). It is unbiased when every one of the K clients
+holds class i.
+
+Vectorised as Ĝ = Z_A Z_Aᵀ − Z_B Z_Bᵀ, where Z_A has columns √(A_i/n_k^(i)) C_k^(i) and Z_B
+has columns √B_i S^(i): two matmuls instead of c·K rank-1 updates.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .errors import AnalyticInputError
+
+__all__ = ["K_MODES", "estimate_gram", "split_into_dummy_clients"]
+
+KMode = Literal["global", "per-class"]
+K_MODES: tuple[str, ...] = ("global", "per-class")
+
+
+def _coefficients(counts: Tensor, k_mode: str) -> tuple[Tensor, Tensor]:
+    """Per-class (A_i, B_i), both ≥ 0, float64, shape (c,).
+
+    global: K = number of uploads (all (dummy) clients, empty ones included), negative
+        coefficients clipped to 0 as in the reference code (B_i = 0 when n < K; A_i = 0 when
+        n ≤ 1). Biased when some client lacks class i: the covariance part is scaled by
+        (n−1)/(K−1) instead of (n−1)/(K_i−1), i.e. under-estimated.
+    per-class: K_i = #{k : n_k^(i) > 0}; unbiased whenever K_i ≥ 2. With K_i < 2 no spread of
+        client means exists, so the class falls back to its exact mean part S Sᵀ/n
+        (A_i = 1, B_i = 0; for a single holder Σ_k C_k C_kᵀ/n_k = S Sᵀ/n), which misses the
+        class's (n−1)Σ covariance term.
+    """
+    num_clients = counts.shape[0]
+    n = counts.sum(dim=0)
+    safe_n = torch.where(n > 0, n, torch.ones_like(n))
+    if k_mode == "global":
+        if num_clients < 2:
+            raise AnalyticInputError(
+                f"global-K Eq. 9 needs at least 2 (dummy) clients, got {num_clients}"
+            )
+        k = torch.full_like(n, float(num_clients))
+        a = ((n - 1.0) / (k - 1.0)).clamp_min(0.0)
+        b = ((n - k) / ((k - 1.0) * safe_n)).clamp_min(0.0)
+    elif k_mode == "per-class":
+        k = (counts > 0).sum(dim=0).to(torch.float64)
+        ok = k >= 2
+        safe_k = torch.where(ok, k, torch.full_like(k, 2.0))
+        a = torch.where(ok, (n - 1.0) / (safe_k - 1.0), torch.ones_like(n)).clamp_min(0.0)
+        # Integer counts give n ≥ K_i, hence B_i ≥ 0; the clip only guards fractional counts.
+        b = torch.where(ok, (n - safe_k) / ((safe_k - 1.0) * safe_n), torch.zeros_like(n))
+        b = b.clamp_min(0.0)
+    else:
+        raise AnalyticInputError(f"k_mode must be one of {K_MODES}, got {k_mode!r}")
+    # Absent classes contribute nothing (their sums are zero anyway).
+    a = torch.where(n > 0, a, torch.zeros_like(a))
+    b = torch.where(n > 0, b, torch.zeros_like(b))
+    return a, b
+
+
+def estimate_gram(class_sums: Tensor, counts: Tensor, *, k_mode: KMode = "global") -> Tensor:
+    """Ĝ (M × M, float64) from K uploads of class sums (K, M, c) and counts (K, c), Eq. 9.
+
+    ``k_mode="global"`` reproduces the paper/code (K = total number of (dummy) clients, terms
+    with n_k = 0 skipped, negative coefficients clipped); ``"per-class"`` uses K_i, the number of
+    uploads holding class i, which keeps Ĝ unbiased when some clients lack a class.
+    Counts may be float (e.g. noised), but must be non-negative; n_k ≤ 0 means "absent".
+    """
+    if class_sums.dim() != 3:
+        raise AnalyticInputError(
+            f"class_sums must be 3-D (K, M, c), got shape {tuple(class_sums.shape)}"
+        )
+    num_clients, rf_dim, num_classes = class_sums.shape
+    if tuple(counts.shape) != (num_clients, num_classes):
+        raise AnalyticInputError(
+            f"counts shape {tuple(counts.shape)} does not match (K, c) = ({num_clients}, {num_classes})"
+        )
+    if counts.dtype.is_complex or counts.dtype == torch.bool:
+        raise AnalyticInputError(f"counts must be real numbers, got {counts.dtype}")
+    sums = class_sums.to(torch.float64)
+    cnt = counts.to(device=sums.device, dtype=torch.float64)
+    if bool((cnt < 0).any()):
+        raise AnalyticInputError("counts must be non-negative")
+    a, b = _coefficients(cnt, k_mode)
+
+    present = cnt > 0
+    safe_cnt = torch.where(present, cnt, torch.ones_like(cnt))
+    scale_a = torch.where(present, torch.sqrt(a.unsqueeze(0) / safe_cnt), torch.zeros_like(cnt))
+    # Z_A: (M, K·c), column (k, i) = √(A_i / n_k^(i)) C_k^(i).
+    z_a = (sums * scale_a.unsqueeze(1)).permute(1, 0, 2).reshape(rf_dim, num_clients * num_classes)
+    # Z_B: (M, c), column i = √B_i S^(i).
+    z_b = sums.sum(dim=0) * torch.sqrt(b).unsqueeze(0)
+    gram = z_a @ z_a.T - z_b @ z_b.T
+    return 0.5 * (gram + gram.T)
+
+
+def split_into_dummy_clients(
+    num_samples: int,
+    num_dummy: int,
+    *,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[Tensor]:
+    """Index sets of K_D dummy clients: a random permutation cut into equal contiguous chunks.
+
+    As in the reference code (spec §2.9): step = n // K_D, chunk j = perm[j·step:(j+1)·step],
+    the last chunk also takes the remainder; not stratified by class. If n < K_D the first
+    K_D − 1 chunks are empty (they still count in global K). Pass exactly one of ``seed`` /
+    ``generator`` so the split is reproducible.
+    """
+    if not isinstance(num_samples, int) or num_samples < 0:
+        raise AnalyticInputError(f"num_samples must be a non-negative int, got {num_samples!r}")
+    if not isinstance(num_dummy, int) or num_dummy < 1:
+        raise AnalyticInputError(f"num_dummy must be a positive int, got {num_dummy!r}")
+    if (seed is None) == (generator is None):
+        raise AnalyticInputError("pass exactly one of seed or generator")
+    if generator is None:
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(int(seed))
+    perm = torch.randperm(num_samples, generator=generator)
+    step = num_samples // num_dummy
+    chunks = [perm[j * step : (j + 1) * step] for j in range(num_dummy - 1)]
+    chunks.append(perm[(num_dummy - 1) * step :])
+    return chunks
