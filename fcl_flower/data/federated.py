@@ -1,0 +1,153 @@
+"""The federated class-incremental split: tasks x clients views of one :class:`DatasetBundle`.
+
+Per-task partition seeding. Task t's training samples are partitioned with the generator
+``np.random.default_rng([seed, t])``: every task's partition is deterministic given
+``(seed, t)`` and independent of every other task (and of how many tasks were built before).
+The STSA code instead calls ``setup_seed(seed)`` right before partitioning each task, so with
+equal class counts (CIFAR-100) every task receives the *same* client-by-class proportion
+pattern; spec stsa.md §1.2 / §6 #12 calls both defensible and recommends independent
+partitions, which is what we do.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from functools import lru_cache
+
+import numpy as np
+
+from .bundle import DatasetBundle
+from .errors import DatasetError
+from .labelled import LabelledDataset
+from .partition import dirichlet_partition
+from .registry import load_dataset
+from .tasks import task_class_ranges
+
+
+class FederatedSplit:
+    """Which training samples each client holds at each task, and the matching test sets.
+
+    Built once per (bundle, num_tasks, first_task_classes, num_clients, beta, seed). Tasks and
+    clients are 0-based. Client index arrays are positions in ``bundle.train`` (equivalently
+    ``bundle.train_eval``), sorted per task for the pooled views and shuffled per client.
+    """
+
+    def __init__(
+        self,
+        bundle: DatasetBundle,
+        num_tasks: int,
+        first_task_classes: int = 0,
+        num_clients: int = 5,
+        beta: float = 0.5,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(num_clients, numbers.Integral) or isinstance(num_clients, bool) or num_clients < 1:
+            raise DatasetError(f"num_clients must be an integer >= 1, got {num_clients!r}")
+        if not isinstance(beta, numbers.Real) or not np.isfinite(beta) or beta <= 0:
+            raise DatasetError(f"beta (Dirichlet concentration) must be a finite number > 0, got {beta!r}")
+        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
+            raise DatasetError(f"seed must be an integer >= 0, got {seed!r}")
+        self.bundle = bundle
+        self.tasks: list[range] = task_class_ranges(bundle.num_classes, num_tasks, first_task_classes)
+        self.num_clients = int(num_clients)
+        self.beta = float(beta)
+        self.seed = int(seed)
+        train_y = bundle.train.targets
+        self._task_idx: list[np.ndarray] = []
+        self._client_idx: list[list[np.ndarray]] = []
+        for t, r in enumerate(self.tasks):
+            idx = np.flatnonzero((train_y >= r.start) & (train_y < r.stop)).astype(np.int64)
+            if len(idx) < self.num_clients:
+                raise DatasetError(
+                    f"task {t} has {len(idx)} training samples but num_clients={self.num_clients}; "
+                    "use fewer clients or fewer tasks"
+                )
+            try:
+                parts = dirichlet_partition(train_y[idx], self.num_clients, self.beta, np.random.default_rng([self.seed, t]))
+            except DatasetError as exc:
+                raise DatasetError(f"task {t}: {exc}") from None
+            idx.setflags(write=False)
+            self._task_idx.append(idx)
+            clients = [idx[p] for p in parts]
+            for c in clients:
+                c.setflags(write=False)
+            self._client_idx.append(clients)
+
+    # -- validation ------------------------------------------------------------------------
+    @property
+    def num_tasks(self) -> int:
+        return len(self.tasks)
+
+    def _task(self, task: int) -> int:
+        if not isinstance(task, numbers.Integral) or isinstance(task, bool) or not 0 <= task < len(self.tasks):
+            raise DatasetError(f"task must be an integer in [0, {len(self.tasks)}), got {task!r}")
+        return int(task)
+
+    def _client(self, client: int) -> int:
+        if not isinstance(client, numbers.Integral) or isinstance(client, bool) or not 0 <= client < self.num_clients:
+            raise DatasetError(f"client must be an integer in [0, {self.num_clients}), got {client!r}")
+        return int(client)
+
+    def _source(self, eval_transform: bool) -> LabelledDataset:
+        return self.bundle.train_eval if eval_transform else self.bundle.train
+
+    # -- training views --------------------------------------------------------------------
+    def client_indices(self, task: int, client: int) -> np.ndarray:
+        """Positions in ``bundle.train`` of client ``client``'s samples at task ``task``."""
+        return self._client_idx[self._task(task)][self._client(client)]
+
+    def client_train(self, task: int, client: int, *, eval_transform: bool = False) -> LabelledDataset:
+        """The client's local training data of the task (eval transforms for statistics)."""
+        return self._source(eval_transform).subset(self.client_indices(task, client))
+
+    def task_train(self, task: int, *, eval_transform: bool = False) -> LabelledDataset:
+        """All clients' training data of the task, pooled (for the joint / centralised bound)."""
+        return self._source(eval_transform).subset(self._task_idx[self._task(task)])
+
+    def label_counts(self, task: int) -> np.ndarray:
+        """``(num_clients, c_t)`` int64 per-client class counts; column j is label ``tasks[task][j]``."""
+        r = self.tasks[self._task(task)]
+        y = self.bundle.train.targets
+        return np.stack(
+            [np.bincount(y[ix] - r.start, minlength=len(r)) for ix in self._client_idx[task]]
+        ).astype(np.int64)
+
+    # -- test views ------------------------------------------------------------------------
+    def num_seen_classes(self, upto_task: int) -> int:
+        """Number of classes in tasks ``0..upto_task``; they are labels ``0..n-1``."""
+        return self.tasks[self._task(upto_task)].stop
+
+    def seen_test(self, upto_task: int) -> LabelledDataset:
+        """Test samples of every class of tasks ``0..upto_task`` (evaluation without task id)."""
+        n = self.num_seen_classes(upto_task)
+        return self.bundle.test.subset(np.flatnonzero(self.bundle.test.targets < n))
+
+    def task_test(self, task: int) -> LabelledDataset:
+        """Test samples of the classes of task ``task`` only (for the accuracy matrix A_{t,tau})."""
+        r = self.tasks[self._task(task)]
+        y = self.bundle.test.targets
+        return self.bundle.test.subset(np.flatnonzero((y >= r.start) & (y < r.stop)))
+
+    def __repr__(self) -> str:
+        return (
+            f"FederatedSplit({self.bundle.name}, tasks={self.num_tasks}, clients={self.num_clients}, "
+            f"beta={self.beta}, seed={self.seed})"
+        )
+
+
+@lru_cache(maxsize=16)
+def get_federated_split(
+    dataset: str,
+    root: str | os.PathLike[str] | None,
+    download: bool,
+    seed: int,
+    num_tasks: int,
+    first_task_classes: int,
+    num_clients: int,
+    beta: float,
+    image_size: int | None = None,
+) -> FederatedSplit:
+    """Load the dataset (seeded class order) and build its split once per process (cached)."""
+    bundle = load_dataset(dataset, root=root, download=download, seed=seed, image_size=image_size)
+    return FederatedSplit(bundle, num_tasks, first_task_classes, num_clients, beta, seed)

@@ -1,0 +1,63 @@
+"""Train / eval transforms per dataset, as in the STSA code (spec stsa.md §4.1).
+
+Why two transforms per dataset: gradient training (stage 1) uses augmentation, while the
+analytic statistics are computed with eval transforms (spec §2.4), so every bundle carries both.
+"""
+
+from __future__ import annotations
+
+from torchvision import transforms as T
+from torchvision.transforms import InterpolationMode
+
+CIFAR100_MEAN = (0.5071, 0.4867, 0.4408)
+CIFAR100_STD = (0.2675, 0.2565, 0.2761)
+TINY_IMAGENET_MEAN = (0.4802, 0.4481, 0.3975)
+TINY_IMAGENET_STD = (0.2302, 0.2265, 0.2262)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def cifar_transforms() -> tuple[T.Compose, T.Compose]:
+    """ResNet CIFAR-100 (32x32): crop + flip + brightness jitter, then normalise."""
+    norm = T.Normalize(CIFAR100_MEAN, CIFAR100_STD)
+    train = T.Compose(
+        [
+            T.RandomCrop(32, padding=4),
+            T.RandomHorizontalFlip(),
+            T.ColorJitter(brightness=63 / 255),
+            T.ToTensor(),
+            norm,
+        ]
+    )
+    return train, T.Compose([T.ToTensor(), norm])
+
+
+def tiny_imagenet_transforms() -> tuple[T.Compose, T.Compose]:
+    """ResNet Tiny-ImageNet (64x64): crop + flip; eval centre-crop; then normalise."""
+    norm = T.Normalize(TINY_IMAGENET_MEAN, TINY_IMAGENET_STD)
+    train = T.Compose([T.RandomCrop(64, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), norm])
+    return train, T.Compose([T.CenterCrop(64), T.ToTensor(), norm])
+
+
+def vit_transforms(
+    image_size: int = 224, mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None
+) -> tuple[T.Compose, T.Compose]:
+    """ViT transforms: RandomResizedCrop(scale 0.05..1) + flip; eval bicubic resize + centre crop.
+
+    The eval resize keeps the 256/224 ratio of the STSA code for any ``image_size``.
+    ``mean``/``std`` = None gives inputs in [0, 1] (the code's CIFAR-224 quirk, spec §4.1).
+    """
+    tail: list = [T.ToTensor()]
+    if mean is not None and std is not None:
+        tail.append(T.Normalize(mean, std))
+    train = T.Compose(
+        [T.RandomResizedCrop(image_size, scale=(0.05, 1.0), ratio=(3 / 4, 4 / 3)), T.RandomHorizontalFlip(), *tail]
+    )
+    resize = int(round(image_size * 256 / 224))
+    test = T.Compose([T.Resize(resize, interpolation=InterpolationMode.BICUBIC), T.CenterCrop(image_size), *tail])
+    return train, test
+
+
+def tensor_resize(image_size: int) -> T.Resize:
+    """Resize for float CHW tensors (digits / synthetic at a larger size, e.g. a ViT smoke test)."""
+    return T.Resize((image_size, image_size), interpolation=InterpolationMode.BILINEAR, antialias=True)
