@@ -1,0 +1,27 @@
+"""Client handlers, one per phase a strategy can ask for.
+
+The strategy names the phase in each message's config; :data:`HANDLERS` routes it. Adding a
+method's client side means adding one handler here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flwr.app import Message
+
+from clients.analytic import handle_stsa_e_stats, handle_stsa_stats
+from clients.fedavg import handle_fedavg
+from clients.job import ClientJob
+
+Handler = Callable[[Message, ClientJob], Message]
+
+HANDLERS: dict[str, Handler] = {
+    "fedavg": handle_fedavg,
+    "stsa-stats": handle_stsa_stats,
+    "stsa-e-stats": handle_stsa_e_stats,
+}
+
+
+def register(phase: str, handler: Handler) -> None:
+    HANDLERS[phase] = handler

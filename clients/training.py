@@ -1,0 +1,47 @@
+"""Local SGD on a client's own data: the inner loop of every gradient-trained method."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fcl_flower.config import RunConfig
+from fcl_flower.data import LabelledDataset
+from fcl_flower.models import IncrementalClassifier
+from fcl_flower.runtime import make_loader
+
+# extra_loss(model, images, labels, logits over the seen classes) -> scalar added to the CE loss
+ExtraLoss = Callable[[IncrementalClassifier, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    num_examples: int
+    mean_loss: float
+
+
+def local_sgd(model: IncrementalClassifier, dataset: LabelledDataset, cfg: RunConfig, *, lr: float,
+              num_seen: int, device: torch.device, seed: int, extra_loss: ExtraLoss | None = None) -> TrainStats:
+    """``local-epochs`` epochs of SGD (fresh optimiser each round, as the STSA code does) with
+    cross-entropy over the classes seen so far (single head, no task id)."""
+    model.to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimiser = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    total, count = 0.0, 0
+    for epoch in range(cfg.local_epochs):
+        for images, labels in make_loader(dataset, cfg, shuffle=True, seed=seed * 1000 + epoch):
+            images, labels = images.to(device), labels.to(device)
+            logits = model(images)[:, :num_seen]
+            loss = F.cross_entropy(logits, labels)
+            if extra_loss is not None:
+                loss = loss + extra_loss(model, images, labels, logits)
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            total += float(loss.detach()) * len(labels)
+            count += len(labels)
+    model.eval()
+    return TrainStats(num_examples=len(dataset), mean_loss=total / max(count, 1))

@@ -1,0 +1,212 @@
+"""One typed run configuration for every entry point.
+
+`flwr run .` reads ``[tool.flwr.app.config]`` from pyproject.toml, ``experiments/sim.py`` reads
+command-line flags and the ClientApp reads the ConfigRecord inside each message: all three go
+through :class:`RunConfig`, so a knob has one name (``num-tasks`` in TOML and messages,
+``--num-tasks`` on the command line, ``num_tasks`` in Python), one default and one validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot work; the message is one line meant for the user."""
+
+
+def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+STRATEGY_NAMES = (
+    "stsa",
+    "stsa-e",
+    "fedran",
+    "joint",
+    "finetune",
+    "lwf",
+    "ewc",
+    "joint-gradient",
+    "lga",
+    "stamp",
+)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every knob of an fcl-flower run, with its default."""
+
+    # --- what to run -----------------------------------------------------------------------
+    strategy: str = _knob("stsa", "FCIL method to run.", STRATEGY_NAMES)
+    dataset: str = _knob(
+        "digits", "Dataset (digits is bundled with scikit-learn and works offline).",
+        ("digits", "synthetic", "cifar100", "tiny-imagenet", "imagenet-r"),
+    )
+    data_root: str = _knob("", "Folder for downloaded datasets (default ~/.cache/fcl-flower/data).")
+    download: bool = _knob(True, "Download a missing dataset (needs the network).")
+    num_tasks: int = _knob(5, "Number of tasks T the classes are split into.")
+    first_task_classes: int = _knob(
+        0, "Classes in the first task (0: all tasks equal; >0: the papers' large first task)."
+    )
+    num_clients: int = _knob(5, "Number of clients K (one SuperNode each).")
+    beta: float = _knob(0.5, "Dirichlet concentration of the per-task label skew (smaller: more skew).")
+    seed: int = _knob(0, "Seed for class order, partitions, initial weights and random features.")
+    # --- backbone and gradient training ----------------------------------------------------
+    backbone: str = _knob(
+        "small-cnn", "Feature extractor.", ("small-cnn", "resnet18-cifar", "resnet18", "vit-b16-adapter")
+    )
+    pretrained: bool = _knob(False, "Load pretrained weights (ViT only; needs the network or a cache).")
+    image_size: int = _knob(0, "Resize inputs to this size (0: the dataset's own; 224 for the ViT).")
+    stage1_rounds: int = _knob(10, "FedAvg rounds on task 1 (0 keeps the seeded/pretrained backbone).")
+    rounds_per_task: int = _knob(5, "FedAvg rounds on each later task (gradient baselines only).")
+    local_epochs: int = _knob(2, "Local epochs per FedAvg round.")
+    lr: float = _knob(0.05, "Initial SGD learning rate (cosine-annealed over each task's rounds).")
+    momentum: float = _knob(0.9, "SGD momentum.")
+    weight_decay: float = _knob(5e-4, "SGD weight decay.")
+    batch_size: int = _knob(64, "Batch size for local training and feature extraction.")
+    weighted_fedavg: bool = _knob(
+        True, "Weight FedAvg by client sample counts (false: the STSA code's plain mean)."
+    )
+    train_head: str = _knob("cosine", "Head used while training the backbone.", ("cosine", "linear"))
+    # --- analytic methods ------------------------------------------------------------------
+    rf_dim: int = _knob(1000, "Random-feature dimension M (0: no projection, use raw features).")
+    ridge: str = _knob("auto", "Ridge gamma, a number, or 'auto' for GCV on the aggregated statistics.")
+    head: str = _knob("cosine", "Analytic classifier head (cosine reproduces the paper).", ("cosine", "dot"))
+    wire_dtype: str = _knob("float32", "Dtype of uploaded statistics.", ("float32", "float64"))
+    dummy_clients: int = _knob(1, "STSA-E: dummy clients K_D each client splits its data into.")
+    k_mode: str = _knob(
+        "global", "STSA-E estimator: paper's global K or unbiased per-class K.", ("global", "per-class")
+    )
+    rank: int = _knob(256, "FedRAN: rank r of the client and server low-rank summaries.")
+    rank_budget_bytes: int = _knob(0, "FedRAN: set the rank from an upload budget in bytes (0: use --rank).")
+    label_ratio: float = _knob(1.0, "FedRAN-SSL: fraction of each client's samples that are labelled.")
+    pseudo_threshold: float = _knob(0.5, "FedRAN-SSL: cosine threshold tau for prototype pseudo-labels.")
+    # --- gradient baselines ----------------------------------------------------------------
+    lwf_alpha: float = _knob(1.0, "Fed-LwF: weight of the distillation loss.")
+    lwf_temperature: float = _knob(2.0, "Fed-LwF: distillation temperature.")
+    ewc_lambda: float = _knob(1000.0, "Fed-EWC: weight of the Fisher penalty.")
+    memory_size: int = _knob(200, "LGA/STAMP: exemplar/coreset memory per client (samples).")
+    # --- infrastructure --------------------------------------------------------------------
+    out: str = _knob("~/fcl-flower-results", "Output folder (made absolute); results.json goes in <out>/<run-name>.")
+    run_name: str = _knob("", "Sub-folder name for this run (default <strategy>-<dataset>-seed<seed>).")
+    round_timeout: float = _knob(3600.0, "Seconds the server waits for client replies in a round.")
+    require_all_clients: bool = _knob(
+        False, "Retry a round until every client answered instead of going on without the missing ones."
+    )
+    resume: bool = _knob(False, "Continue from the checkpoint in the output folder.")
+    device: str = _knob("auto", "Device for training/feature extraction.", ("auto", "cpu", "cuda"))
+
+    # ------------------------------------------------------------------------------------
+    @staticmethod
+    def key(name: str) -> str:
+        """Python field name -> run-config/message key (``num_tasks`` -> ``num-tasks``)."""
+        return name.replace("_", "-")
+
+    @classmethod
+    def knobs(cls) -> tuple[dataclasses.Field, ...]:
+        return dataclasses.fields(cls)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, strict: bool = True) -> RunConfig:
+        """Build from run-config/ConfigRecord keys, coercing types; unknown keys are an error."""
+        by_key = {cls.key(f.name): f for f in cls.knobs()}
+        unknown = sorted(set(values) - set(by_key))
+        if unknown and strict:
+            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+        kwargs = {}
+        for key, value in values.items():
+            f = by_key.get(key)
+            if f is not None:
+                kwargs[f.name] = _coerce(key, value, type(f.default))
+        return cls(**kwargs).validated()
+
+    def to_mapping(self) -> dict[str, bool | int | float | str]:
+        """Run-config keys -> scalar values (what a ConfigRecord carries)."""
+        return {self.key(f.name): getattr(self, f.name) for f in self.knobs()}
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return dataclasses.replace(self, **changes).validated()
+
+    # ------------------------------------------------------------------------------------
+    def validated(self) -> RunConfig:
+        """Check everything that can be checked without loading data; raise ConfigError."""
+        for f in self.knobs():
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(
+                    f"unknown {self.key(f.name)} '{value}'; choose one of: {', '.join(choices)}"
+                )
+        if self.beta <= 0:
+            raise ConfigError(f"beta must be > 0 (got {self.beta})")
+        positive = ("num_tasks", "num_clients", "local_epochs", "batch_size", "dummy_clients", "rank")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{self.key(name)} must be >= 1 (got {getattr(self, name)})")
+        for name in ("stage1_rounds", "rounds_per_task", "rf_dim", "first_task_classes",
+                     "image_size", "rank_budget_bytes", "memory_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{self.key(name)} must be >= 0 (got {getattr(self, name)})")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0 (got {self.lr})")
+        if not 0.0 < self.label_ratio <= 1.0:
+            raise ConfigError(f"label-ratio must be in (0, 1] (got {self.label_ratio})")
+        if not -1.0 <= self.pseudo_threshold <= 1.0:
+            raise ConfigError(f"pseudo-threshold is a cosine, in [-1, 1] (got {self.pseudo_threshold})")
+        if self.round_timeout <= 0:
+            raise ConfigError(f"round-timeout must be > 0 seconds (got {self.round_timeout})")
+        self.ridge_value()  # parses or raises
+        return self
+
+    def ridge_value(self) -> float | None:
+        """The fixed ridge gamma, or None for 'auto' (generalised cross-validation)."""
+        text = str(self.ridge).strip().lower()
+        if text == "auto":
+            return None
+        try:
+            gamma = float(text)
+        except ValueError:
+            raise ConfigError(f"ridge must be a number or 'auto' (got '{self.ridge}')") from None
+        if gamma <= 0:
+            raise ConfigError(f"ridge must be > 0 (got {gamma})")
+        return gamma
+
+    @property
+    def data_dir(self) -> str:
+        root = self.data_root or os.path.join("~", ".cache", "fcl-flower", "data")
+        return str(Path(root).expanduser().resolve())
+
+    @property
+    def output_dir(self) -> Path:
+        """Absolute: under `flwr run` the app runs from $FLWR_HOME/apps/..., not from here."""
+        name = self.run_name or f"{self.strategy}-{self.dataset}-seed{self.seed}"
+        return Path(self.out).expanduser().resolve() / name
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    """Turn TOML/CLI/ConfigRecord scalars into the knob's type, with a one-line error."""
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                lowered = value.strip().lower()
+                if lowered in ("true", "1", "yes", "on"):
+                    return True
+                if lowered in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError
+            return bool(value)
+        if kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if kind is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be of type {kind.__name__} (got {value!r})") from None

@@ -1,0 +1,73 @@
+"""Class-incremental metrics: A_avg, A_T and F_T as the STSA paper (and its code) define them.
+
+``per_task[t][tau]`` is A_{t,tau}: accuracy on task tau's test classes after stage t (tau <= t).
+``stage_accuracy[t]`` is A_t: top-1 accuracy over *all* test samples of the classes seen after
+stage t (sample-weighted, as the STSA code and the FedRAN paper compute it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CILSummary:
+    """The three headline numbers, in percent."""
+
+    A_avg: float
+    A_T: float
+    F_T: float
+
+
+def accuracy_by_task(predictions: np.ndarray, labels: np.ndarray, task_of_label: np.ndarray,
+                     num_tasks_seen: int) -> tuple[float, list[float]]:
+    """Return (stage accuracy over all samples, accuracy per task) in percent."""
+    predictions = np.asarray(predictions)
+    labels = np.asarray(labels)
+    if predictions.shape != labels.shape:
+        raise ValueError(f"predictions {predictions.shape} and labels {labels.shape} differ in shape")
+    if labels.size == 0:
+        raise ValueError("no test samples to evaluate")
+    correct = predictions == labels
+    tasks = np.asarray(task_of_label)[labels]
+    per_task = []
+    for tau in range(num_tasks_seen):
+        mask = tasks == tau
+        per_task.append(float(100.0 * correct[mask].mean()) if mask.any() else float("nan"))
+    return float(100.0 * correct.mean()), per_task
+
+
+def average_accuracy(stage_accuracy: Sequence[float]) -> float:
+    """A_avg: the mean over stages of the stage accuracy (the paper's Eq. lacks the 1/T)."""
+    if not stage_accuracy:
+        raise ValueError("no stages")
+    return float(np.mean(stage_accuracy))
+
+
+def forgetting(per_task: Sequence[Sequence[float]]) -> float:
+    """F_T: mean over old tasks of (best accuracy ever reached - final accuracy).
+
+    Follows the STSA code: the max runs over every stage that saw the task, the final one
+    included, so each term is >= 0. With one stage there is nothing to forget: 0.
+    """
+    final = len(per_task) - 1
+    if final < 1:
+        return 0.0
+    drops = []
+    for tau in range(final):
+        history = [per_task[t][tau] for t in range(tau, final + 1)]
+        drops.append(max(history) - per_task[final][tau])
+    return float(np.mean(drops))
+
+
+def summarise(stage_accuracy: Sequence[float], per_task: Sequence[Sequence[float]]) -> CILSummary:
+    if len(stage_accuracy) != len(per_task):
+        raise ValueError("stage_accuracy and per_task must have one entry per stage")
+    return CILSummary(
+        A_avg=average_accuracy(stage_accuracy),
+        A_T=float(stage_accuracy[-1]),
+        F_T=forgetting(per_task),
+    )

@@ -1,0 +1,134 @@
+"""results.json, the per-stage table, and upload-byte accounting.
+
+The file is rewritten atomically after every stage, so a run killed half-way still leaves a
+valid, complete record of the stages it finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fcl_flower.metrics import summarise
+
+
+@dataclass
+class StageRecord:
+    """What one stage (task) produced."""
+
+    stage: int  # 1-based
+    classes: list[int]  # labels (class-order positions) introduced by this stage
+    accuracy: float  # A_t over all seen classes, percent
+    per_task_accuracy: list[float]  # A_{t,tau}, tau = 1..t
+    seconds: float  # wall time of the stage: client work, aggregation, solve, evaluation
+    rounds: int  # federated rounds run in this stage
+    upload_bytes_per_client: dict[str, int]  # numeric payload each client sent (all rounds)
+    upload_message_bytes_per_client: dict[str, int]  # whole serialised reply messages
+    clients: list[str] = field(default_factory=list)  # clients whose data is in this stage
+    left_out: dict[str, str] = field(default_factory=dict)  # client -> why it is missing
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific (ridge, pseudo-labels...)
+
+
+class ResultsRecorder:
+    """Collects StageRecords and writes ``<output_dir>/results.json`` after each stage."""
+
+    def __init__(self, output_dir: Path, strategy: str, config: dict[str, Any]) -> None:
+        self.output_dir = Path(output_dir)
+        self.strategy = strategy
+        self.config = dict(config)
+        self.stages: list[StageRecord] = []
+        self.info: dict[str, Any] = {}
+
+    @property
+    def path(self) -> Path:
+        return self.output_dir / "results.json"
+
+    def add(self, record: StageRecord) -> None:
+        self.stages.append(record)
+        self.write()
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "strategy": self.strategy,
+            "config": self.config,
+            "stages": [asdict(s) for s in self.stages],
+            **self.info,
+        }
+        if self.stages:
+            summary = summarise(
+                [s.accuracy for s in self.stages], [s.per_task_accuracy for s in self.stages]
+            )
+            data.update(asdict(summary))
+            data["total_seconds"] = sum(s.seconds for s in self.stages)
+            data["total_upload_bytes_per_client"] = total_upload(self.stages)
+        return data
+
+    def write(self) -> Path:
+        write_json_atomic(self.path, self.to_dict())
+        return self.path
+
+    def table(self) -> str:
+        return format_stage_table(self.stages)
+
+
+def total_upload(stages: list[StageRecord]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for stage in stages:
+        for client, nbytes in stage.upload_bytes_per_client.items():
+            totals[client] = totals.get(client, 0) + nbytes
+    return dict(sorted(totals.items()))
+
+
+def format_stage_table(stages: list[StageRecord]) -> str:
+    """A plain-text table: one line per stage, then the summary metrics."""
+    header = f"{'stage':>5} {'classes':>7} {'acc %':>7} {'per-task acc %':<34} {'rounds':>6} {'s':>8} {'upload/client':>14}"
+    lines = [header, "-" * len(header)]
+    for s in stages:
+        per_task = " ".join(f"{a:5.1f}" for a in s.per_task_accuracy)
+        uploads = list(s.upload_bytes_per_client.values())
+        mean_upload = human_bytes(sum(uploads) / len(uploads)) if uploads else "-"
+        lines.append(
+            f"{s.stage:>5} {len(s.classes):>7} {s.accuracy:>7.2f} {per_task[:34]:<34} "
+            f"{s.rounds:>6} {s.seconds:>8.2f} {mean_upload:>14}"
+        )
+    if stages:
+        m = summarise([s.accuracy for s in stages], [s.per_task_accuracy for s in stages])
+        lines.append(f"A_avg = {m.A_avg:.2f}   A_T = {m.A_T:.2f}   F_T = {m.F_T:.2f}")
+    return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write to a temp file in the same folder, then rename: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2, default=_json_default)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot serialise {type(value).__name__}")

@@ -1,0 +1,284 @@
+"""The stage loop every FCIL strategy shares, built on Flower's strategy hooks.
+
+A run is a sequence of stages, one per task. Each stage is a list of federated rounds
+(:class:`RoundPlan`): ``train`` rounds (local SGD + FedAvg) and ``stats`` rounds (one-shot
+statistics upload). Every round goes through Flower's ``configure_train`` /
+``aggregate_train`` hooks -- the Message-API successors of the legacy ``fit`` /
+``aggregate_fit`` -- so the same strategy runs under the Ray simulation engine and on real
+SuperNodes. After the last round of a stage the strategy evaluates the global model on the
+test data of every class seen so far and records the stage.
+
+Subclasses say *what* happens (``plan_stage``, ``parse_reply``, ``aggregate_round``,
+``predict_seen``); this class owns *how*: node selection, message construction, reply
+validation, byte accounting, timing, results and checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from fcl_flower.config import RunConfig
+from fcl_flower.data import FederatedSplit
+from fcl_flower.metrics import accuracy_by_task
+from fcl_flower.models import trainable_state
+from fcl_flower.results import ResultsRecorder, StageRecord, format_stage_table
+from fcl_flower.runtime import build_model, resolve_device
+from fcl_flower.wire import UploadError, message_bytes, payload_bytes, to_record
+
+TRAIN_MESSAGE = "train"  # local SGD rounds -> @app.train()
+STATS_MESSAGE = "query.stats"  # one-shot statistics -> @app.query("stats")
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One federated round of a stage."""
+
+    task: int  # 0-based task index
+    phase: str  # client handler to run (see clients.HANDLERS)
+    index: int = 0  # round within the stage, 0-based
+    total: int = 1  # rounds in the stage
+    lr: float = 0.0  # learning rate for this round (train rounds)
+
+    @property
+    def message_type(self) -> str:
+        return STATS_MESSAGE if self.phase.endswith("stats") else TRAIN_MESSAGE
+
+
+@dataclass
+class Reply:
+    """A validated reply: which client, how many examples, and the method's parsed payload."""
+
+    client: str
+    num_examples: int
+    payload: Any
+
+
+class StagedStrategy(Strategy):
+    """Base class: stage schedule + Flower hooks + evaluation + results."""
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+        self.cfg = cfg
+        self.split = split
+        self.recorder = recorder
+        self.device = resolve_device(cfg)
+        self.model = build_model(cfg, split)
+        self.num_tasks = len(split.tasks)
+        self.task_of_label = np.concatenate(
+            [np.full(len(r), t, dtype=np.int64) for t, r in enumerate(split.tasks)]
+        )
+        self._plan: RoundPlan | None = None
+        self._reset_stage_accounting()
+
+    # ------------------------------------------------------------------ for subclasses
+    def plan_stage(self, task: int) -> list[RoundPlan]:
+        """The rounds of stage ``task``."""
+        raise NotImplementedError
+
+    def parse_reply(self, plan: RoundPlan, content: RecordDict) -> Any:
+        """Read and validate one client's payload; raise UploadError to reject it."""
+        raise NotImplementedError
+
+    def validate_reply(self, plan: RoundPlan, reply: Reply) -> None:
+        """Cross-checks between payload and metrics; raise UploadError to reject."""
+
+    def aggregate_round(self, plan: RoundPlan, replies: list[Reply]) -> None:
+        """Fold the accepted replies of one round into the server state."""
+        raise NotImplementedError
+
+    def end_stage(self, task: int) -> dict[str, Any]:
+        """Work after the last round of a stage (e.g. a ridge solve); returns result extras."""
+        return {}
+
+    def predict_seen(self, task: int) -> tuple[np.ndarray, np.ndarray]:
+        """(predictions, labels) of the global model on the test data of all seen classes."""
+        raise NotImplementedError
+
+    def round_config(self, plan: RoundPlan) -> dict[str, Any]:
+        """Extra per-round settings for the clients (added to the run config)."""
+        return {}
+
+    def global_arrays(self) -> ArrayRecord:
+        """What the clients receive: the trainable state of the global model."""
+        return to_record(trainable_state(self.model))
+
+    # ------------------------------------------------------------------ helpers
+    def num_seen(self, task: int) -> int:
+        return int(self.split.tasks[task].stop)
+
+    def train_plans(self, task: int, phase: str, rounds: int) -> list[RoundPlan]:
+        """``rounds`` local-SGD rounds with the per-round cosine learning rate."""
+        from fcl_flower.averaging import cosine_lr
+
+        return [RoundPlan(task, phase, i, rounds, cosine_lr(self.cfg.lr, i, rounds)) for i in range(rounds)]
+
+    # ------------------------------------------------------------------ Flower hooks
+    def summary(self) -> None:
+        cfg = self.cfg
+        log(INFO, "\t├──> %s on %s: %d tasks, %d clients, beta=%s, seed=%d",
+            self.name, cfg.dataset, self.num_tasks, cfg.num_clients, cfg.beta, cfg.seed)
+        log(INFO, "\t└──> output: %s", self.recorder.path)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Send the global arrays and the full run config + this round's settings to every client."""
+        plan = self._require_plan()
+        node_ids = self.select_nodes(grid)
+        settings = {
+            **self.cfg.to_mapping(),
+            **dict(config),
+            "phase": plan.phase,
+            "task": plan.task,
+            "round-lr": plan.lr,
+            "num-seen-classes": self.num_seen(plan.task),
+            "server-round": server_round,
+            **self.round_config(plan),
+        }
+        content = RecordDict({"arrays": arrays, "config": ConfigRecord(settings)})
+        return [Message(content=content, message_type=plan.message_type, dst_node_id=n) for n in node_ids]
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate every reply, account its bytes, reject bad ones by name, aggregate the rest."""
+        plan = self._require_plan()
+        accepted: list[Reply] = []
+        for message in replies:
+            node = message.metadata.src_node_id
+            client = f"node-{node}"
+            try:
+                if message.has_error():
+                    raise UploadError(f"client failed: {message.error.reason}")
+                client, num_examples = self._identify(message.content)
+                if any(r.client == client for r in accepted):
+                    raise UploadError("duplicate upload in the same round")
+                reply = Reply(client, num_examples, self.parse_reply(plan, message.content))
+                self.validate_reply(plan, reply)
+            except UploadError as err:
+                log(WARNING, "Rejected upload from %s (node %d) in round %d: %s", client, node, server_round, err)
+                self._left_out[client] = str(err)
+                continue
+            self._upload[client] = self._upload.get(client, 0) + payload_bytes(message.content)
+            self._message[client] = self._message.get(client, 0) + message_bytes(message.content)
+            accepted.append(reply)
+        if not accepted:
+            raise RuntimeError(f"round {server_round}: no valid reply; see the rejected uploads above")
+        self._clients.update(r.client for r in accepted)
+        self.aggregate_round(plan, accepted)
+        metrics = MetricRecord({"num-clients": len(accepted),
+                                "num-examples": sum(r.num_examples for r in accepted)})
+        return self.global_arrays(), metrics
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return []  # evaluation is central: the server holds the test data of all seen classes
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    # ------------------------------------------------------------------ the loop
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None, evaluate_fn: Any = None) -> Result:
+        """Run every stage; Flower's own ``start`` runs a flat list of rounds instead."""
+        log(INFO, "Starting %s", self.name)
+        self.summary()
+        result = Result()
+        server_round = 0
+        for task in range(self.num_tasks):
+            began = time.perf_counter()
+            self._reset_stage_accounting()
+            plans = self.plan_stage(task)
+            for plan in plans:
+                server_round += 1
+                self._plan = plan
+                log(INFO, "[stage %d/%d] round %d/%d (%s)", task + 1, self.num_tasks,
+                    plan.index + 1, plan.total, plan.phase)
+                messages = list(self.configure_train(server_round, self.global_arrays(),
+                                                     train_config or ConfigRecord(), grid))
+                replies = grid.send_and_receive(messages, timeout=timeout or self.cfg.round_timeout)
+                arrays, metrics = self.aggregate_train(server_round, replies)
+                if metrics is not None:
+                    result.train_metrics_clientapp[server_round] = metrics
+                if arrays is not None:
+                    result.arrays = arrays
+            extra = self.end_stage(task)
+            record = self._evaluate_stage(task, rounds=len(plans), began=began, extra=extra)
+            self.recorder.add(record)
+            log(INFO, "[stage %d/%d] accuracy on %d seen classes: %.2f%% (%.1f s)",
+                task + 1, self.num_tasks, self.num_seen(task), record.accuracy, record.seconds)
+        log(INFO, "\n%s", format_stage_table(self.recorder.stages))
+        log(INFO, "results: %s", self.recorder.path)
+        return result
+
+    def select_nodes(self, grid: Grid) -> list[int]:
+        """All connected nodes, after waiting (bounded) for ``num-clients`` of them."""
+        deadline = time.monotonic() + self.cfg.round_timeout
+        while True:
+            node_ids = sorted(grid.get_node_ids())
+            if len(node_ids) >= self.cfg.num_clients or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if not node_ids:
+            raise RuntimeError("no SuperNode connected")
+        if len(node_ids) < self.cfg.num_clients:
+            log(WARNING, "only %d of %d clients connected", len(node_ids), self.cfg.num_clients)
+        return node_ids
+
+    # ------------------------------------------------------------------ internals
+    def _require_plan(self) -> RoundPlan:
+        if self._plan is None:
+            raise RuntimeError("no round planned: call start()")
+        return self._plan
+
+    def _identify(self, content: RecordDict) -> tuple[str, int]:
+        metrics = content.metric_records.get("metrics")
+        if metrics is None or "partition-id" not in metrics or "num-examples" not in metrics:
+            raise UploadError("reply lacks the 'metrics' record with partition-id and num-examples")
+        partition, num_examples = metrics["partition-id"], metrics["num-examples"]
+        if not isinstance(partition, int) or not 0 <= partition < self.cfg.num_clients:
+            raise UploadError(f"partition-id {partition!r} outside 0..{self.cfg.num_clients - 1}")
+        if not isinstance(num_examples, int) or num_examples < 0:
+            raise UploadError(f"num-examples {num_examples!r} is not a non-negative integer")
+        return f"client-{partition}", num_examples
+
+    def _reset_stage_accounting(self) -> None:
+        self._upload: dict[str, int] = {}
+        self._message: dict[str, int] = {}
+        self._clients: set[str] = set()
+        self._left_out: dict[str, str] = {}
+
+    def _evaluate_stage(self, task: int, *, rounds: int, began: float, extra: dict[str, Any]) -> StageRecord:
+        preds, labels = self.predict_seen(task)
+        accuracy, per_task = accuracy_by_task(preds, labels, self.task_of_label, task + 1)
+        left_out = {c: why for c, why in self._left_out.items() if c not in self._clients}
+        return StageRecord(
+            stage=task + 1,
+            classes=list(self.split.tasks[task]),
+            accuracy=accuracy,
+            per_task_accuracy=per_task,
+            seconds=time.perf_counter() - began,
+            rounds=rounds,
+            upload_bytes_per_client=dict(sorted(self._upload.items())),
+            upload_message_bytes_per_client=dict(sorted(self._message.items())),
+            clients=sorted(self._clients),
+            left_out=left_out,
+            extra=extra,
+        )
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().cpu().numpy()
