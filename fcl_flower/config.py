@@ -88,9 +88,12 @@ class RunConfig:
     label_ratio: float = _knob(1.0, "FedRAN-SSL: fraction of each client's samples that are labelled.")
     pseudo_threshold: float = _knob(0.5, "FedRAN-SSL: cosine threshold tau for prototype pseudo-labels.")
     # --- gradient baselines ----------------------------------------------------------------
-    lwf_alpha: float = _knob(1.0, "Fed-LwF: weight of the distillation loss.")
+    lwf_alpha: float = _knob(3.0, "Fed-LwF: weight of the distillation loss (3 as in the TARGET/LANDER code).")
     lwf_temperature: float = _knob(2.0, "Fed-LwF: distillation temperature.")
     ewc_lambda: float = _knob(1000.0, "Fed-EWC: weight of the Fisher penalty.")
+    ewc_fisher_max: float = _knob(
+        1e-4, "Fed-EWC: clamp each client's diagonal Fisher at this value (1e-4 as in the TARGET/LANDER code; 0: no clamp)."
+    )
     memory_size: int = _knob(200, "LGA/STAMP: exemplar/coreset memory per client (samples).")
     # --- infrastructure --------------------------------------------------------------------
     out: str = _knob("~/fcl-flower-results", "Output folder (made absolute); results.json goes in <out>/<run-name>.")
@@ -99,6 +102,7 @@ class RunConfig:
     require_all_clients: bool = _knob(
         False, "Retry a round until every client answered instead of going on without the missing ones."
     )
+    round_retries: int = _knob(3, "With require-all-clients: how often a round is re-sent before giving up.")
     resume: bool = _knob(False, "Continue from the checkpoint in the output folder.")
     device: str = _knob("auto", "Device for training/feature extraction.", ("auto", "cpu", "cuda"))
 

@@ -47,6 +47,16 @@ class AnalyticStrategy(FedAvgStrategy):
         self.num_samples = 0
         self.weights: torch.Tensor | None = None
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "gram": self.gram, "class_sums": self.class_sums,
+                "num_samples": self.num_samples, "weights": self.weights}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.gram, self.class_sums = state["gram"], state["class_sums"]
+        self.num_samples, self.weights = state["num_samples"], state["weights"]
+        self.model.eval()
+
     # ---------------------------------------------------------------- schedule
     def plan_stage(self, task: int) -> list[RoundPlan]:
         stage1 = self.train_plans(task, "fedavg", self.cfg.stage1_rounds) if task == 0 else []

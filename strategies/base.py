@@ -15,9 +15,12 @@ validation, byte accounting, timing, results and checkpoints.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from logging import INFO, WARNING
 from typing import Any, ClassVar
 
@@ -28,7 +31,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from fcl_flower.config import RunConfig
+from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import FederatedSplit
 from fcl_flower.metrics import accuracy_by_task
 from fcl_flower.models import trainable_state
@@ -114,6 +117,17 @@ class StagedStrategy(Strategy):
         """What the clients receive: the trainable state of the global model."""
         return to_record(trainable_state(self.model))
 
+    def extra_arrays(self, plan: RoundPlan) -> dict[str, ArrayRecord]:
+        """More named ArrayRecords sent with this round next to "arrays" (e.g. a teacher model)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the server needs to continue after a crash (extended by subclasses)."""
+        return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+
     # ------------------------------------------------------------------ helpers
     def num_seen(self, task: int) -> int:
         return int(self.split.tasks[task].stop)
@@ -147,7 +161,10 @@ class StagedStrategy(Strategy):
             "server-round": server_round,
             **self.round_config(plan),
         }
-        content = RecordDict({"arrays": arrays, "config": ConfigRecord(settings)})
+        extra = self.extra_arrays(plan)
+        if {"arrays", "config"} & set(extra):
+            raise ValueError("extra_arrays may not replace the 'arrays' or 'config' record")
+        content = RecordDict({"arrays": arrays, "config": ConfigRecord(settings), **extra})
         return [Message(content=content, message_type=plan.message_type, dst_node_id=n) for n in node_ids]
 
     def aggregate_train(
@@ -193,12 +210,17 @@ class StagedStrategy(Strategy):
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
               timeout: float | None = None, train_config: ConfigRecord | None = None,
               evaluate_config: ConfigRecord | None = None, evaluate_fn: Any = None) -> Result:
-        """Run every stage; Flower's own ``start`` runs a flat list of rounds instead."""
+        """Run every stage; Flower's own ``start`` runs a flat list of rounds instead.
+
+        After each stage the server state is checkpointed atomically, so ``resume`` continues
+        from the next stage and ends with the same classifier as an uninterrupted run.
+        """
         log(INFO, "Starting %s", self.name)
         self.summary()
         result = Result()
+        first_task = self._restore_checkpoint() if self.cfg.resume else 0
         server_round = 0
-        for task in range(self.num_tasks):
+        for task in range(first_task, self.num_tasks):
             began = time.perf_counter()
             self._reset_stage_accounting()
             plans = self.plan_stage(task)
@@ -207,9 +229,8 @@ class StagedStrategy(Strategy):
                 self._plan = plan
                 log(INFO, "[stage %d/%d] round %d/%d (%s)", task + 1, self.num_tasks,
                     plan.index + 1, plan.total, plan.phase)
-                messages = list(self.configure_train(server_round, self.global_arrays(),
-                                                     train_config or ConfigRecord(), grid))
-                replies = grid.send_and_receive(messages, timeout=timeout or self.cfg.round_timeout)
+                replies = self._run_round(grid, server_round, train_config or ConfigRecord(),
+                                          timeout or self.cfg.round_timeout)
                 arrays, metrics = self.aggregate_train(server_round, replies)
                 if metrics is not None:
                     result.train_metrics_clientapp[server_round] = metrics
@@ -218,11 +239,87 @@ class StagedStrategy(Strategy):
             extra = self.end_stage(task)
             record = self._evaluate_stage(task, rounds=len(plans), began=began, extra=extra)
             self.recorder.add(record)
+            self._save_checkpoint(task)
             log(INFO, "[stage %d/%d] accuracy on %d seen classes: %.2f%% (%.1f s)",
                 task + 1, self.num_tasks, self.num_seen(task), record.accuracy, record.seconds)
+            if record.left_out:
+                log(WARNING, "[stage %d/%d] data missing from this stage: %s", task + 1, self.num_tasks,
+                    "; ".join(f"{c}: {why}" for c, why in record.left_out.items()))
         log(INFO, "\n%s", format_stage_table(self.recorder.stages))
         log(INFO, "results: %s", self.recorder.path)
         return result
+
+    def _run_round(self, grid: Grid, server_round: int, config: ConfigRecord, timeout: float) -> list[Message]:
+        """Send one round; with ``require-all-clients``, re-send to the nodes that did not answer
+        until every client's reply is in (bounded by ``round-retries``)."""
+        messages = list(self.configure_train(server_round, self.global_arrays(), config, grid))
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        attempt = 0
+        while self.cfg.require_all_clients and self._missing_clients(replies):
+            if attempt >= self.cfg.round_retries:
+                raise RuntimeError(
+                    f"round {server_round}: no reply from {', '.join(sorted(self._missing_clients(replies)))} "
+                    f"after {attempt + 1} attempts (require-all-clients is set)"
+                )
+            attempt += 1
+            answered = {m.metadata.src_node_id for m in replies if not m.has_error()}
+            replies = [m for m in replies if not m.has_error()]
+            retry = [m for m in self.configure_train(server_round, self.global_arrays(), config, grid)
+                     if m.metadata.dst_node_id not in answered]
+            log(WARNING, "round %d: retry %d/%d for %d node(s)", server_round, attempt,
+                self.cfg.round_retries, len(retry))
+            replies += list(grid.send_and_receive(retry, timeout=timeout))
+        return replies
+
+    def _missing_clients(self, replies: list[Message]) -> set[str]:
+        seen = set()
+        for message in replies:
+            if not message.has_error():
+                metrics = message.content.metric_records.get("metrics")
+                if metrics is not None and "partition-id" in metrics:
+                    seen.add(f"client-{metrics['partition-id']}")
+        return {f"client-{i}" for i in range(self.cfg.num_clients)} - seen
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.cfg.output_dir / "checkpoint.pt"
+
+    def _save_checkpoint(self, task: int) -> None:
+        payload = {
+            "strategy": self.name,
+            "config": _resumable_config(self.cfg),
+            "completed_tasks": task + 1,
+            "state": self.state_dict(),
+            "stages": [asdict(s) for s in self.recorder.stages],
+        }
+        path = self.checkpoint_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".checkpoint.", suffix=".tmp")
+        os.close(fd)
+        try:
+            torch.save(payload, tmp)
+            os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint intact
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def _restore_checkpoint(self) -> int:
+        path = self.checkpoint_path
+        if not path.exists():
+            raise ConfigError(f"resume: no checkpoint at {path}; run once without --resume first")
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        if payload.get("strategy") != self.name:
+            raise ConfigError(f"resume: checkpoint at {path} is for strategy '{payload.get('strategy')}'")
+        saved, current = payload["config"], _resumable_config(self.cfg)
+        changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        if changed:
+            raise ConfigError(f"resume: config differs from the checkpoint in: {', '.join(changed)}")
+        self.load_state_dict(payload["state"])
+        self.recorder.stages = [StageRecord(**s) for s in payload["stages"]]
+        done = int(payload["completed_tasks"])
+        log(INFO, "Resuming %s from %s after stage %d/%d", self.name, path, done, self.num_tasks)
+        return done
 
     def select_nodes(self, grid: Grid) -> list[int]:
         """All connected nodes, after waiting (bounded) for ``num-clients`` of them."""
@@ -265,6 +362,11 @@ class StagedStrategy(Strategy):
         preds, labels = self.predict_seen(task)
         accuracy, per_task = accuracy_by_task(preds, labels, self.task_of_label, task + 1)
         left_out = {c: why for c, why in self._left_out.items() if c not in self._clients}
+        if rounds:  # a stage without federated rounds (e.g. joint) misses nobody
+            for i in range(self.cfg.num_clients):
+                client = f"client-{i}"
+                if client not in self._clients and client not in left_out:
+                    left_out[client] = "no reply within round-timeout"
         return StageRecord(
             stage=task + 1,
             classes=list(self.split.tasks[task]),
@@ -278,6 +380,12 @@ class StagedStrategy(Strategy):
             left_out=left_out,
             extra=extra,
         )
+
+
+def _resumable_config(cfg: RunConfig) -> dict[str, Any]:
+    """The config keys that must match for a checkpoint to be resumed."""
+    operational = {"resume", "round-timeout", "require-all-clients", "round-retries", "device"}
+    return {k: v for k, v in cfg.to_mapping().items() if k not in operational}
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:

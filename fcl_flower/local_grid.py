@@ -1,0 +1,77 @@
+"""A Flower Grid that delivers messages to ClientApps in this very process.
+
+Ray's simulation engine costs ~15 s of start-up per run; tests of the strategies, the resume
+path and fault handling do not need separate processes, only the same messages. This grid
+serialises nothing and hides nothing: each message goes to the real ClientApp of its node,
+with that node's own Context (node config and persistent state), and the reply comes back as
+a Message. ``unavailable`` lets a test switch nodes off to simulate crashed SuperNodes. It is
+also the "no framework" baseline of the framework-overhead benchmark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.supercore.run import Run
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+
+class LocalGrid(Grid):
+    """``num_nodes`` in-process nodes with node ids 1..K and partition ids 0..K-1."""
+
+    def __init__(self, client_app: ClientApp | Callable[[Message, Context], Message], num_nodes: int,
+                 *, run_id: int = 1) -> None:
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 0, run_id
+        self.client_app = client_app
+        self.unavailable: set[int] = set()  # node ids that do not answer (crashed SuperNodes)
+        self.sent: list[Message] = []  # every message delivered, for inspection in tests
+        self.replies: list[Message] = []
+        self.contexts = {
+            node_id: Context(run_id=run_id, node_id=node_id,
+                             node_config={"partition-id": node_id - 1, "num-partitions": num_nodes},
+                             state=RecordDict(), run_config={})
+            for node_id in range(1, num_nodes + 1)
+        }
+        self._run: Run | None = None
+
+    # -- what the strategies use --------------------------------------------------------
+    def get_node_ids(self) -> Iterable[int]:
+        return [n for n in self.contexts if n not in self.unavailable]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        replies = []
+        for message in messages:
+            node_id = message.metadata.dst_node_id
+            if node_id in self.unavailable or node_id not in self.contexts:
+                continue  # like a SuperNode that never answers before the timeout
+            self.sent.append(message)
+            try:
+                reply = self.client_app(message, self.contexts[node_id])
+            except Exception as exc:  # the ClientApp raised: Flower replies with an Error
+                reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
+            replies.append(reply)
+        self.replies.extend(replies)
+        return replies
+
+    # -- the rest of the Grid interface -------------------------------------------------
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        if self._run is None:
+            raise RuntimeError("no run set")
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return Message(content=content, message_type=message_type, dst_node_id=dst_node_id, group_id=group_id)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise NotImplementedError("LocalGrid delivers synchronously: use send_and_receive")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        raise NotImplementedError("LocalGrid delivers synchronously: use send_and_receive")
