@@ -23,6 +23,7 @@ from .errors import AnalyticInputError, NotPositiveDefiniteError
 __all__ = [
     "GCVRow",
     "default_ridge_grid",
+    "gcv_from_spectrum",
     "ridge_residual",
     "select_ridge_gcv",
     "solve_ridge",
@@ -121,8 +122,32 @@ def select_ridge_gcv(
     eigvals, eigvecs = torch.linalg.eigh(g)
     eigvals = eigvals.clamp_min(0.0)  # G = ΦᵀΦ is PSD; negatives are rounding noise
     projected = eigvecs.T @ class_sums.to(device=g.device, dtype=torch.float64)
-    q = (projected * projected).sum(dim=1)
+    return gcv_from_spectrum(eigvals, (projected * projected).sum(dim=1), n, yty, gammas)
 
+
+def gcv_from_spectrum(
+    eigvals: Tensor,
+    q: Tensor,
+    num_samples: int,
+    yty: float,
+    grid: Sequence[float] | Tensor | None = None,
+) -> tuple[float, list[GCVRow]]:
+    """The GCV scan of :func:`select_ridge_gcv`, given the spectrum already.
+
+    ``eigvals`` λ_j ≥ 0 and ``q`` q_j = ‖row j of QᵀC‖² in any common eigenbasis Q. Shared by the
+    dense STSA solve and FedRAN's subspace solve, whose sketch is already diagonal (λ = σ²), so
+    neither needs another M×M factorisation.
+    """
+    n = int(num_samples)
+    if n <= 0:
+        raise AnalyticInputError(f"num_samples must be positive, got {num_samples}")
+    if eigvals.dim() != 1 or q.shape != eigvals.shape:
+        raise AnalyticInputError("eigvals and q must be 1-D tensors of the same length")
+    gammas = default_ridge_grid() if grid is None else torch.as_tensor(grid, dtype=torch.float64)
+    if gammas.dim() != 1 or gammas.numel() == 0 or bool((gammas <= 0).any()):
+        raise AnalyticInputError("grid must be a non-empty 1-D sequence of positive values")
+    eigvals = eigvals.to(torch.float64)
+    q = q.to(device=eigvals.device, dtype=torch.float64)
     table: list[GCVRow] = []
     for gamma in gammas.tolist():
         denom = eigvals + gamma

@@ -14,15 +14,19 @@ B lies in span(U), and W equals the centralised ridge (G* + γI)⁻¹ B exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
 from .lowrank import LowRankError, LowRankSummary
+from .ridge import GCVRow, gcv_from_spectrum
 
 __all__ = [
     "pad_label_corr",
     "subspace_coefficients",
     "solve_subspace_ridge",
+    "select_subspace_ridge_gcv",
     "outside_subspace_norm",
     "weight_error_bound",
 ]
@@ -68,6 +72,32 @@ def subspace_coefficients(summary: LowRankSummary, label_corr: Tensor, ridge: fl
 def solve_subspace_ridge(summary: LowRankSummary, label_corr: Tensor, ridge: float) -> Tensor:
     """W = U (diag(σ²) + γI)⁻¹ Uᵀ B, shape (M, C); zero on the orthogonal complement of U."""
     return summary.basis @ subspace_coefficients(summary, label_corr, ridge)
+
+
+def select_subspace_ridge_gcv(
+    summary: LowRankSummary,
+    label_corr: Tensor,
+    num_samples: int,
+    yty: float,
+    grid: Sequence[float] | Tensor | None = None,
+) -> tuple[float, list[GCVRow]]:
+    """γ for :func:`solve_subspace_ridge` by generalised cross-validation, from the summary alone.
+
+    The sketch is already diagonal in U (eigenvalues σ²), so with q_i = ‖(UᵀB)_i‖² the residual of
+    W = U W̃ is RSS(γ) = tr(YᵀY) − Σ_i q_i (σ_i² + 2γ)/(σ_i² + γ)² and df(γ) = Σ_i σ_i²/(σ_i² + γ),
+    summed over the retained directions only (the complement carries zero weights). This is the
+    dense GCV of STSA with G* replaced by the sketch G̃, so without truncation both pick the same
+    γ. For one-hot labels tr(YᵀY) = n. O(M r C), no M×M matrix.
+    """
+    if not isinstance(summary, LowRankSummary):
+        raise LowRankError(f"expected LowRankSummary, got {type(summary).__name__}")
+    _check_label_corr(label_corr)
+    if label_corr.shape[0] != summary.dim:
+        raise LowRankError(f"B has {label_corr.shape[0]} rows but the summary has dimension {summary.dim}")
+    projected = summary.basis.T @ label_corr.to(device=summary.basis.device, dtype=torch.float64)
+    return gcv_from_spectrum(
+        summary.singular_values.square(), (projected * projected).sum(dim=1), num_samples, yty, grid
+    )
 
 
 def outside_subspace_norm(summary: LowRankSummary, label_corr: Tensor) -> float:
