@@ -12,6 +12,7 @@ from flwr.app import Message
 
 from clients.analytic import handle_stsa_e_stats, handle_stsa_stats
 from clients.fedavg import handle_fedavg
+from clients.fedran import handle_fedran_stats
 from clients.job import ClientJob
 
 Handler = Callable[[Message, ClientJob], Message]
@@ -20,6 +21,7 @@ HANDLERS: dict[str, Handler] = {
     "fedavg": handle_fedavg,
     "stsa-stats": handle_stsa_stats,
     "stsa-e-stats": handle_stsa_e_stats,
+    "fedran-stats": handle_fedran_stats,
 }
 
 

@@ -7,11 +7,13 @@ from fcl_flower.data import FederatedSplit
 from fcl_flower.results import ResultsRecorder
 from strategies.analytic import AnalyticStrategy, JointStrategy, STSAEStrategy
 from strategies.base import RoundPlan, StagedStrategy
+from strategies.fedran import FedRANStrategy
 from strategies.gradient import FedAvgStrategy, FinetuneStrategy
 
 STRATEGIES: dict[str, type[StagedStrategy]] = {
     "stsa": AnalyticStrategy,
     "stsa-e": STSAEStrategy,
+    "fedran": FedRANStrategy,
     "joint": JointStrategy,
     "finetune": FinetuneStrategy,
 }

@@ -1,0 +1,162 @@
+"""FedRAN client: one pass over the local data, a rank-r Gram summary and the exact B (spec §2.5–2.6).
+
+Per task the client extracts frozen backbone features Z, optionally pseudo-labels its unlabelled
+samples on Z (FedRAN-SSL, Algorithm 4), maps the kept samples to random features
+H = ReLU(Z̃ P) and uploads
+
+    basis U (M × r_k), singular values σ (r_k), B = HᵀY (M × C_t),
+
+with r_k = min(r, ñ, M) and C_t the number of classes seen so far: M·r_k + r_k + M·C_t numbers,
+the spec §3.1 count. G = HᵀH itself never leaves the client. The rank r is chosen by the server
+(round config ``fedran-rank``) because a byte budget makes it depend on C_t (Eq. 12).
+
+The true labels of the unlabelled samples are read only to *report* how many accepted
+pseudo-labels are right (a simulation diagnostic, spec §6.10); they never enter H or B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from flwr.app import Message
+from torch import Tensor
+
+from clients.analytic import effective_rf_dim, projection_for
+from clients.job import ClientJob, make_reply
+from fcl_flower.analytic import random_features
+from fcl_flower.analytic.lowrank import LowRankSummary, client_summary, client_summary_from_gram
+from fcl_flower.analytic.pseudolabel import pseudo_label_client, pseudo_label_report, select_labelled
+from fcl_flower.runtime import iter_features
+from fcl_flower.wire import cast_for_wire
+
+RANK_KEY = "fedran-rank"  # round-config key: the upload rank r the server asks for
+UPLOAD_KEYS = ("basis", "singular-values", "label-corr")  # everything a FedRAN reply carries
+
+
+class FedRANClientError(ValueError):
+    """The server's FedRAN request cannot be served (e.g. no rank in the round config)."""
+
+
+@dataclass(frozen=True)
+class FedRANClientStats:
+    """What one client computes for one task, before casting for the wire.
+
+    ``summary``: rank-r_k sketch of HᵀH over the kept samples; ``label_corr``: B = HᵀY (M × C_t);
+    ``num_labelled``: labelled samples; ``pseudo``: :func:`pseudo_label_report` over the
+    unlabelled ones (total / accepted / correct / rates).
+    """
+
+    summary: LowRankSummary
+    label_corr: Tensor
+    num_labelled: int
+    pseudo: dict[str, float]
+
+    @property
+    def num_samples(self) -> int:
+        """ñ = labelled + accepted pseudo-labelled samples (the rows of H)."""
+        return self.summary.num_samples
+
+
+def labelled_mask(seed: int, task: int, partition: int, num_samples: int, ratio: float) -> Tensor:
+    """Which local samples are labelled: a seeded ρ fraction per (seed, task, client) (spec §1.3 [I]).
+
+    Deterministic on every machine (CPU generator); ρ = 1 marks everything without drawing.
+    """
+    generator = torch.Generator().manual_seed(((seed * 1_000_003 + task) * 1_009 + partition) * 7 + 3)
+    return select_labelled(num_samples, ratio, generator)
+
+
+def random_feature_statistics(
+    features: Tensor,
+    labels: Tensor,
+    projection: Tensor | None,
+    num_classes: int,
+    rank: int,
+    chunk_size: int = 1024,
+) -> tuple[LowRankSummary, Tensor]:
+    """(rank-r sketch of HᵀH, B = HᵀY) for H = ReLU(Z P), Y = one-hot(labels, ``num_classes``).
+
+    For ñ < M the thin SVD of H itself (Algorithm 2, exact); otherwise HᵀH and B are summed chunk
+    by chunk so H (ñ × M) is never held at once, then eigendecomposed. B is accumulated class-wise
+    (column c = sum of the rows with label c), all in float64.
+    """
+    n = int(features.shape[0])
+    dim = int(features.shape[1]) if projection is None else int(projection.shape[1])
+    labels = labels.to(torch.int64)
+    label_corr = torch.zeros(dim, num_classes, dtype=torch.float64)
+    if n < dim:
+        h = random_features(features, projection)
+        label_corr.index_add_(1, labels, h.T)
+        return client_summary(h, rank, method="svd"), label_corr
+    gram = torch.zeros(dim, dim, dtype=torch.float64)
+    for start in range(0, n, chunk_size):
+        h = random_features(features[start:start + chunk_size], projection)
+        gram += h.T @ h
+        label_corr.index_add_(1, labels[start:start + chunk_size], h.T)
+    return client_summary_from_gram(gram, n, rank), label_corr
+
+
+def fedran_client_update(
+    features: Tensor,
+    labels: Tensor,
+    labelled: Tensor,
+    projection: Tensor | None,
+    *,
+    num_classes: int,
+    rank: int,
+    threshold: float,
+) -> FedRANClientStats:
+    """Algorithm 1, client side, on backbone features Z (n × d) with true ``labels``.
+
+    ``labelled`` marks D^ℓ. Prototypes come from the labelled Z only; an unlabelled sample joins
+    with its prototype class iff its best cosine over the client's labelled classes is ≥ τ;
+    rejected ones are dropped (spec §2.5). Labelled + accepted samples then enter both the Gram
+    summary and B. With every sample labelled this is exactly plain FedRAN.
+    """
+    labels = labels.to(torch.int64)
+    labelled = labelled.to(torch.bool)
+    hidden = labels[~labelled]
+    kept = pseudo_label_client(features[labelled], labels[labelled], features[~labelled], num_classes, threshold)
+    summary, label_corr = random_feature_statistics(kept.features, kept.labels, projection, num_classes, rank)
+    report = pseudo_label_report(kept.accepted, kept.predicted, hidden)
+    return FedRANClientStats(summary, label_corr, kept.num_labelled, report)
+
+
+def local_backbone_features(job: ClientJob) -> tuple[Tensor, Tensor]:
+    """Z (n × d, float64) and global labels of this client's samples of the current task."""
+    zs, ys = [], []
+    for features, y in iter_features(job.model, job.local_data(eval_transform=True), job.cfg, job.device):
+        zs.append(features)
+        ys.append(y)
+    if not zs:
+        return torch.zeros(0, job.model.backbone.feature_dim, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
+    return torch.cat(zs), torch.cat(ys)
+
+
+def handle_fedran_stats(message: Message, job: ClientJob) -> Message:
+    """Upload (U, σ, B) of the labelled + accepted pseudo-labelled local samples."""
+    if RANK_KEY not in job.round_config:
+        raise FedRANClientError(f"round config lacks '{RANK_KEY}': the server must set the upload rank")
+    rank = int(job.round_config[RANK_KEY])
+    features, labels = local_backbone_features(job)
+    mask = labelled_mask(job.cfg.seed, job.task, job.partition, int(labels.shape[0]), job.cfg.label_ratio)
+    stats = fedran_client_update(
+        features, labels, mask, projection_for(job),
+        num_classes=job.num_seen, rank=rank, threshold=job.cfg.pseudo_threshold,
+    )
+    assert stats.summary.dim == effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
+    wire = job.cfg.wire_dtype
+    arrays = {
+        "basis": cast_for_wire(stats.summary.basis, wire),
+        "singular-values": cast_for_wire(stats.summary.singular_values, wire),
+        "label-corr": cast_for_wire(stats.label_corr, wire),
+    }
+    metrics = {
+        "rank": stats.summary.rank,
+        "num-labelled": stats.num_labelled,
+        "pseudo-unlabelled": int(stats.pseudo["total"]),
+        "pseudo-accepted": int(stats.pseudo["accepted"]),
+        "pseudo-correct": int(stats.pseudo["correct"]),
+    }
+    return make_reply(message, job, arrays, stats.num_samples, metrics)
