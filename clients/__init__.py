@@ -14,11 +14,14 @@ from clients.analytic import handle_stsa_e_stats, handle_stsa_stats
 from clients.fedavg import handle_fedavg
 from clients.fedran import handle_fedran_stats
 from clients.job import ClientJob
+from clients.lga import handle_lga
+from clients.stamp import handle_stamp
 
 Handler = Callable[[Message, ClientJob], Message]
 
 HANDLERS: dict[str, Handler] = {
     "fedavg": handle_fedavg,
+    "lga": handle_lga, "stamp": handle_stamp,
     "stsa-stats": handle_stsa_stats,
     "stsa-e-stats": handle_stsa_e_stats,
     "fedran-stats": handle_fedran_stats,

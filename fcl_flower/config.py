@@ -95,6 +95,10 @@ class RunConfig:
         1e-4, "Fed-EWC: clamp each client's diagonal Fisher at this value (1e-4 as in the TARGET/LANDER code; 0: no clamp)."
     )
     memory_size: int = _knob(200, "LGA/STAMP: exemplar/coreset memory per client (samples).")
+    gm_c: float = _knob(0.5, "STAMP: CAGrad search radius kappa of the temporal and spatial gradient matching (Eq. 2).")
+    proxy_iterations: int = _knob(
+        50, "LGA: L-BFGS steps of the proxy's gradient inversion (paper/code 250; 0: no proxy, old model = last global model)."
+    )
     # --- infrastructure --------------------------------------------------------------------
     out: str = _knob("~/fcl-flower-results", "Output folder (made absolute); results.json goes in <out>/<run-name>.")
     run_name: str = _knob("", "Sub-folder name for this run (default <strategy>-<dataset>-seed<seed>).")

@@ -9,6 +9,8 @@ from strategies.analytic import AnalyticStrategy, JointStrategy, STSAEStrategy
 from strategies.base import RoundPlan, StagedStrategy
 from strategies.fedran import FedRANStrategy
 from strategies.gradient import FedAvgStrategy, FinetuneStrategy
+from strategies.lga import LGAStrategy
+from strategies.stamp import STAMPStrategy
 
 STRATEGIES: dict[str, type[StagedStrategy]] = {
     "stsa": AnalyticStrategy,
@@ -16,6 +18,7 @@ STRATEGIES: dict[str, type[StagedStrategy]] = {
     "fedran": FedRANStrategy,
     "joint": JointStrategy,
     "finetune": FinetuneStrategy,
+    "lga": LGAStrategy, "stamp": STAMPStrategy,
 }
 
 

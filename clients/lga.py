@@ -1,0 +1,237 @@
+"""LGA client (Dong et al., TPAMI 2024): L_CB + L_SD on new data ∪ exemplars, Eq. 8 detection,
+iCaRL herding memory and the perturbed prototype gradients for the proxy server.
+
+One handler, phase ``lga``, runs every round of every task (LGA trains with its own loss from
+task 1 on; in task 1 L_local = L_CB with all weights 1, i.e. plain CE). Per round:
+
+1. Restore this node's state from Flower's per-node ``context.state``: the exemplar memory
+   (ArrayRecord ``lga-memory``, dataset indices of this client's own past-task samples), the
+   old model used for L_SD (ArrayRecord ``lga-teacher``) and the detector/bookkeeping
+   (ConfigRecord ``lga-state``).
+2. Eq. 8 on the received global model: the mean prediction entropy on the current local data;
+   the detector's verdict is reported (``lga-detected``) next to the server's task id
+   (``lga-new-task``), so the strategy can count hits, misses and false alarms.
+3. When the task id is new to this client: herd the exemplars of the tasks just finished with
+   the received model (the end-of-task global model), shrinking old classes to the new quota.
+4. ``local-epochs`` of SGD on ``L_local = L_CB + L_SD`` (Eq. 7) over current data ∪ memory; the
+   Eq. 4 exponent uses this client's own class counts (spec A6.2); the teacher is the old model
+   the server's proxy selected (ArrayRecord ``lga-old-model``, cached in the state).
+5. In a client's first round of a task: per new class, the prototype (sample nearest the class
+   mean) is perturbed (Eqs. 13-14) and the gradient of the shared LeNet Γ on it is uploaded in
+   the ArrayRecord ``lga-proto`` (keys ``"<class>/<param index>"``).
+
+Math: :mod:`fcl_flower.fcl.lga`, :mod:`fcl_flower.fcl.lga_proxy`, :mod:`fcl_flower.fcl.exemplars`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from torch.utils.data import ConcatDataset, DataLoader, Dataset
+
+from clients.fedavg import _round_seed
+from clients.job import ClientJob
+from fcl_flower.data import LabelledDataset
+from fcl_flower.fcl.exemplars import ExemplarMemory
+from fcl_flower.fcl.lga import TaskTransitionDetector, lga_local_loss, mean_prediction_entropy, sharpening_exponent
+from fcl_flower.fcl.lga_proxy import (GradientEncoder, class_feature_variance, perturbed_prototype_gradient,
+                                      prototype_indices)
+from fcl_flower.models import IncrementalClassifier, load_trainable_state, trainable_state
+from fcl_flower.runtime import iter_features, make_loader
+from fcl_flower.wire import from_record, to_record
+
+OLD_MODEL_RECORD = "lga-old-model"  # server -> client: the proxy's selected old model
+PROTO_RECORD = "lga-proto"  # client -> server: perturbed prototype gradients of Γ
+MEMORY_STATE = "lga-memory"
+TEACHER_STATE = "lga-teacher"
+META_STATE = "lga-state"
+PERTURB_STEPS = 50  # Eq. 14 SGD steps ([CODE-LGA]: lr 0.2, 50 steps)
+PERTURB_LR = 0.2
+PERTURB_EPS = 0.1  # Eq. 13 feature noise scale (paper)
+
+
+class MissingOldModel(ValueError):
+    """A later-task LGA round reached a client that has no old model to distil from."""
+
+
+# ------------------------------------------------------------------------------ shared helpers
+def gradient_encoder(job_or_shape: Sequence[int], num_classes: int, seed: int) -> GradientEncoder:
+    """Γ, built identically on clients and proxy from the run seed (it never travels)."""
+    c, h, w = (int(s) for s in job_or_shape)
+    if h != w:
+        raise ValueError(f"the LGA gradient encoder needs square images, got {h}x{w}")
+    return GradientEncoder(in_channels=c, image_size=h, num_classes=num_classes, seed=seed)
+
+
+def load_memory(state: RecordDict, key: str, memory_size: int) -> ExemplarMemory:
+    if key not in state.array_records:
+        return ExemplarMemory(memory_size)
+    arrays = {k: v.numpy() for k, v in state.array_records[key].items()}
+    memory = ExemplarMemory.from_state(arrays)
+    if memory.memory_size != memory_size:
+        raise ValueError(f"stored memory has size {memory.memory_size}, the run says memory-size={memory_size}")
+    return memory
+
+
+def save_memory(state: RecordDict, key: str, memory: ExemplarMemory) -> None:
+    state.array_records[key] = to_record({k: torch.from_numpy(v) for k, v in memory.to_state().items()})
+
+
+def memory_task_of(job: ClientJob, cls: int) -> int:
+    """The task that introduced class ``cls`` (tasks own contiguous class ranges)."""
+    for t, r in enumerate(job.data.tasks):
+        if cls in r:
+            return t
+    raise ValueError(f"class {cls} belongs to no task")
+
+
+def herd_finished_tasks(job: ClientJob, memory: ExemplarMemory, first: int, last: int, *,
+                        normalize: bool) -> None:
+    """Add the classes of this client's tasks ``first..last-1`` to ``memory`` by herding on the
+    received model's features (eval transforms); indices are positions in the task's data."""
+    for task in range(first, last):
+        data = job.data.train(task, eval_transform=True)
+        if len(data) == 0:
+            continue
+        feats = torch.cat([f for f, _ in iter_features(job.model, data, job.cfg, job.device)])
+        labels = torch.from_numpy(np.array(data.targets, dtype=np.int64))
+        memory.add_classes(feats, labels, torch.arange(len(data)), normalize=normalize)
+
+
+def exemplar_datasets(job: ClientJob, memory: ExemplarMemory, *, eval_transform: bool) -> dict[int, LabelledDataset]:
+    """Per old task, the stored exemplars as a view of this client's own data of that task."""
+    by_task: dict[int, list[int]] = {}
+    for cls in memory.classes:
+        by_task.setdefault(memory_task_of(job, cls), []).extend(memory.class_indices(cls).tolist())
+    return {t: job.data.train(t, eval_transform=eval_transform).subset(np.asarray(idx, dtype=np.int64))
+            for t, idx in sorted(by_task.items()) if idx}
+
+
+def build_reply(message: Message, job: ClientJob, records: dict[str, ArrayRecord], num_examples: int,
+                metrics: dict[str, int | float]) -> Message:
+    content = RecordDict({
+        **records,
+        "metrics": MetricRecord({"partition-id": job.partition, "num-examples": int(num_examples), **metrics}),
+    })
+    return Message(content=content, reply_to=message)
+
+
+def frozen_copy(model: IncrementalClassifier, state: dict[str, torch.Tensor], device: torch.device) -> IncrementalClassifier:
+    teacher = copy.deepcopy(model)
+    load_trainable_state(teacher, state)
+    teacher.to(device).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+def train_loader(datasets: list[Dataset], job: ClientJob, seed: int) -> DataLoader:
+    data = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
+    return DataLoader(data, batch_size=job.cfg.batch_size, shuffle=True,
+                      generator=torch.Generator().manual_seed(seed), num_workers=0)
+
+
+# ------------------------------------------------------------------------------ the handler
+def handle_lga(message: Message, job: ClientJob) -> Message:
+    cfg, state, task = job.cfg, job.context.state, job.task
+    memory = load_memory(state, MEMORY_STATE, cfg.memory_size)
+    meta = dict(state.config_records[META_STATE]) if META_STATE in state.config_records else {}
+    detector = TaskTransitionDetector.from_state(meta) if "threshold" in meta else TaskTransitionDetector()
+    last_task = int(meta.get("task", -1))
+    new_task = task > last_task
+
+    if OLD_MODEL_RECORD in message.content.array_records:  # the proxy's choice for this task
+        state.array_records[TEACHER_STATE] = message.content.array_records[OLD_MODEL_RECORD]
+        meta["teacher-task"] = task
+    current = job.local_data(eval_transform=False)
+    current_eval = job.local_data(eval_transform=True)
+
+    # Eq. 8 on the received global model
+    detected = 0
+    if len(current_eval):
+        logits = torch.cat([job.model.head(f.to(job.device, torch.float32))[:, :job.num_seen].cpu()
+                            for f, _ in iter_features(job.model, current_eval, cfg, job.device)])
+        detected = int(detector.update(mean_prediction_entropy(logits)))
+    if new_task:  # exemplars of the tasks just finished, herded with the end-of-task model
+        herd_finished_tasks(job, memory, int(meta.get("memory-through", 0)), task, normalize=True)
+        meta["memory-through"] = task
+
+    teacher = None
+    num_old = job.task_classes.start
+    if task > 0:
+        if TEACHER_STATE not in state.array_records or int(meta.get("teacher-task", -1)) != task:
+            raise MissingOldModel(f"LGA task {task}: no old model from the server for this task")
+        teacher = frozen_copy(job.model, from_record(state.array_records[TEACHER_STATE]), job.device)
+
+    exemplars = exemplar_datasets(job, memory, eval_transform=False)
+    datasets = ([current] if len(current) else []) + list(exemplars.values())
+    num_examples = sum(len(d) for d in datasets)
+    own_new = len(set(np.asarray(current.targets).tolist()))
+    exponent = sharpening_exponent(memory.num_classes, own_new) if memory.num_classes + own_new else 0.0
+    task_ends = [r.stop for r in job.data.tasks[:task + 1]]
+    model, device = job.model.to(job.device), job.device
+    losses = {"total": 0.0, "cb": 0.0, "sd": 0.0}
+    count = 0
+    if num_examples:
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=job.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        for epoch in range(cfg.local_epochs):
+            for images, labels in train_loader(datasets, job, _round_seed(job) * 1000 + epoch):
+                images, labels = images.to(device), labels.to(device)
+                logits = model(images)[:, :job.num_seen]
+                old_logits = None
+                if teacher is not None:
+                    with torch.no_grad():
+                        old_logits = teacher(images)[:, :num_old]
+                parts = lga_local_loss(logits, labels, task_ends, old_logits=old_logits, exponent=exponent)
+                opt.zero_grad(set_to_none=True)
+                parts.total.backward()
+                opt.step()
+                n = len(labels)
+                losses["total"] += float(parts.total.detach()) * n
+                losses["cb"] += float(parts.cb.detach()) * n
+                losses["sd"] += float(parts.sd.detach()) * n
+                count += n
+        model.eval()
+
+    records = {"arrays": to_record(trainable_state(model))}
+    proto_classes = 0
+    if new_task and len(current_eval) and cfg.proxy_iterations > 0:
+        grads = prototype_gradients(job, current_eval)
+        proto_classes = len(grads)
+        if grads:
+            records[PROTO_RECORD] = to_record({f"{c}/{i}": g for c, gs in grads.items() for i, g in enumerate(gs)})
+
+    meta.update(detector.to_state())
+    meta["task"] = task
+    state.config_records[META_STATE] = ConfigRecord(meta)
+    save_memory(state, MEMORY_STATE, memory)
+    metrics = {"train-loss": losses["total"] / max(count, 1), "lga-cb": losses["cb"] / max(count, 1),
+               "lga-sd": losses["sd"] / max(count, 1), "lga-detected": detected, "lga-new-task": int(new_task),
+               "lga-memory": len(memory), "lga-proto-classes": proto_classes}
+    return build_reply(message, job, records, num_examples, metrics)
+
+
+def prototype_gradients(job: ClientJob, data: LabelledDataset) -> dict[int, list[torch.Tensor]]:
+    """Per class of the current task: Γ's gradient on its perturbed prototype (A2.7a-c)."""
+    model, device = job.model.to(job.device).eval(), job.device
+    feats = torch.cat([f for f, _ in iter_features(model, data, job.cfg, device)])
+    labels = torch.from_numpy(np.array(data.targets, dtype=np.int64))
+    protos = prototype_indices(feats, labels)
+    variances = class_feature_variance(feats, labels)
+    encoder = gradient_encoder(job.data.shape.image_shape, job.data.shape.num_classes, job.cfg.seed).to(device)
+    gen = torch.Generator().manual_seed(_round_seed(job))
+    out: dict[int, list[torch.Tensor]] = {}
+    for cls, row in sorted(protos.items()):
+        image = data[row][0].to(device)
+        with torch.enable_grad():
+            grads = perturbed_prototype_gradient(model, encoder, image, cls, feature_var=variances[cls],
+                                                 eps=PERTURB_EPS, steps=PERTURB_STEPS, lr=PERTURB_LR,
+                                                 num_seen=job.num_seen, generator=gen)
+        out[cls] = [g.cpu().float() for g in grads]
+    return out

@@ -1,0 +1,92 @@
+"""STAMP client (Nguyen et al.): local CE + ProtoNet training, then temporal gradient matching.
+
+Phase ``stamp``, every round of every task. Per round:
+
+1. Restore the prototypical coreset from ``context.state`` (ArrayRecord ``stamp-coreset``:
+   dataset indices of this client's own past-task samples, at most ``memory-size`` in all) and
+   the bookkeeping (ConfigRecord ``stamp-state``).
+2. When the task id is new to this client: select the coreset of the tasks just finished
+   (Eq. 6) on the received model's backbone embeddings g(x; φ), by herding towards p^l.
+   Classes never recur across tasks in class-incremental learning, so p^l (the running
+   count-weighted class mean) is the class mean of that task's samples.
+3. ``local-epochs`` of SGD on ``CE + λ_proto · L_proto`` (Eq. 8 on the backbone embeddings of
+   each batch) over the current task's data.
+4. TAM (Eq. 3): the current-task pseudo-gradient ``θ_received − θ_local`` and one gradient per
+   old task (mean CE over that task's coreset through the whole network, at θ_local) are
+   matched by the CAGrad operator (radius ``gm-c``); the client uploads ``θ_received − d``.
+   With no old task in the coreset this is plain local training.
+
+Math: :mod:`fcl_flower.fcl.stamp`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from flwr.app import ConfigRecord, Message
+
+from clients.fedavg import _round_seed
+from clients.job import ClientJob
+from clients.lga import build_reply, exemplar_datasets, herd_finished_tasks, load_memory, save_memory, train_loader
+from fcl_flower.fcl.stamp import (assign_flat_params, flatten_params, protonet_loss, task_gradient,
+                                  temporal_match)
+from fcl_flower.models import trainable_state
+from fcl_flower.wire import to_record
+
+CORESET_STATE = "stamp-coreset"
+META_STATE = "stamp-state"
+PROTO_WEIGHT = 1.0  # λ_proto (spec B5.2)
+
+
+def handle_stamp(message: Message, job: ClientJob) -> Message:
+    cfg, state, task = job.cfg, job.context.state, job.task
+    coreset = load_memory(state, CORESET_STATE, cfg.memory_size)
+    meta = dict(state.config_records[META_STATE]) if META_STATE in state.config_records else {}
+    if task > int(meta.get("task", -1)):  # Eq. 6 on the end-of-task global model
+        herd_finished_tasks(job, coreset, int(meta.get("memory-through", 0)), task, normalize=False)
+        meta["memory-through"] = task
+
+    model, device = job.model.to(job.device), job.device
+    received = flatten_params(model).clone()
+    current = job.local_data(eval_transform=False)
+    total, proto_total, count = 0.0, 0.0, 0
+    if len(current):
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=job.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        for epoch in range(cfg.local_epochs):
+            for images, labels in train_loader([current], job, _round_seed(job) * 1000 + epoch):
+                images, labels = images.to(device), labels.to(device)
+                emb = model.features(images)
+                logits = model.head(emb)[:, :job.num_seen]
+                proto = protonet_loss(emb, labels)
+                loss = F.cross_entropy(logits, labels) + PROTO_WEIGHT * proto
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += float(loss.detach()) * len(labels)
+                proto_total += float(proto.detach()) * len(labels)
+                count += len(labels)
+        model.eval()
+
+    old_tasks = exemplar_datasets(job, coreset, eval_transform=True)
+    matched = 0
+    if len(current) and old_tasks:
+        local = flatten_params(model)
+        old_grads = []
+        for data in old_tasks.values():
+            x, y = data.tensors()
+            old_grads.append(task_gradient(model, x.to(device), y.to(device), num_seen=job.num_seen))
+        d = temporal_match(received - local, torch.stack(old_grads), cfg.gm_c)
+        assign_flat_params(model, received - d)
+        matched = len(old_grads)
+
+    meta["task"] = task
+    state.config_records[META_STATE] = ConfigRecord(meta)
+    save_memory(state, CORESET_STATE, coreset)
+    metrics = {"train-loss": total / max(count, 1), "stamp-proto": proto_total / max(count, 1),
+               "stamp-old-tasks": matched, "stamp-coreset": len(coreset)}
+    return build_reply(message, job, {"arrays": to_record(trainable_state(model))}, len(current), metrics)
+
+
+__all__ = ["handle_stamp", "CORESET_STATE", "META_STATE"]
