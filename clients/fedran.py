@@ -153,7 +153,6 @@ def handle_fedran_stats(message: Message, job: ClientJob) -> Message:
         "label-corr": cast_for_wire(stats.label_corr, wire),
     }
     metrics = {
-        "rank": stats.summary.rank,
         "num-labelled": stats.num_labelled,
         "pseudo-unlabelled": int(stats.pseudo["total"]),
         "pseudo-accepted": int(stats.pseudo["accepted"]),

@@ -51,6 +51,11 @@ class FedRANStrategy(AnalyticStrategy):
     pseudo-labels the rest with threshold ``pseudo-threshold`` τ (see clients/fedran.py). Each
     stage records ``extra["pseudo_labels"]``: labelled, unlabelled, accepted and correct counts
     summed over the clients.
+
+    Uploads are checked (only U, σ, B; shapes; finite; σ descending ≥ 0; UᵀU = I; r_k ≤ min(r, ñ, M);
+    consistent counts) and a bad one is rejected alone. A client missing from a stage is recorded
+    in ``left_out`` and not asked again: FedRAN does not backfill, because a truncated merge
+    depends on the order in which summaries arrive.
     """
 
     name: ClassVar[str] = "fedran"
@@ -197,7 +202,8 @@ class FedRANStrategy(AnalyticStrategy):
         extra.update({
             "rank": {"upload": self.upload_rank(task), "server": self.server_rank, "retained": summary.rank,
                      "clients": dict(sorted(self._stage["client_ranks"].items()))},
-            "discarded_energy": {"spectral": summary.discarded.spectral, "trace": summary.discarded.trace},
+            # Tail energy cut by the server's merges (clients' local cuts are not uploaded).
+            "merge_discarded_energy": {"spectral": summary.discarded.spectral, "trace": summary.discarded.trace},
             "upload_formula_bytes_per_client": dict(sorted(self._stage["formula"].items())),
             "pseudo_labels": {
                 "labelled": pseudo["num-labelled"],

@@ -134,7 +134,7 @@ def test_untruncated_fedran_equals_stsa_and_centralised_ridge(runs):
         assert rel(stsa.history[task], central) <= 1e-8
         assert rel(fedran.history[task], stsa.history[task]) <= 1e-8
         stage = rec_f.stages[task]
-        assert stage.extra["discarded_energy"] == {"spectral": 0.0, "trace": 0.0}
+        assert stage.extra["merge_discarded_energy"] == {"spectral": 0.0, "trace": 0.0}
         assert stage.extra["num_samples"] == sum(len(y) for y in pooled_y)
     assert [s.accuracy for s in rec_f.stages] == [s.accuracy for s in rec_s.stages]
     assert [s.per_task_accuracy for s in rec_f.stages] == [s.per_task_accuracy for s in rec_s.stages]
@@ -183,7 +183,7 @@ def test_byte_budget_sets_the_rank_per_stage_in_float32(tmp_path):
             assert sent == 4 * (RF_DIM * r_k + r_k + RF_DIM * classes) <= budget
     assert ranks[-1] == 40 and ranks == sorted(ranks, reverse=True) and ranks[0] > ranks[-1]
     assert recorder.stages[-1].extra["rank"]["server"] == ranks[0]  # the server keeps the largest
-    assert recorder.stages[-1].extra["discarded_energy"]["spectral"] > 0.0  # truncation did happen
+    assert recorder.stages[-1].extra["merge_discarded_energy"]["spectral"] > 0.0  # truncation did happen
 
 
 def test_budget_too_small_for_b_is_a_config_error(tmp_path):
