@@ -16,12 +16,14 @@ from clients.fedran import handle_fedran_stats
 from clients.job import ClientJob
 from clients.lga import handle_lga
 from clients.stamp import handle_stamp
+from clients.regularised import handle_ewc, handle_ewc_stats, handle_lwf
 
 Handler = Callable[[Message, ClientJob], Message]
 
 HANDLERS: dict[str, Handler] = {
     "fedavg": handle_fedavg,
     "lga": handle_lga, "stamp": handle_stamp,
+    "lwf": handle_lwf, "ewc": handle_ewc, "ewc-stats": handle_ewc_stats,
     "stsa-stats": handle_stsa_stats,
     "stsa-e-stats": handle_stsa_e_stats,
     "fedran-stats": handle_fedran_stats,

@@ -24,9 +24,13 @@ class TrainStats:
 
 
 def local_sgd(model: IncrementalClassifier, dataset: LabelledDataset, cfg: RunConfig, *, lr: float,
-              num_seen: int, device: torch.device, seed: int, extra_loss: ExtraLoss | None = None) -> TrainStats:
+              num_seen: int, device: torch.device, seed: int, extra_loss: ExtraLoss | None = None,
+              ce_from: int = 0) -> TrainStats:
     """``local-epochs`` epochs of SGD (fresh optimiser each round, as the STSA code does) with
-    cross-entropy over the classes seen so far (single head, no task id)."""
+    cross-entropy over the classes seen so far (single head, no task id).
+
+    ``ce_from > 0`` limits the cross-entropy to classes ``ce_from..num_seen-1`` (the new task's,
+    as the TARGET/LANDER LwF/EWC baselines train); ``extra_loss`` still gets all seen logits."""
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimiser = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -35,7 +39,9 @@ def local_sgd(model: IncrementalClassifier, dataset: LabelledDataset, cfg: RunCo
         for images, labels in make_loader(dataset, cfg, shuffle=True, seed=seed * 1000 + epoch):
             images, labels = images.to(device), labels.to(device)
             logits = model(images)[:, :num_seen]
-            loss = F.cross_entropy(logits, labels)
+            if ce_from and bool((labels < ce_from).any()):
+                raise ValueError(f"ce_from={ce_from} but the batch has labels below it")
+            loss = F.cross_entropy(logits[:, ce_from:], labels - ce_from)
             if extra_loss is not None:
                 loss = loss + extra_loss(model, images, labels, logits)
             optimiser.zero_grad(set_to_none=True)
