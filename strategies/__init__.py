@@ -7,6 +7,7 @@ from fcl_flower.data import FederatedSplit
 from fcl_flower.results import ResultsRecorder
 from strategies.analytic import AnalyticStrategy, JointStrategy, STSAEStrategy
 from strategies.base import RoundPlan, StagedStrategy
+from strategies.baselines import EWCStrategy, JointGradientStrategy, LwFStrategy
 from strategies.fedran import FedRANStrategy
 from strategies.gradient import FedAvgStrategy, FinetuneStrategy
 from strategies.lga import LGAStrategy
@@ -19,6 +20,7 @@ STRATEGIES: dict[str, type[StagedStrategy]] = {
     "joint": JointStrategy,
     "finetune": FinetuneStrategy,
     "lga": LGAStrategy, "stamp": STAMPStrategy,
+    "lwf": LwFStrategy, "ewc": EWCStrategy, "joint-gradient": JointGradientStrategy,
 }
 
 
