@@ -3,16 +3,29 @@
 Server state is G_{1:t} (M × M) and C_{1:t} (M × all classes) in float64 plus a sample count:
 nothing per client, nothing that grows with the number of clients. After each stage the ridge
 classifier W_t = (G_{1:t} + γI)⁻¹ C_{1:t} is re-solved for every seen class (spec §2.5–2.7).
+
+Missing clients and backfill: a client whose statistics of task s did not arrive (node down,
+timed out, upload rejected) is recorded in ``missing`` and asked for them in every later
+statistics round (round-config key ``backfill``, see clients/analytic.py). Late statistics are
+checked against task s's shapes and added to G and to task s's columns of C, so once every
+late upload is in, W equals the fault-free run's. Stage extras record who still owes which
+stage (``statistics_missing``) and whose late statistics arrived (``backfilled``); ``missing``
+is part of the checkpoint. FedRAN (strategies/fedran.py) does not backfill: its rank-truncated
+QR-SVD merge depends on the order in which summaries arrive, so a late summary could not
+reproduce the fault-free sketch; it only records the missing clients (results ``left_out``).
 """
 
 from __future__ import annotations
 
+from logging import INFO
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from flwr.app import RecordDict
+from flwr.common.logger import log
 
+from clients.analytic import BACKFILL_KEY, BACKFILL_PREFIX, backfill_task_of, encode_backfill
 from fcl_flower.analytic import (
     StatisticsAccumulator,
     estimate_gram,
@@ -46,15 +59,19 @@ class AnalyticStrategy(FedAvgStrategy):
         self.class_sums = torch.zeros(self.rf_dim, total_classes, dtype=torch.float64)
         self.num_samples = 0
         self.weights: torch.Tensor | None = None
+        self.missing: dict[str, list[int]] = {}  # client -> tasks whose statistics are not in G, C
+        self._backfilled: dict[str, list[int]] = {}  # late statistics that arrived in this stage
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "gram": self.gram, "class_sums": self.class_sums,
-                "num_samples": self.num_samples, "weights": self.weights}
+                "num_samples": self.num_samples, "weights": self.weights,
+                "missing": {c: list(tasks) for c, tasks in self.missing.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.gram, self.class_sums = state["gram"], state["class_sums"]
         self.num_samples, self.weights = state["num_samples"], state["weights"]
+        self.missing = {c: list(tasks) for c, tasks in state.get("missing", {}).items()}
         self.model.eval()
 
     # ---------------------------------------------------------------- schedule
@@ -62,13 +79,48 @@ class AnalyticStrategy(FedAvgStrategy):
         stage1 = self.train_plans(task, "fedavg", self.cfg.stage1_rounds) if task == 0 else []
         return stage1 + [RoundPlan(task, self.stats_phase)]
 
+    def round_config(self, plan: RoundPlan) -> dict[str, Any]:
+        """Stats rounds also ask the clients that owe earlier statistics for them."""
+        config = super().round_config(plan)
+        if plan.phase == self.stats_phase and self.missing:
+            config[BACKFILL_KEY] = encode_backfill(
+                {int(c.rsplit("-", 1)[1]): tasks for c, tasks in self.missing.items()})
+        return config
+
     # ---------------------------------------------------------------- replies
     def parse_reply(self, plan: RoundPlan, content: RecordDict) -> Any:
         if plan.phase == "fedavg":
             return super().parse_reply(plan, content)
         if "arrays" not in content.array_records:
             raise UploadError("reply has no 'arrays' record")
-        return self.parse_stats(plan, content.array_records["arrays"])
+        payload = self.parse_stats(plan, content.array_records["arrays"])
+        payload["backfill"] = self.parse_backfill(content)
+        return payload
+
+    def parse_backfill(self, content: RecordDict) -> dict[int, tuple[dict[str, torch.Tensor], int]]:
+        """Late statistics {task: (payload, n)}, checked like on-time ones against that task's shapes.
+
+        Only tasks this client owes are accepted: anything else would count its data twice, so
+        the whole reply is rejected (its on-time statistics included).
+        """
+        metrics = content.metric_records["metrics"]  # present: base._identify checked it
+        client = f"client-{metrics['partition-id']}"
+        late = {}
+        for name, record in content.array_records.items():
+            if not name.startswith(BACKFILL_PREFIX):
+                continue
+            task = backfill_task_of(name)
+            if task is None or task not in self.missing.get(client, []):
+                owed = [t + 1 for t in self.missing.get(client, [])]
+                raise UploadError(f"record '{name}' was not asked for ({client} owes stages {owed})")
+            count = metrics.get(f"{name}-num-examples")
+            if not isinstance(count, int) or count < 0:
+                raise UploadError(f"metric '{name}-num-examples' is {count!r}, expected a non-negative int")
+            try:
+                late[task] = (self.parse_stats(RoundPlan(task, self.stats_phase), record), count)
+            except UploadError as err:
+                raise UploadError(f"record '{name}': {err}") from None
+        return late
 
     def parse_stats(self, plan: RoundPlan, record: Any) -> dict[str, torch.Tensor]:
         classes = len(self.split.tasks[plan.task])
@@ -85,6 +137,44 @@ class AnalyticStrategy(FedAvgStrategy):
             super().aggregate_round(plan, replies)
             return
         self.add_stage_statistics(plan.task, *self.stage_statistics(plan, replies))
+        self.add_backfill(replies)
+        self.note_missing(plan.task, replies)
+
+    def note_missing(self, task: int, replies: list[Reply]) -> None:
+        """Every client without an accepted upload in this stats round owes task ``task``."""
+        answered = {r.client for r in replies}
+        absent = [f"client-{i}" for i in range(self.cfg.num_clients) if f"client-{i}" not in answered]
+        for client in absent:
+            self.missing.setdefault(client, []).append(task)
+        if absent:
+            self.hold_stage(task, replies)
+
+    def add_backfill(self, replies: list[Reply]) -> None:
+        """Fold the late statistics carried by this round's replies in, and strike them off."""
+        late: dict[int, list[Reply]] = {}
+        for reply in replies:
+            for task, (payload, count) in reply.payload["backfill"].items():
+                late.setdefault(task, []).append(Reply(reply.client, count, payload))
+        for task, task_replies in sorted(late.items()):
+            self.add_late_statistics(task, task_replies)
+            for reply in task_replies:
+                self.missing[reply.client].remove(task)
+                if not self.missing[reply.client]:
+                    del self.missing[reply.client]
+                self._backfilled.setdefault(reply.client, []).append(task)
+                log(INFO, "%s backfilled its statistics of stage %d", reply.client, task + 1)
+            if not any(task in owed for owed in self.missing.values()):
+                self.release_stage(task)
+
+    def add_late_statistics(self, task: int, replies: list[Reply]) -> None:
+        """STSA statistics are sums over clients (Eq. 2), so late ones simply add."""
+        self.add_stage_statistics(task, *self.stage_statistics(RoundPlan(task, self.stats_phase), replies))
+
+    def hold_stage(self, task: int, replies: list[Reply]) -> None:
+        """Keep what a later backfill of ``task`` needs besides G and C (STSA: nothing)."""
+
+    def release_stage(self, task: int) -> None:
+        """Every client's statistics of ``task`` are in: drop what :meth:`hold_stage` kept."""
 
     def stage_statistics(self, plan: RoundPlan, replies: list[Reply]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Spatial aggregation (Eq. 2): sums over the clients of this stage."""
@@ -112,6 +202,11 @@ class AnalyticStrategy(FedAvgStrategy):
             extra["gcv"] = {"grid_min": table[0].gamma, "grid_max": table[-1].gamma}
         extra["ridge"] = gamma
         self.weights = solve_ridge(self.gram, sums, gamma)
+        if self._backfilled:
+            extra["backfilled"] = {c: [t + 1 for t in sorted(ts)] for c, ts in sorted(self._backfilled.items())}
+            self._backfilled = {}
+        if self.missing:
+            extra["statistics_missing"] = {c: [t + 1 for t in ts] for c, ts in sorted(self.missing.items())}
         return extra
 
     def test_features(self, task: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,10 +223,44 @@ class AnalyticStrategy(FedAvgStrategy):
 
 
 class STSAEStrategy(AnalyticStrategy):
-    """STSA-E: clients upload class sums and counts only; the server estimates G (Eq. 9)."""
+    """STSA-E: clients upload class sums and counts only; the server estimates G (Eq. 9).
+
+    Eq. 9 is not a sum over clients (its coefficients depend on the totals of every upload of
+    the stage), so a stage with missing clients keeps its uploads (class sums and counts) until
+    the last late client is in, and then swaps the stage's Ĝ for the estimate from all of them.
+    """
 
     name = "stsa-e"
     stats_phase = "stsa-e-stats"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # task -> (sums, counts) so far
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "held": dict(self.held)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.held = dict(state.get("held", {}))
+
+    def hold_stage(self, task: int, replies: list[Reply]) -> None:
+        self.held[task] = (torch.cat([r.payload["class-sums"] for r in replies]),
+                           torch.cat([r.payload["counts"] for r in replies]))
+
+    def release_stage(self, task: int) -> None:
+        self.held.pop(task, None)
+
+    def add_late_statistics(self, task: int, replies: list[Reply]) -> None:
+        """Swap the stage's Ĝ for the estimate from all its uploads; sums and counts just add."""
+        old_sums, old_counts = self.held[task]
+        late_sums = torch.cat([r.payload["class-sums"] for r in replies])
+        late_counts = torch.cat([r.payload["counts"] for r in replies])
+        sums, counts = torch.cat([old_sums, late_sums]), torch.cat([old_counts, late_counts])
+        k_mode = self.cfg.k_mode
+        delta = estimate_gram(sums, counts, k_mode=k_mode) - estimate_gram(old_sums, old_counts, k_mode=k_mode)
+        self.add_stage_statistics(task, delta, late_sums.sum(dim=0), int(late_counts.sum()))
+        self.held[task] = (sums, counts)
 
     def parse_stats(self, plan: RoundPlan, record: Any) -> dict[str, torch.Tensor]:
         classes = len(self.split.tasks[plan.task])
@@ -146,8 +275,13 @@ class STSAEStrategy(AnalyticStrategy):
         }
 
     def validate_reply(self, plan: RoundPlan, reply: Reply) -> None:
-        if plan.phase != "fedavg" and int(reply.payload["counts"].sum()) != reply.num_examples:
+        if plan.phase == "fedavg":
+            return
+        if int(reply.payload["counts"].sum()) != reply.num_examples:
             raise UploadError("counts do not add up to num-examples")
+        for task, (payload, count) in reply.payload["backfill"].items():
+            if int(payload["counts"].sum()) != count:
+                raise UploadError(f"backfilled counts of stage {task + 1} do not add up to their num-examples")
 
     def stage_statistics(self, plan: RoundPlan, replies: list[Reply]) -> tuple[torch.Tensor, torch.Tensor, int]:
         sums = torch.cat([r.payload["class-sums"] for r in replies])  # (K·K_D, M, c_t)
