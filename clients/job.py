@@ -3,7 +3,7 @@
 Settings travel inside every message (the ConfigRecord "config"), not in ``context.run_config``:
 that keeps a client correct under `flwr run`, under the in-process simulation (which has an
 empty run config) and on a real SuperNode alike. The only thing a client learns from its own
-node is *which* partition of the data is its own.
+node is where its own data is (a partition id or its own folder: clients/node_data.py).
 """
 
 from __future__ import annotations
@@ -15,17 +15,23 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
+from clients.node_data import (
+    DatasetShape,
+    NodeConfigError,
+    NodeData,
+    OwnSplit,
+    PartitionData,
+    node_data,
+    partition_of,
+)
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit, LabelledDataset
 from fcl_flower.models import IncrementalClassifier, load_trainable_state
-from fcl_flower.runtime import build_model, federated_split, resolve_device
+from fcl_flower.runtime import build_model_for_shape, resolve_device
 from fcl_flower.wire import from_record, to_record
 
 ROUND_KEYS = ("phase", "task", "round-lr", "num-seen-classes", "server-round")
-
-
-class NodeConfigError(ValueError):
-    """The SuperNode was started without telling it which partition is its own."""
+__all__ = ["ClientJob", "NodeConfigError", "make_reply", "parse_job", "partition_of"]
 
 
 @dataclass
@@ -39,59 +45,48 @@ class ClientJob:
     lr: float
     num_seen: int
     round_config: dict[str, Any]
-    split: FederatedSplit
+    data: NodeData  # this node's own samples only (clients/node_data.py)
     model: IncrementalClassifier
     device: torch.device
     context: Context
 
     def local_data(self, *, eval_transform: bool) -> LabelledDataset:
         """Only this client's own partition of the current task."""
-        return self.split.client_train(self.task, self.partition, eval_transform=eval_transform)
+        return self.data.train(self.task, eval_transform=eval_transform)
 
     @property
     def task_classes(self) -> range:
-        return self.split.tasks[self.task]
+        return self.data.tasks[self.task]
 
-
-def partition_of(context: Context, num_clients: int) -> int:
-    """This node's partition id, from its node config (simulation or ``--node-config``)."""
-    node_config = context.node_config
-    if "partition-id" not in node_config:
-        raise NodeConfigError(
-            "node config lacks 'partition-id': start the SuperNode with "
-            "--node-config \"partition-id=<k> num-partitions=<K>\""
-        )
-    partition = int(node_config["partition-id"])
-    declared = node_config.get("num-partitions")
-    if declared is not None and int(declared) != num_clients:
-        raise NodeConfigError(f"node has num-partitions={declared} but the run has num-clients={num_clients}")
-    if not 0 <= partition < num_clients:
-        raise NodeConfigError(f"partition-id {partition} outside 0..{num_clients - 1}")
-    return partition
+    @property
+    def split(self) -> FederatedSplit | OwnSplit:
+        """The federated split; on a node with only its own folder (data-dir), a view that serves
+        the task layout and this client's own partition and raises for anything else."""
+        return self.data.split if isinstance(self.data, PartitionData) else OwnSplit(self.data)
 
 
 @lru_cache(maxsize=2)
-def _cached_model(cfg: RunConfig) -> IncrementalClassifier:
-    return build_model(cfg, federated_split(cfg))
+def _cached_model(cfg: RunConfig, shape: DatasetShape) -> IncrementalClassifier:
+    return build_model_for_shape(cfg, shape.num_classes, shape.image_shape)
 
 
 def parse_job(message: Message, context: Context) -> ClientJob:
     settings = dict(message.content.config_records["config"])
     round_config = {k: settings.pop(k) for k in list(settings) if k not in _run_keys()}
     cfg = RunConfig.from_mapping(settings)
-    split = federated_split(cfg)
-    model = _cached_model(cfg)
+    data = node_data(context.node_config, cfg)
+    model = _cached_model(cfg, data.shape)
     if "arrays" in message.content.array_records:
         load_trainable_state(model, from_record(message.content.array_records["arrays"]))
     return ClientJob(
         cfg=cfg,
         phase=str(round_config["phase"]),
         task=int(round_config["task"]),
-        partition=partition_of(context, cfg.num_clients),
+        partition=data.partition,
         lr=float(round_config.get("round-lr", cfg.lr)),
         num_seen=int(round_config["num-seen-classes"]),
         round_config=round_config,
-        split=split,
+        data=data,
         model=model,
         device=resolve_device(cfg),
         context=context,

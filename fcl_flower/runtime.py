@@ -41,11 +41,15 @@ def resolve_device(cfg: RunConfig) -> torch.device:
 
 def build_model(cfg: RunConfig, split: FederatedSplit) -> IncrementalClassifier:
     """The seeded global model: identical in every process for the same config."""
-    bundle = split.bundle
-    channels, height, _ = bundle.image_shape
+    return build_model_for_shape(cfg, split.bundle.num_classes, split.bundle.image_shape)
+
+
+def build_model_for_shape(cfg: RunConfig, num_classes: int, image_shape: tuple[int, int, int]) -> IncrementalClassifier:
+    """:func:`build_model` from the dataset's shape alone (a client with only its own data folder)."""
+    channels, height, _ = image_shape
     return build_classifier(
         cfg.backbone,
-        bundle.num_classes,
+        num_classes,
         in_channels=channels,
         image_size=height,
         pretrained=cfg.pretrained,

@@ -1,0 +1,241 @@
+"""Where a client finds its own training data: the node config of its SuperNode.
+
+Two ways to point a SuperNode at its data (``flower-supernode --node-config "..."``):
+
+* ``data-dir=<folder>`` -- a folder holding *only this client's* training samples, written by
+  ``experiments/export_partitions.py`` (one folder per client, one ``task-<t>.npz`` per task).
+  The client opens nothing else: no dataset download, no other client's samples. This is the
+  deployment mode.
+* ``partition-id=<k> num-partitions=<K>`` -- the client derives its partition from the public
+  dataset with the run's seed and keeps only partition ``k``. Convenient for simulations and
+  demos on public benchmarks, where every machine has the dataset anyway; the process does load
+  the whole public training set to cut out its share.
+
+Either way a client handler sees one interface, :class:`NodeData`: the task layout, the shape
+of the model's input and output, and ``train(task)`` -- its own samples of that task.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from fcl_flower.config import RunConfig
+from fcl_flower.data import FederatedSplit, LabelledDataset
+from fcl_flower.data.labelled import Transform
+
+FORMAT = "fcl-flower-client-data/1"
+META_FILE = "meta.json"
+# Run-config keys that decide which samples a client holds and what their labels mean. A client
+# folder exported under other values would silently train on a different split.
+SPLIT_KEYS = ("dataset", "seed", "num-tasks", "first-task-classes", "num-clients", "beta", "image-size")
+
+
+class NodeConfigError(ValueError):
+    """The SuperNode's node config does not say (correctly) where its own data is."""
+
+
+@dataclass(frozen=True)
+class DatasetShape:
+    """What a model needs to know about a dataset without seeing it."""
+
+    name: str
+    num_classes: int
+    image_shape: tuple[int, int, int]
+
+
+class NodeData(Protocol):
+    """One client's view of the federated data: its own training samples and nothing else."""
+
+    partition: int
+    tasks: list[range]
+    shape: DatasetShape
+
+    def train(self, task: int, *, eval_transform: bool) -> LabelledDataset:
+        """This client's training samples of ``task`` (eval transforms for statistics)."""
+        ...
+
+
+# ---------------------------------------------------------------------------- partition spec
+@dataclass(frozen=True)
+class PartitionData:
+    """Partition ``partition`` of the seeded federated split of a public dataset."""
+
+    split: FederatedSplit
+    partition: int
+
+    @property
+    def tasks(self) -> list[range]:
+        return self.split.tasks
+
+    @property
+    def shape(self) -> DatasetShape:
+        bundle = self.split.bundle
+        return DatasetShape(bundle.name, bundle.num_classes, tuple(bundle.image_shape))
+
+    def train(self, task: int, *, eval_transform: bool) -> LabelledDataset:
+        return self.split.client_train(task, self.partition, eval_transform=eval_transform)
+
+
+def partition_of(node_config: Mapping[str, Any], num_clients: int) -> int:
+    """The partition id a node config names, checked against the run's number of clients."""
+    node_config = getattr(node_config, "node_config", node_config)  # a flwr Context works too
+    if "partition-id" not in node_config:
+        raise NodeConfigError(
+            "node config names no data: start the SuperNode with --node-config "
+            "\"data-dir='<client folder>'\" or \"partition-id=<k> num-partitions=<K>\""
+        )
+    partition = _as_int(node_config["partition-id"], "partition-id")
+    declared = node_config.get("num-partitions")
+    if declared is not None and _as_int(declared, "num-partitions") != num_clients:
+        raise NodeConfigError(f"node has num-partitions={declared} but the run has num-clients={num_clients}")
+    if not 0 <= partition < num_clients:
+        raise NodeConfigError(f"partition-id {partition} outside 0..{num_clients - 1}")
+    return partition
+
+
+# ---------------------------------------------------------------------------- own folder
+@dataclass(frozen=True)
+class FolderData:
+    """A client folder written by ``experiments/export_partitions.py``: only this client's data."""
+
+    folder: Path
+    partition: int
+    tasks: list[range]
+    shape: DatasetShape
+    meta: dict[str, Any]
+    _train: tuple[LabelledDataset, ...]
+    _eval_transform: Transform | None
+
+    def train(self, task: int, *, eval_transform: bool) -> LabelledDataset:
+        if not 0 <= task < len(self._train):
+            raise NodeConfigError(f"task {task} not in the client folder {self.folder} (it has {len(self._train)})")
+        data = self._train[task]
+        return data.with_transform(self._eval_transform) if eval_transform else data
+
+    def check_matches(self, cfg: RunConfig) -> None:
+        """Refuse a run whose split settings differ from those the folder was exported with."""
+        wanted = cfg.to_mapping()
+        changed = [f"{k} (folder {self.meta[k]!r}, run {wanted[k]!r})"
+                   for k in SPLIT_KEYS if self.meta.get(k) != wanted[k]]
+        if changed:
+            raise NodeConfigError(
+                f"client folder {self.folder} was exported for another split: {', '.join(changed)}; "
+                "re-run experiments/export_partitions.py with the run's settings"
+            )
+
+
+class OwnSplit:
+    """The part of the :class:`FederatedSplit` interface a node with only its own folder can
+    serve: the task layout and its *own* partition. Anything that needs other clients' data or
+    the test set raises, naming what is missing."""
+
+    def __init__(self, data: FolderData) -> None:
+        self._data = data
+        self.tasks = data.tasks
+        self.num_tasks = len(data.tasks)
+
+    def client_train(self, task: int, client: int, *, eval_transform: bool = False) -> LabelledDataset:
+        if client != self._data.partition:
+            raise NodeConfigError(f"client {client}'s data is not on this node (it holds partition "
+                                  f"{self._data.partition} only)")
+        return self._data.train(task, eval_transform=eval_transform)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # copy/pickle probes, and _data before __init__ ran
+            raise AttributeError(name)
+        raise NodeConfigError(f"split.{name} needs the whole dataset, but this node holds only its own "
+                              f"folder {self._data.folder}")
+
+
+def load_folder(folder: str | Path) -> FolderData:
+    """Open a client folder (cached per process: clients are called once per round)."""
+    path = Path(folder).expanduser().resolve()
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        raise NodeConfigError(f"data-dir {path} has no {META_FILE}; write it with experiments/export_partitions.py")
+    return _load_folder(str(path), meta_path.stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=4)
+def _load_folder(path: str, _mtime: int) -> FolderData:
+    folder = Path(path)
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise NodeConfigError(f"cannot read {folder / META_FILE}: {exc}") from None
+    if meta.get("format") != FORMAT:
+        raise NodeConfigError(f"{folder / META_FILE} is not a client folder of format {FORMAT}")
+    try:
+        shape = DatasetShape(str(meta["dataset"]), int(meta["num-classes"]),
+                             tuple(int(v) for v in meta["image-shape"]))
+        tasks = [range(int(a), int(b)) for a, b in meta["tasks"]]
+        partition, image_size, storage = int(meta["partition-id"]), int(meta["image-size"]), meta["storage"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise NodeConfigError(f"{folder / META_FILE} is incomplete or malformed ({type(exc).__name__}: {exc})") from None
+    train_tf, eval_tf = transforms_for(shape.name, image_size or None)
+    per_task = []
+    for t, r in enumerate(tasks):
+        file = folder / f"task-{t}.npz"
+        try:
+            with np.load(file, allow_pickle=False) as arrays:
+                images, labels = arrays["images"], arrays["labels"]
+        except (OSError, KeyError, ValueError) as exc:
+            raise NodeConfigError(f"cannot read {file}: {exc}") from None
+        if labels.size and (labels.min() < r.start or labels.max() >= r.stop):
+            raise NodeConfigError(f"{file} has labels outside task {t}'s classes {r.start}..{r.stop - 1}")
+        if storage == "paths":  # image files copied next to the arrays
+            images = [str(folder / str(p)) for p in images]
+        per_task.append(LabelledDataset(images, labels.astype(np.int64), train_tf))
+    return FolderData(folder, partition, tasks, shape, meta, tuple(per_task), eval_tf)
+
+
+def transforms_for(dataset: str, image_size: int | None) -> tuple[Transform | None, Transform | None]:
+    """(train, eval) transforms of ``dataset`` -- the same choice as fcl_flower.data.registry,
+    made without loading the dataset (a client folder holds untransformed images)."""
+    from fcl_flower.data import transforms as T
+    from fcl_flower.data.registry import IMAGENET_R_DEFAULT_SIZE, canonical_name
+
+    name = canonical_name(dataset)
+    if name in ("digits", "synthetic"):
+        tf = T.tensor_resize(image_size) if image_size is not None else None
+        return tf, tf
+    if name == "cifar100":
+        return T.cifar_transforms() if image_size is None else T.vit_transforms(image_size)
+    if name == "tiny-imagenet":
+        if image_size is None:
+            return T.tiny_imagenet_transforms()
+        return T.vit_transforms(image_size, T.TINY_IMAGENET_MEAN, T.TINY_IMAGENET_STD)
+    return T.vit_transforms(image_size or IMAGENET_R_DEFAULT_SIZE, T.IMAGENET_MEAN, T.IMAGENET_STD)
+
+
+# ---------------------------------------------------------------------------- entry point
+def node_data(node_config: Mapping[str, Any], cfg: RunConfig) -> NodeData:
+    """This node's data, from its node config: ``data-dir`` if given, else the partition spec."""
+    if "data-dir" in node_config:
+        data = load_folder(str(node_config["data-dir"]))
+        data.check_matches(cfg)
+        if "partition-id" in node_config and partition_of(node_config, cfg.num_clients) != data.partition:
+            raise NodeConfigError(
+                f"node config says partition-id={node_config['partition-id']} but {data.folder} "
+                f"holds partition {data.partition}"
+            )
+        return data
+    from fcl_flower.runtime import federated_split
+
+    return PartitionData(federated_split(cfg), partition_of(node_config, cfg.num_clients))
+
+
+def _as_int(value: Any, key: str) -> int:
+    try:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise NodeConfigError(f"node config {key} must be an integer (got {value!r})") from None
