@@ -1,0 +1,441 @@
+"""A SuperLink and N SuperNodes as real processes on this machine, with TLS and SuperNode auth.
+
+    python deploy/local_federation.py --workdir /tmp/fcl-fed --data /tmp/fcl-data --num-nodes 3
+    python deploy/local_federation.py --workdir /tmp/fcl-fed --data /tmp/fcl-data --num-nodes 3 \\
+        --run "num-tasks=3 first-task-classes=4 num-clients=3 stage1-rounds=0 out='/tmp/fcl-out'"
+
+The first form starts everything, prints how to submit a run, and stops every process on
+Ctrl-C. The second submits one run of this app, waits until it finishes and stops everything.
+``--data`` is the output folder of ``experiments/export_partitions.py``: SuperNode k gets
+``data-dir=<data>/client-k`` and nothing else; without ``--data`` SuperNode k gets
+``partition-id=k num-partitions=N`` instead.
+
+What it does, in the order an operator would (deploy/README.md has the same steps by hand):
+
+1. ``deploy/make_certs.sh``: a throw-away CA and a server certificate for 127.0.0.1/localhost;
+2. ``deploy/make_keys.sh``: one ECDSA P-384 key pair per SuperNode;
+3. ``flower-superlink --enable-supernode-auth`` with the certificate, on a free port;
+4. ``flwr supernode register <key>.pub``: the SuperLink learns which public keys to admit;
+5. ``flower-supernode --auth-supernode-private-key <key> --root-certificates ca.crt`` per node.
+
+Everything the Flower CLI writes goes under ``<workdir>/flwr-home`` (``FLWR_HOME``), so the
+user's own ``~/.flwr`` configuration is never touched. Every process is started in its own
+session; :meth:`LocalFederation.stop` terminates the sessions and every descendant it can find
+(ServerApp/ClientApp/SuperExec processes), then kills what is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+APP_DIR = HERE.parent
+CONNECTION = "fcl-local"
+
+
+class FederationError(RuntimeError):
+    """A process of the local federation did not start or a run did not finish."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def format_run_config(values: Mapping[str, Any]) -> str:
+    """``{"num-tasks": 3, "out": "/x"}`` -> ``num-tasks=3 out='/x'`` (TOML values for flwr run)."""
+    parts = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        else:
+            text = json.dumps(str(value))  # a TOML basic string
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+def descendants(pids: Sequence[int]) -> set[int]:
+    """Every live descendant of ``pids`` (from /proc; Linux), not including ``pids``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+@dataclass
+class LocalFederation:
+    """SuperLink + SuperNodes on 127.0.0.1; use as a context manager so that it always stops."""
+
+    workdir: Path
+    node_configs: list[str]
+    port: int = 0  # SuperLink (Fleet, Control and Runtime API share it in flwr 1.41); 0: a free one
+    bin_dir: Path = field(default_factory=lambda: Path(sys.executable).parent)
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    logs: dict[str, Path] = field(default_factory=dict)
+    core: dict[str, subprocess.Popen] = field(default_factory=dict)  # must stay up: link + nodes
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(self.workdir).resolve()
+        self.port = self.port or free_port()
+        self.certs = self.workdir / "certs"
+        self.keys = self.workdir / "keys"
+        self.home = self.workdir / "flwr-home"
+        self._known_pids: set[int] = set()
+
+    # ------------------------------------------------------------------ environment
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        env["FLWR_HOME"] = str(self.home)
+        env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"  # never `uv sync` at run time
+        env["NO_COLOR"] = "1"
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def write_connection(self) -> Path:
+        """The SuperLink connection `flwr` uses, in this federation's own Flower config file."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        path = self.home / "config.toml"
+        path.write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+            f'[superlink.{CONNECTION}]\naddress = "{self.address}"\n'
+            f'root-certificates = "{self.certs / "ca.crt"}"\n'
+        )
+        return path
+
+    def flwr(self, *args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess:
+        """Run the Flower CLI against this federation."""
+        result = subprocess.run([str(self.bin_dir / "flwr"), *args], env=self.env, capture_output=True,
+                                text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        if check and result.returncode != 0:
+            raise FederationError(f"flwr {' '.join(args)} failed ({result.returncode}): "
+                                  f"{(result.stdout + result.stderr).strip()[-800:]}")
+        return result
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = self.workdir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.logs[name] = log
+        with log.open("wb") as handle:
+            process = subprocess.Popen(argv, env=self.env, stdout=handle, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, cwd=self.workdir, start_new_session=True)
+        self.processes.append(process)
+        return process
+
+    def log_tail(self, name: str, chars: int = 1500) -> str:
+        path = self.logs.get(name)
+        return path.read_text(errors="replace")[-chars:] if path and path.exists() else ""
+
+    # ------------------------------------------------------------------ start
+    def make_credentials(self) -> None:
+        """TLS certificates (deploy/make_certs.sh, or the same in Python without openssl) and one
+        SuperNode key pair more than there are nodes (a spare, unregistered key for tests)."""
+        if shutil.which("openssl"):
+            subprocess.run(["bash", str(HERE / "make_certs.sh"), str(self.certs)], check=True,
+                           capture_output=True, env=self.env)
+        else:
+            write_certificates(self.certs)
+        subprocess.run(["bash", str(HERE / "make_keys.sh"), str(self.keys), str(len(self.node_configs) + 1)],
+                       check=True, capture_output=True, env=self.env)
+
+    def start_superlink(self, timeout: float = 60.0) -> None:
+        self.write_connection()
+        self._spawn("superlink", [
+            str(self.bin_dir / "flower-superlink"),
+            "--ssl-ca-certfile", str(self.certs / "ca.crt"),
+            "--ssl-certfile", str(self.certs / "server.pem"),
+            "--ssl-keyfile", str(self.certs / "server.key"),
+            "--enable-supernode-auth",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--disable-runtime-dependency-installation",
+        ])
+        self.core["superlink"] = self.processes[-1]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.processes[-1].poll() is not None:
+                raise FederationError(f"flower-superlink exited:\n{self.log_tail('superlink')}")
+            if self.flwr("supernode", "ls", CONNECTION, "--format", "json", check=False, timeout=30).returncode == 0:
+                return
+            time.sleep(0.5)
+        raise FederationError(f"SuperLink not reachable at {self.address} after {timeout:.0f} s")
+
+    def register(self, public_key: Path) -> int:
+        """Admit a SuperNode's public key; returns its node id."""
+        out = self.flwr("supernode", "register", str(public_key), CONNECTION, "--format", "json").stdout
+        return int(json.loads(out[out.index("{"):])["node-id"])
+
+    def start_supernode(self, name: str, node_config: str, private_key: Path | None, *,
+                        give_up_after: float | None = None) -> subprocess.Popen:
+        argv = [
+            str(self.bin_dir / "flower-supernode"),
+            "--superlink", self.address,
+            "--root-certificates", str(self.certs / "ca.crt"),
+            "--node-config", node_config,
+            "--port", str(free_port()),  # each SuperNode's own local Runtime API
+        ]
+        if private_key is not None:
+            argv += ["--auth-supernode-private-key", str(private_key)]
+        if give_up_after is not None:
+            argv += ["--max-retries", "3", "--max-wait-time", str(give_up_after)]
+        return self._spawn(name, argv)
+
+    def online_nodes(self) -> list[dict[str, Any]]:
+        out = self.flwr("supernode", "ls", CONNECTION, "--format", "json", timeout=30).stdout
+        return [n for n in json.loads(out[out.index("{"):])["nodes"] if n["status"] == "online"]
+
+    def wait_online(self, count: int, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if len(self.online_nodes()) >= count:
+                return
+            time.sleep(0.5)
+        raise FederationError(f"fewer than {count} SuperNodes online after {timeout:.0f} s")
+
+    def start(self) -> LocalFederation:
+        """Credentials, SuperLink, registration of every node's key, SuperNodes; waits until online."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.make_credentials()
+        self.start_superlink()
+        for k, node_config in enumerate(self.node_configs):
+            self.register(self.keys / f"supernode-{k}.pub")
+            name = f"supernode-{k}"
+            self.core[name] = self.start_supernode(name, node_config, self.keys / name)
+        self.wait_online(len(self.node_configs))
+        return self
+
+    # ------------------------------------------------------------------ runs
+    def submit(self, run_config: Mapping[str, Any], app: Path = APP_DIR, timeout: float = 120.0) -> int:
+        """``flwr run <app> <connection> --run-config ...``; returns the run id."""
+        out = self.flwr("run", str(app), CONNECTION, "--run-config", format_run_config(run_config),
+                        "--format", "json", timeout=timeout).stdout
+        return int(json.loads(out[out.index("{"):])["run-id"])
+
+    def run_status(self, run_id: int) -> str:
+        out = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json", timeout=30).stdout
+        runs = json.loads(out[out.index("{"):])["runs"]
+        return str(runs[0]["status"]) if runs else "unknown"
+
+    def wait_run(self, run_id: int, timeout: float) -> str:
+        """Poll until the run is ``finished:<completed|failed|stopped>``; returns that status."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.remember_descendants()
+            status = self.run_status(run_id)
+            if status.startswith("finished"):
+                return status
+            self.check_alive()
+            time.sleep(1.0)
+        raise FederationError(f"run {run_id} not finished after {timeout:.0f} s")
+
+    def check_alive(self) -> None:
+        """Raise if the SuperLink or one of the registered SuperNodes has exited."""
+        for name, process in self.core.items():
+            if process.poll() is not None:
+                raise FederationError(f"{name} exited ({process.returncode}):\n{self.log_tail(name)}")
+
+    def run_log(self, run_id: int) -> str:
+        return self.flwr("log", str(run_id), CONNECTION, "--show", check=False, timeout=30).stdout
+
+    # ------------------------------------------------------------------ stop
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every process this federation started and all their descendants, then SIGKILL."""
+        roots = [p.pid for p in self.processes]
+        targets = set(roots) | descendants(roots) | self._known_pids
+        for process in self.processes:
+            _signal_group(process.pid, signal.SIGTERM)
+        for pid in targets:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        targets |= descendants(roots)
+        time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
+        for process in self.processes:
+            _signal_group(process.pid, signal.SIGKILL)
+        for pid in targets:
+            if _alive(pid):
+                _signal(pid, signal.SIGKILL)
+        for process in self.processes:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def remember_descendants(self) -> None:
+        """Note the current process tree (the SuperExec re-parents to init once its parent dies)."""
+        self._known_pids |= descendants([p.pid for p in self.processes])
+
+    def surviving(self) -> list[int]:
+        """Processes started by this federation that are still alive (should be [] after stop)."""
+        pids = {p.pid for p in self.processes} | self._known_pids
+        return sorted(pid for pid in pids if _alive(pid))
+
+    def __enter__(self) -> LocalFederation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)  # each process leads its own session/group (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, just not reaped
+
+
+def write_certificates(out: Path, hosts: Sequence[str] = ("localhost", "127.0.0.1", "::1"), days: int = 30) -> None:
+    """What deploy/make_certs.sh writes (ca.crt, ca.key, server.pem, server.key), with the
+    ``cryptography`` package that ships with Flower, for machines without openssl."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    def name(text: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
+
+    def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("fcl-flower local CA")).issuer_name(name("fcl-flower local CA"))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    alt_names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            alt_names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            alt_names.append(x509.DNSName(host))
+    server = (x509.CertificateBuilder().subject_name(name("fcl-flower SuperLink")).issuer_name(ca.subject)
+              .public_key(server_key.public_key()).serial_number(x509.random_serial_number())
+              .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
+              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+              .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+              .sign(ca_key, hashes.SHA256()))
+    out.mkdir(parents=True, exist_ok=True)
+    for file, data, mode in (("ca.key", pem_key(ca_key), 0o600), ("server.key", pem_key(server_key), 0o600),
+                             ("ca.crt", ca.public_bytes(serialization.Encoding.PEM), 0o644),
+                             ("server.pem", server.public_bytes(serialization.Encoding.PEM), 0o644)):
+        path = out / file
+        path.write_bytes(data)
+        path.chmod(mode)
+
+
+def node_configs_for(num_nodes: int, data: Path | None) -> list[str]:
+    if data is None:
+        return [f"partition-id={k} num-partitions={num_nodes}" for k in range(num_nodes)]
+    return [f"data-dir={json.dumps(str(Path(data).resolve() / f'client-{k}'))}" for k in range(num_nodes)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", required=True, help="Folder for certificates, keys, logs and FLWR_HOME.")
+    parser.add_argument("--num-nodes", type=int, default=3, help="SuperNodes to start (one per client).")
+    parser.add_argument("--data", default=None, help="Output of experiments/export_partitions.py.")
+    parser.add_argument("--port", type=int, default=0, help="SuperLink port (default: a free one).")
+    parser.add_argument("--run", default=None, metavar="RUN_CONFIG",
+                        help="Submit this run (flwr run --run-config syntax), wait for it, then stop.")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="Seconds to wait for --run.")
+    args = parser.parse_args(argv)
+    federation = LocalFederation(Path(args.workdir), node_configs_for(args.num_nodes, args.data), args.port)
+    stop = {"now": False}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    with federation:
+        try:
+            federation.start()
+            env = f"FLWR_HOME={shlex.quote(str(federation.home))}"
+            print(f"SuperLink {federation.address} (TLS, SuperNode auth on); "
+                  f"{len(federation.node_configs)} SuperNodes online; logs in {federation.workdir / 'logs'}")
+            if args.run is None:
+                print(f"submit a run:  {env} flwr run {APP_DIR} {CONNECTION} --run-config \"...\" --stream")
+                print("Ctrl-C stops the SuperLink and every SuperNode.")
+                while not stop["now"]:
+                    time.sleep(0.5)
+                    federation.remember_descendants()
+                return 0
+            run_id = federation.flwr("run", str(APP_DIR), CONNECTION, "--run-config", args.run,
+                                     "--format", "json").stdout
+            run_id = int(json.loads(run_id[run_id.index("{"):])["run-id"])
+            print(f"run {run_id} submitted; waiting (logs: {env} flwr log {run_id} {CONNECTION})")
+            status = federation.wait_run(run_id, args.timeout)
+            print(federation.run_log(run_id)[-3000:])
+            print(f"run {run_id}: {status}")
+            return 0 if status.endswith("completed") else 1
+        except KeyboardInterrupt:
+            return 130
+        except FederationError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
