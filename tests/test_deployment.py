@@ -1,0 +1,268 @@
+"""Deployment mode: real SuperLink / SuperNode processes, TLS, SuperNode auth, per-node data.
+
+The fast tests check how a SuperNode finds its data (clients/node_data.py): an exported client
+folder yields exactly the samples (and transformed tensors) the simulation's partition gives
+that client, and a folder cut for another split is refused.
+
+The end-to-end test (marked ``slow``, ~1-2 min on 2 cores) starts ``flower-superlink`` with TLS
+and ``--enable-supernode-auth`` on a free loopback port, registers three SuperNode keys,
+starts three ``flower-supernode`` processes, each reading only its own exported folder, and
+submits ``flwr run`` for three STSA stages. It then checks that
+
+* a SuperNode with an unregistered key, and one with no key, are refused and exit;
+* the SuperLink speaks only TLS, with a certificate that our CA signed for 127.0.0.1;
+* every stage aggregated all three clients, and the final ridge classifier W equals the one
+  the Ray simulation (experiments/sim.py) computes for the same config and seed (float64 on
+  the wire, so equal to rounding).
+
+Every process is started in its own session and killed (group and descendants) in a
+``finally``; every wait is bounded, so a hang fails the test instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from clients.node_data import NodeConfigError, OwnSplit, load_folder, node_data
+from fcl_flower.config import RunConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT / "experiments"))
+
+from export_partitions import export_partitions  # noqa: E402
+
+
+def _load_federation_module():
+    spec = importlib.util.spec_from_file_location("local_federation", ROOT / "deploy" / "local_federation.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+federation_module = _load_federation_module()
+
+# Three stages of STSA with one FedAvg round first, so the broadcast of a trained backbone is
+# part of what must match; float64 uploads make the comparison exact up to summation order.
+RUN = dict(strategy="stsa", dataset="digits", num_tasks=3, first_task_classes=4, num_clients=3, beta=0.5,
+           seed=0, stage1_rounds=1, local_epochs=1, rf_dim=200, ridge="100.0", wire_dtype="float64",
+           batch_size=256, device="cpu", round_timeout=300.0)
+
+
+def run_config(out: Path, **changes) -> RunConfig:
+    return RunConfig(**{**RUN, "out": str(out), **changes}).validated()
+
+
+# ------------------------------------------------------------------------------ node data
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[RunConfig, Path]:
+    out = tmp_path_factory.mktemp("client-data")
+    cfg = run_config(out / "unused")
+    export_partitions(cfg, out)
+    return cfg, out
+
+
+def test_exported_folder_holds_exactly_the_clients_partition(exported) -> None:
+    """Same samples, same order, same tensors after train and eval transforms, every task."""
+    cfg, out = exported
+    for k in range(cfg.num_clients):
+        folder = node_data({"data-dir": str(out / f"client-{k}")}, cfg)
+        partition = node_data({"partition-id": k, "num-partitions": cfg.num_clients}, cfg)
+        assert folder.partition == k
+        assert folder.tasks == partition.tasks and folder.shape == partition.shape
+        for t in range(cfg.num_tasks):
+            for eval_transform in (False, True):
+                xa, ya = folder.train(t, eval_transform=eval_transform).tensors()
+                xb, yb = partition.train(t, eval_transform=eval_transform).tensors()
+                assert torch.equal(ya, yb) and torch.equal(xa, xb)
+
+
+def test_client_folders_partition_the_training_set(exported) -> None:
+    """Together the folders hold every training sample of a task exactly once (as a multiset:
+    digits has a few identical images), so no sample sits in two clients' folders."""
+    cfg, out = exported
+    from fcl_flower.runtime import federated_split
+
+    split = federated_split(cfg)
+    for t in range(cfg.num_tasks):
+        held = Counter()
+        for k in range(cfg.num_clients):
+            images, _ = load_folder(out / f"client-{k}").train(t, eval_transform=False).tensors()
+            held.update(map(bytes, images.reshape(len(images), -1).numpy()))
+        pooled, _ = split.task_train(t).tensors()
+        assert held == Counter(map(bytes, pooled.reshape(len(pooled), -1).numpy()))
+
+
+def test_folder_node_serves_only_its_own_partition(exported) -> None:
+    """Handlers that ask the split for data get their own partition and nothing else."""
+    cfg, out = exported
+    own = OwnSplit(node_data({"data-dir": str(out / "client-1")}, cfg))
+    assert own.tasks == [range(0, 4), range(4, 7), range(7, 10)]
+    assert len(own.client_train(2, 1, eval_transform=True)) == len(
+        node_data({"partition-id": 1}, cfg).train(2, eval_transform=True))
+    with pytest.raises(NodeConfigError, match="client 0's data is not on this node"):
+        own.client_train(0, 0)
+    with pytest.raises(NodeConfigError, match="needs the whole dataset"):
+        own.seen_test(0)
+
+
+def test_folder_for_another_split_is_refused(exported) -> None:
+    cfg, out = exported
+    with pytest.raises(NodeConfigError, match="exported for another split: seed"):
+        node_data({"data-dir": str(out / "client-0")}, cfg.replace(seed=1))
+    with pytest.raises(NodeConfigError, match="holds partition 0"):
+        node_data({"data-dir": str(out / "client-0"), "partition-id": 1}, cfg)
+    with pytest.raises(NodeConfigError, match="has no meta.json"):
+        node_data({"data-dir": str(out)}, cfg)
+    with pytest.raises(NodeConfigError, match="names no data"):
+        node_data({}, cfg)
+
+
+# ------------------------------------------------------------------------------ processes
+def _can_deploy() -> str | None:
+    for tool in ("flower-superlink", "flower-supernode", "flwr"):
+        if not (BIN / tool).exists():
+            return f"{tool} not next to {sys.executable}"
+    if not Path("/proc").is_dir():
+        return "needs Linux /proc to find and stop every child process"
+    return None
+
+
+@pytest.fixture(scope="module")
+def federation(exported, tmp_path_factory):
+    reason = _can_deploy()
+    if reason:
+        pytest.skip(reason)
+    _, data = exported
+    workdir = tmp_path_factory.mktemp("federation")
+    fed = federation_module.LocalFederation(workdir, federation_module.node_configs_for(3, data))
+    try:
+        fed.start()
+        yield fed
+    finally:
+        fed.stop()
+    assert not fed.surviving(), f"processes left running: {fed.surviving()}"
+
+
+def _wait_exit(process: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+@pytest.mark.slow
+def test_supernode_without_registered_key_is_refused(federation) -> None:
+    online_before = {n["node-id"] for n in federation.online_nodes()}
+    assert len(online_before) == 3
+    rogue_key = federation.keys / "supernode-3"  # generated, never registered
+    assert rogue_key.exists()
+    unregistered = federation.start_supernode("rogue-unregistered", "partition-id=0 num-partitions=3",
+                                              rogue_key, give_up_after=15)
+    keyless = federation.start_supernode("rogue-keyless", "partition-id=1 num-partitions=3", None,
+                                         give_up_after=15)
+    codes = [_wait_exit(unregistered, 60), _wait_exit(keyless, 60)]
+    assert all(code not in (None, 0) for code in codes), codes
+    assert "Failed to activate SuperNode" in federation.log_tail("rogue-unregistered", 4000)
+    assert "must be registered" in federation.log_tail("rogue-keyless", 4000)
+    assert {n["node-id"] for n in federation.online_nodes()} == online_before
+
+
+@pytest.mark.slow
+def test_superlink_speaks_only_tls_with_our_certificate(federation) -> None:
+    context = ssl.create_default_context(cafile=str(federation.certs / "ca.crt"))
+    with socket.create_connection(("127.0.0.1", federation.port), timeout=10) as sock:
+        with context.wrap_socket(sock, server_hostname="127.0.0.1") as tls:
+            assert tls.version() in ("TLSv1.2", "TLSv1.3")
+            names = [v for k, v in tls.getpeercert()["subjectAltName"] if k == "IP Address"]
+            assert "127.0.0.1" in names
+    untrusted = ssl.create_default_context()  # the system CAs do not know our self-signed CA
+    with socket.create_connection(("127.0.0.1", federation.port), timeout=10) as sock:
+        with pytest.raises(ssl.SSLCertVerificationError):
+            untrusted.wrap_socket(sock, server_hostname="127.0.0.1")
+    with socket.create_connection(("127.0.0.1", federation.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        sock.settimeout(10)
+        try:
+            answer = sock.recv(64)
+        except (ConnectionError, socket.timeout):
+            answer = b""
+        assert not answer.startswith(b"HTTP/")  # plain HTTP gets no HTTP answer
+
+
+@pytest.mark.slow
+def test_deployed_run_equals_simulation(federation, tmp_path) -> None:
+    cfg = run_config(tmp_path / "deployed")
+    sim_cfg = cfg.replace(out=str(tmp_path / "simulated"))
+    began = time.monotonic()
+    run_id = federation.submit(cfg.to_mapping())
+    simulation = _start_simulation(sim_cfg, tmp_path / "simulation.log")  # overlaps the deployed run
+    try:
+        status = federation.wait_run(run_id, timeout=300)
+        assert status == "finished:completed", f"{status}\n{federation.run_log(run_id)[-3000:]}"
+        deployed_seconds = time.monotonic() - began
+        _finish_simulation(simulation, tmp_path / "simulation.log", timeout=300)
+    finally:
+        _kill_tree(simulation)
+
+    results = json.loads((cfg.output_dir / "results.json").read_text())
+    assert [s["stage"] for s in results["stages"]] == [1, 2, 3]
+    for stage in results["stages"]:
+        assert stage["clients"] == ["client-0", "client-1", "client-2"] and not stage["left_out"]
+    deployed, simulated = _final_weights(cfg), _final_weights(sim_cfg)
+    assert deployed.dtype == simulated.dtype == torch.float64
+    assert deployed.shape == simulated.shape == (cfg.rf_dim, 10)
+    assert torch.allclose(deployed, simulated, rtol=1e-9, atol=1e-12), float((deployed - simulated).abs().max())
+    sim_results = json.loads((sim_cfg.output_dir / "results.json").read_text())
+    assert [s["accuracy"] for s in results["stages"]] == [s["accuracy"] for s in sim_results["stages"]]
+    print(f"deployed run: {deployed_seconds:.1f} s")
+
+
+def _final_weights(cfg: RunConfig) -> torch.Tensor:
+    """W after the last stage, from the server's checkpoint in the run's output folder."""
+    checkpoint = torch.load(cfg.output_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert checkpoint["completed_tasks"] == cfg.num_tasks
+    return checkpoint["state"]["weights"]
+
+
+def _start_simulation(cfg: RunConfig, log: Path) -> subprocess.Popen:
+    """experiments/sim.py (Ray) for ``cfg``, in its own session, output to ``log``."""
+    flags = []
+    for key, value in cfg.to_mapping().items():
+        if isinstance(value, bool):
+            flags.append(f"--{key}" if value else f"--no-{key}")
+        else:
+            flags += [f"--{key}", str(value)]
+    with log.open("wb") as handle:
+        return subprocess.Popen([sys.executable, str(ROOT / "experiments" / "sim.py"), *flags],
+                                stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def _finish_simulation(process: subprocess.Popen, log: Path, timeout: float) -> None:
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(process)
+        pytest.fail(f"simulation did not finish in {timeout:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
+    assert process.returncode == 0, log.read_text(errors="replace")[-3000:]
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a still-running process and everything it started (Ray's workers included)."""
+    if process.poll() is None:
+        for pid in [process.pid, *federation_module.descendants([process.pid])]:
+            federation_module._signal(pid, 9)
+        process.wait(timeout=30)

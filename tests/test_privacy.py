@@ -1,0 +1,180 @@
+"""Clients send statistics only: an inspection of every reply the analytic clients send.
+
+Each run goes through the real strategy loop and the real ClientApp dispatch (tests/conftest.py),
+capturing every reply Message of the statistics rounds of STSA, STSA-E (two dummy clients
+each) and FedRAN. For every reply, against the sending client's actual local samples X, their
+backbone features f and their random features Φ (recomputed here from the same seed), we check
+
+* shapes: every array's shape is fixed by (M, classes, K_D, rank) -- the same for all clients
+  of a task although their sample counts n differ, and equal to the formula;
+* no sample leaves: no array contains any row x_i, f_i or Φ_i (nor Φ_i / ‖Φ_i‖), along any
+  axis or in its flat layout, to 1e-9 relative precision;
+* metrics: only scalar numbers (counts, rank), with num-examples = n; no other records.
+
+The guarantee has a precondition that the last test makes explicit: a statistic summed over a
+single sample *is* that sample. If a client holds exactly one sample of a class, the class-sum
+column C[:, c] that STSA, STSA-E and FedRAN upload equals that sample's Φ_i. The runs above use
+a partition where every class a client holds has several samples; the last test shows that
+the inspection catches the singleton case on a skewed partition (so it is not vacuous).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, Message, MetricRecord
+
+from fcl_flower.analytic import packed_length, random_features
+from fcl_flower.runtime import iter_features
+from tests.conftest import reply_partition, run_in_process, small_config
+
+M = 120  # random-feature dimension
+RANK = 16  # FedRAN upload rank, below every client's sample count here
+DUMMIES = 2  # STSA-E dummy clients per client
+# beta=1 keeps every (client, class) count >= 9 on this split: no singleton sums (see module doc)
+SETTINGS = dict(num_tasks=3, first_task_classes=4, beta=1.0, seed=0, rf_dim=M, stage1_rounds=0)
+CASES = {
+    "stsa": dict(strategy="stsa"),
+    "stsa-e": dict(strategy="stsa-e", dummy_clients=DUMMIES),
+    "fedran": dict(strategy="fedran", rank=RANK),
+}
+
+
+def expected_shapes(strategy: str, classes: int, seen: int) -> dict[str, tuple[int, ...]]:
+    """What a reply may contain: sizes fixed by the method's settings, never by n."""
+    if strategy == "stsa":
+        return {"gram-packed": (packed_length(M),), "class-sums": (M, classes)}
+    if strategy == "stsa-e":
+        return {"class-sums": (DUMMIES, M, classes), "counts": (DUMMIES, classes)}
+    return {"basis": (M, RANK), "singular-values": (RANK,), "label-corr": (M, seen)}
+
+
+# ------------------------------------------------------------------------------ inspection
+def contains_vector(array: np.ndarray, vector: np.ndarray, rtol: float = 1e-9) -> bool:
+    """Whether ``vector`` appears as a contiguous run along any axis of ``array`` or in its flat
+    (C-order) layout. Anchored on the vector's largest entry, so the cost is one comparison of
+    the array per vector, not one per window."""
+    d = vector.size
+    anchor = int(np.argmax(np.abs(vector)))
+    value = vector[anchor]
+    if value == 0:
+        return False  # an all-zero vector says nothing about a sample
+    atol = rtol * float(np.abs(vector).max())
+    layouts = [array.reshape(1, -1)] + [np.moveaxis(array, axis, -1).reshape(-1, array.shape[axis])
+                                        for axis in range(array.ndim)]
+    for fibers in layouts:
+        if fibers.shape[1] < d:
+            continue
+        rows, cols = np.nonzero(np.abs(fibers - value) <= atol)
+        for row, col in zip(rows, cols):
+            start = col - anchor
+            if 0 <= start <= fibers.shape[1] - d and np.allclose(fibers[row, start:start + d], vector,
+                                                                 rtol=rtol, atol=atol):
+                return True
+    return False
+
+
+def reply_arrays(message: Message) -> dict[str, np.ndarray]:
+    return {f"{record_name}/{key}": np.asarray(array.numpy(), dtype=np.float64)
+            for record_name, record in message.content.array_records.items()
+            for key, array in record.items()}
+
+
+def local_rows(strategy, task: int, partition: int) -> dict[str, torch.Tensor]:
+    """x_i, f_i, Φ_i and Φ_i/‖Φ_i‖ of one client's samples of one task (rows, float64)."""
+    data = strategy.split.client_train(task, partition, eval_transform=True)
+    images, _ = data.tensors()
+    features = torch.cat([f for f, _ in iter_features(strategy.model, data, strategy.cfg, torch.device("cpu"))])
+    phi = random_features(features, strategy.projection)
+    return {"x": images.reshape(len(images), -1).double(), "f": features, "phi": phi,
+            "phi-direction": phi / phi.norm(dim=1, keepdim=True).clamp_min(1e-300)}
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory) -> dict[str, tuple[object, list[tuple[int, str, list[Message]]]]]:
+    """strategy name -> (strategy after the run, [(task, phase, replies)] of every round)."""
+    runs = {}
+    for name, changes in CASES.items():
+        rounds: list[tuple[int, str, list[Message]]] = []
+
+        def tamper(task: int, phase: str, replies: list[Message], rounds=rounds) -> list[Message]:
+            rounds.append((task, phase, list(replies)))
+            return replies
+
+        cfg = small_config(Path(tmp_path_factory.mktemp(name)), **SETTINGS, **changes)
+        runs[name] = (run_in_process(cfg, tamper), rounds)
+    return runs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reply_shapes_do_not_depend_on_the_number_of_samples(captured, name) -> None:
+    strategy, rounds = captured[name]
+    assert [phase for _, phase, _ in rounds] == [f"{name}-stats"] * 3
+    for task, _, replies in rounds:
+        classes = strategy.split.tasks[task]
+        wanted = {f"arrays/{k}": v for k, v in expected_shapes(name, len(classes), classes.stop).items()}
+        sizes = {int(m.content.metric_records["metrics"]["num-examples"]) for m in replies}
+        assert len(replies) == 3 and len(sizes) == 3  # three clients, three different n
+        for message in replies:
+            assert {k: v.shape for k, v in reply_arrays(message).items()} == wanted
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_no_raw_sample_or_per_sample_feature_leaves_a_client(captured, name) -> None:
+    strategy, rounds = captured[name]
+    checked = 0
+    for task, _, replies in rounds:
+        for message in replies:
+            partition = reply_partition(message)
+            rows = local_rows(strategy, task, partition)
+            assert rows["phi"].shape[1] == M
+            for array_name, array in reply_arrays(message).items():
+                for kind, matrix in rows.items():
+                    for i, row in enumerate(matrix.numpy()):
+                        assert not contains_vector(array, row), (
+                            f"{name}: client {partition}, task {task}: {array_name} contains {kind} of sample {i}")
+                        checked += 1
+    assert checked > 10_000  # every sample of every client of every task, four kinds, all arrays
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_metrics_are_aggregate_scalars_only(captured, name) -> None:
+    strategy, rounds = captured[name]
+    for task, _, replies in rounds:
+        for message in replies:
+            content = message.content
+            assert not content.config_records  # nothing free-form
+            assert set(content.array_records) == {"arrays"}
+            assert set(content.metric_records) == {"metrics"}
+            metrics: MetricRecord = content.metric_records["metrics"]
+            for key, value in metrics.items():
+                assert isinstance(value, (int, float)) and not isinstance(value, bool), (key, value)
+            n = len(strategy.split.client_train(task, int(metrics["partition-id"])))
+            assert metrics["num-examples"] == n
+            assert all(isinstance(r, ArrayRecord) for r in content.array_records.values())
+
+
+def test_inspection_catches_a_class_held_by_one_sample(tmp_path) -> None:
+    """The limit of the guarantee, and a check that the inspection is not vacuous: on the skewed
+    beta=0.5 split a client holds exactly one sample of some class, and its STSA class sum for that
+    class is that sample's Φ_i -- which :func:`contains_vector` must (and does) find."""
+    rounds: list[tuple[int, str, list[Message]]] = []
+
+    def tamper(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        rounds.append((task, phase, list(replies)))
+        return replies
+
+    cfg = small_config(tmp_path, **{**SETTINGS, "beta": 0.5, "num_tasks": 3}, strategy="stsa")
+    strategy = run_in_process(cfg, tamper)
+    counts = strategy.split.label_counts(0)
+    partition, column = map(int, np.argwhere(counts == 1)[0])
+    message = next(m for m in rounds[0][2] if reply_partition(m) == partition)
+    sums = reply_arrays(message)["arrays/class-sums"]
+    data = strategy.split.client_train(0, partition, eval_transform=True)
+    sample = int(np.flatnonzero(data.targets == column)[0])
+    phi = local_rows(strategy, 0, partition)["phi"][sample].numpy()
+    assert contains_vector(sums, phi)
+    assert np.allclose(sums[:, column], phi, rtol=1e-12, atol=0)
