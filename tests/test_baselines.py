@@ -181,7 +181,7 @@ def test_lwf_loss_equals_hand_computed_kd_and_is_zero_for_the_teacher_itself() -
     q = softmax(teacher(images).detach().double().numpy()[:, :num_old] / temperature)
     p = softmax(student_logits.detach().double().numpy()[:, :num_old] / temperature)
     expected = alpha * np.mean(np.sum(q * (np.log(q) - np.log(p)), axis=1))
-    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
     loss.backward()
     assert all(p.grad is None for p in teacher.parameters())  # the teacher does not learn
     assert torch.all(student_logits.grad[:, num_old:] == 0)  # new classes are not distilled
