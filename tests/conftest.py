@@ -1,0 +1,135 @@
+"""Shared fixtures: a small digits RunConfig, and an in-process Flower grid that drives a
+strategy's real ``start`` loop through the real ClientApp dispatch, without Ray.
+
+The grid builds each client's reply exactly as Flower would (``Message(content, reply_to=...)``
+from the real handler, or an error reply when the handler raises), so the strategies see the
+same objects they see in a simulation; ``tamper`` lets a test corrupt replies in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.supercore.task_identity import TaskIdentity
+
+from fcl_flower.client_app import _dispatch
+from fcl_flower.config import RunConfig
+from fcl_flower.results import ResultsRecorder
+from fcl_flower.runtime import federated_split
+from strategies import STRATEGIES
+from strategies.base import StagedStrategy
+
+NODE_BASE = 1000  # node ids differ from partition ids, as on a real SuperLink
+
+
+def small_config(tmp: Path, **changes) -> RunConfig:
+    """A fast run: digits, frozen seeded backbone, small random-feature dimension, CPU."""
+    base = RunConfig(
+        strategy="stsa",
+        dataset="digits",
+        num_tasks=5,
+        num_clients=3,
+        beta=0.5,
+        seed=0,
+        stage1_rounds=0,
+        rf_dim=200,
+        ridge="100.0",
+        wire_dtype="float64",
+        batch_size=256,
+        device="cpu",
+        out=str(tmp),
+        round_timeout=5.0,
+    )
+    return base.replace(**changes)
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "results"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def cfg(out_dir: Path) -> RunConfig:
+    return small_config(out_dir)
+
+
+# A tamper hook sees (task, phase, replies) of one round and returns the replies to deliver.
+Tamper = Callable[[int, str, list[Message]], list[Message]]
+
+
+@dataclass
+class InProcessGrid:
+    """Just enough of flwr's Grid for StagedStrategy.start: node ids and send_and_receive."""
+
+    num_clients: int
+    tamper: Tamper | None = None
+    states: dict[int, RecordDict] = field(default_factory=dict)
+    sent: list[Message] = field(default_factory=list)
+
+    def get_node_ids(self) -> list[int]:
+        return [NODE_BASE + k for k in range(self.num_clients)]
+
+    def context(self, node_id: int) -> Context:
+        state = self.states.setdefault(node_id, RecordDict())
+        return Context(run_id=1, node_id=node_id, state=state, run_config={},
+                       node_config={"partition-id": node_id - NODE_BASE,
+                                    "num-partitions": self.num_clients})
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        replies = []
+        for message in messages:
+            self.sent.append(message)
+            try:
+                replies.append(_dispatch(message, self.context(message.metadata.dst_node_id)))
+            except Exception as exc:  # what Flower turns a raising ClientApp into
+                replies.append(Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=message))
+        if self.tamper is not None and messages:
+            config = messages[0].content.config_records["config"]
+            replies = self.tamper(int(config["task"]), str(config["phase"]), replies)
+        return replies
+
+
+def server_identity() -> None:
+    """What a ServerApp process has set before a strategy builds messages (flwr >= 1.41)."""
+    TaskIdentity.task_id = 1
+    TaskIdentity.run_id = 1
+    TaskIdentity.node_id = SUPERLINK_NODE_ID
+
+
+def build(cfg: RunConfig) -> StagedStrategy:
+    """The strategy of ``cfg.strategy`` with its split and a recorder in ``cfg.output_dir``."""
+    recorder = ResultsRecorder(cfg.output_dir, cfg.strategy, cfg.to_mapping())
+    return STRATEGIES[cfg.strategy](cfg, federated_split(cfg), recorder)
+
+
+def run_in_process(cfg: RunConfig, tamper: Tamper | None = None) -> StagedStrategy:
+    """Run every stage of ``cfg`` through the strategy's own loop; returns the strategy.
+
+    ``strategy.stage_weights`` holds a copy of the ridge solution after each stage when the
+    strategy has one (analytic methods).
+    """
+    server_identity()
+    strategy = build(cfg)
+    strategy.stage_weights = []
+    end_stage = strategy.end_stage
+
+    def recording_end_stage(task: int):
+        extra = end_stage(task)
+        weights = getattr(strategy, "weights", None)
+        strategy.stage_weights.append(None if weights is None else weights.clone())
+        return extra
+
+    strategy.end_stage = recording_end_stage
+    strategy.start(InProcessGrid(cfg.num_clients, tamper))
+    return strategy
+
+
+def reply_partition(message: Message) -> int:
+    return int(message.content.metric_records["metrics"]["partition-id"])

@@ -1,0 +1,82 @@
+"""fcl_flower.metrics against hand-computed examples."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fcl_flower.metrics import CILSummary, accuracy_by_task, average_accuracy, forgetting, summarise
+
+
+def test_accuracy_by_task_groups_samples_by_the_task_of_their_label() -> None:
+    # 6 classes in 3 tasks of 2; task 2 has no test samples here
+    task_of_label = np.array([0, 0, 1, 1, 2, 2])
+    labels = np.array([0, 1, 2, 3, 2, 0, 1])
+    preds = np.array([0, 0, 2, 3, 1, 0, 1])  # wrong: sample 1 (task 0), sample 4 (task 1)
+    overall, per_task = accuracy_by_task(preds, labels, task_of_label, 3)
+    assert overall == pytest.approx(100 * 5 / 7)  # sample-weighted over all seen classes
+    assert per_task[0] == pytest.approx(75.0)  # labels 0, 1: samples 0, 1, 5, 6 -> 3 of 4
+    assert per_task[1] == pytest.approx(100 * 2 / 3)  # labels 2, 3: samples 2, 3, 4 -> 2 of 3
+    assert math.isnan(per_task[2])
+    # only the tasks seen so far are reported
+    assert len(accuracy_by_task(preds, labels, task_of_label, 2)[1]) == 2
+
+
+def test_accuracy_is_sample_weighted_not_a_mean_of_task_accuracies() -> None:
+    task_of_label = np.array([0, 1])
+    labels = np.array([0, 0, 0, 1])
+    preds = np.array([0, 0, 0, 0])  # task 0: 3/3, task 1: 0/1
+    overall, per_task = accuracy_by_task(preds, labels, task_of_label, 2)
+    assert overall == pytest.approx(75.0)
+    assert per_task == [100.0, 0.0]  # their mean would be 50
+
+
+def test_accuracy_by_task_bad_input() -> None:
+    with pytest.raises(ValueError, match="shape"):
+        accuracy_by_task(np.zeros(3), np.zeros(4, dtype=int), np.zeros(1, dtype=int), 1)
+    with pytest.raises(ValueError, match="no test samples"):
+        accuracy_by_task(np.zeros(0), np.zeros(0, dtype=int), np.zeros(1, dtype=int), 1)
+
+
+def test_average_accuracy_is_the_mean_over_stages() -> None:
+    assert average_accuracy([90.0, 80.0, 70.0]) == pytest.approx(80.0)
+    assert average_accuracy([42.0]) == 42.0
+    with pytest.raises(ValueError):
+        average_accuracy([])
+
+
+def test_forgetting_takes_the_max_over_every_stage_including_the_final_one() -> None:
+    per_task = [
+        [90.0],
+        [80.0, 70.0],
+        [60.0, 75.0, 50.0],
+    ]
+    # task 0: max(90, 80, 60) - 60 = 30; task 1: max(70, 75) - 75 = 0 (the best is the final
+    # stage itself; excluding it would give 70 - 75 = -5); the last task is not averaged
+    assert forgetting(per_task) == pytest.approx(15.0)
+
+
+def test_forgetting_is_mean_of_drops_and_non_negative() -> None:
+    per_task = [[100.0], [50.0, 90.0], [40.0, 80.0, 70.0], [30.0, 95.0, 20.0, 99.0]]
+    # task 0: 100 - 30 = 70; task 1: max(90, 80, 95) - 95 = 0; task 2: 70 - 20 = 50
+    assert forgetting(per_task) == pytest.approx(40.0)
+    improving = [[10.0], [20.0, 30.0], [40.0, 50.0, 60.0]]
+    assert forgetting(improving) == 0.0
+
+
+def test_one_stage_has_nothing_to_forget() -> None:
+    assert forgetting([[73.0]]) == 0.0
+    assert summarise([73.0], [[73.0]]) == CILSummary(A_avg=73.0, A_T=73.0, F_T=0.0)
+
+
+def test_summarise_combines_the_three_numbers() -> None:
+    stage_acc = [90.0, 72.0, 61.0]
+    per_task = [[90.0], [80.0, 70.0], [60.0, 75.0, 50.0]]
+    summary = summarise(stage_acc, per_task)
+    assert summary.A_avg == pytest.approx((90 + 72 + 61) / 3)
+    assert summary.A_T == 61.0
+    assert summary.F_T == pytest.approx(15.0)
+    with pytest.raises(ValueError):
+        summarise([90.0, 72.0], per_task)
