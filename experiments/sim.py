@@ -20,8 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fcl_flower.config import ConfigError, RunConfig  # noqa: E402
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Bad flags end like bad config values: one ``error: ...`` line on stderr, exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrorParser(
         description="Federated class-incremental learning with Flower (Ray simulation).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
