@@ -181,7 +181,8 @@ class StagedStrategy(Strategy):
                     raise UploadError(f"client failed: {message.error.reason}")
                 client, num_examples = self._identify(message.content)
                 if any(r.client == client for r in accepted):
-                    raise UploadError("duplicate upload in the same round")
+                    claimed, client = client, f"node-{node}"  # name the sender: `claimed` is already in
+                    raise UploadError(f"duplicate upload: {claimed} already uploaded in this round")
                 reply = Reply(client, num_examples, self.parse_reply(plan, message.content))
                 self.validate_reply(plan, reply)
             except UploadError as err:
@@ -362,11 +363,13 @@ class StagedStrategy(Strategy):
         preds, labels = self.predict_seen(task)
         accuracy, per_task = accuracy_by_task(preds, labels, self.task_of_label, task + 1)
         left_out = {c: why for c, why in self._left_out.items() if c not in self._clients}
+        unattributed = any(c.startswith("node-") for c in left_out)  # rejected before we knew who
         if rounds:  # a stage without federated rounds (e.g. joint) misses nobody
             for i in range(self.cfg.num_clients):
                 client = f"client-{i}"
                 if client not in self._clients and client not in left_out:
-                    left_out[client] = "no reply within round-timeout"
+                    left_out[client] = ("no reply within round-timeout" if not unattributed else
+                                        "no accepted reply (timed out, or one of the rejected node-* uploads)")
         return StageRecord(
             stage=task + 1,
             classes=list(self.split.tasks[task]),
