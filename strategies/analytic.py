@@ -37,6 +37,7 @@ from fcl_flower.analytic import (
     solve_ridge,
     unpack_upper,
 )
+from fcl_flower.analytic.estimator import GramEstimator
 from fcl_flower.runtime import iter_features
 from fcl_flower.wire import UploadError, read_tensor
 from strategies.base import Reply, RoundPlan
@@ -284,10 +285,11 @@ class STSAEStrategy(AnalyticStrategy):
                 raise UploadError(f"backfilled counts of stage {task + 1} do not add up to their num-examples")
 
     def stage_statistics(self, plan: RoundPlan, replies: list[Reply]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        sums = torch.cat([r.payload["class-sums"] for r in replies])  # (K·K_D, M, c_t)
-        counts = torch.cat([r.payload["counts"] for r in replies])  # (K·K_D, c_t)
-        gram = estimate_gram(sums, counts, k_mode=self.cfg.k_mode)
-        return gram, sums.sum(dim=0), int(counts.sum())
+        # Streaming Eq. 9: no (K·K_D, M, c_t) stack of all uploads on the server.
+        estimator = GramEstimator(self.rf_dim, len(self.split.tasks[plan.task]), k_mode=self.cfg.k_mode)
+        for r in replies:
+            estimator.add(r.payload["class-sums"], r.payload["counts"])
+        return estimator.result(), estimator.class_sums, int(estimator.counts.sum())
 
 
 class JointStrategy(AnalyticStrategy):

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .errors import AnalyticInputError
 
-__all__ = ["K_MODES", "estimate_gram", "split_into_dummy_clients"]
+__all__ = ["K_MODES", "GramEstimator", "estimate_gram", "split_into_dummy_clients"]
 
 KMode = Literal["global", "per-class"]
 K_MODES: tuple[str, ...] = ("global", "per-class")
@@ -45,8 +45,15 @@ def _coefficients(counts: Tensor, k_mode: str) -> tuple[Tensor, Tensor]:
         (A_i = 1, B_i = 0; for a single holder Σ_k C_k C_kᵀ/n_k = S Sᵀ/n), which misses the
         class's (n−1)Σ covariance term.
     """
-    num_clients = counts.shape[0]
-    n = counts.sum(dim=0)
+    return _coefficients_from_totals(counts.sum(dim=0), (counts > 0).sum(dim=0), counts.shape[0], k_mode)
+
+
+def _coefficients_from_totals(n: Tensor, holders: Tensor, num_clients: int, k_mode: str) -> tuple[Tensor, Tensor]:
+    """(A_i, B_i) from the totals alone: n_i, K_i = #uploads holding class i, and K = #uploads.
+
+    These totals are all Eq. 9 needs besides the per-upload outer products, which is what
+    lets :class:`GramEstimator` fold uploads in one at a time.
+    """
     safe_n = torch.where(n > 0, n, torch.ones_like(n))
     if k_mode == "global":
         if num_clients < 2:
@@ -57,7 +64,7 @@ def _coefficients(counts: Tensor, k_mode: str) -> tuple[Tensor, Tensor]:
         a = ((n - 1.0) / (k - 1.0)).clamp_min(0.0)
         b = ((n - k) / ((k - 1.0) * safe_n)).clamp_min(0.0)
     elif k_mode == "per-class":
-        k = (counts > 0).sum(dim=0).to(torch.float64)
+        k = holders.to(torch.float64)
         ok = k >= 2
         safe_k = torch.where(ok, k, torch.full_like(k, 2.0))
         a = torch.where(ok, (n - 1.0) / (safe_k - 1.0), torch.ones_like(n)).clamp_min(0.0)
@@ -106,6 +113,107 @@ def estimate_gram(class_sums: Tensor, counts: Tensor, *, k_mode: KMode = "global
     z_b = sums.sum(dim=0) * torch.sqrt(b).unsqueeze(0)
     gram = z_a @ z_a.T - z_b @ z_b.T
     return 0.5 * (gram + gram.T)
+
+
+class GramEstimator:
+    """Eq. 9 folded in one upload at a time, for a server that must not hold every upload.
+
+    Eq. 9 is *not* linear in the uploads: A_i and B_i depend on the totals n_i, K_i and K,
+    known only once the last upload is in. What is additive is, per class i, the sum S_i of
+    class sums, the count n_i, the number of holders K_i, and the outer-product sum
+    P_i = Σ_k C_k^(i) C_k^(i)ᵀ / n_k^(i). P_i is kept as its columns C_k^(i)/√n_k^(i) while
+    there are at most ``rf_dim`` of them (no more memory than the uploads themselves), then as
+    a dense M × M matrix (no more than the full Gram of that class), so the state never
+    exceeds min(uploads so far, c·M²) numbers however many clients send:
+    Ĝ = Σ_i A_i P_i − B_i S_i S_iᵀ.
+
+    :meth:`result` equals :func:`estimate_gram` on the stacked uploads (up to float64
+    rounding: the summation order differs), for any upload order.
+    """
+
+    def __init__(self, rf_dim: int, num_classes: int, *, k_mode: KMode = "global") -> None:
+        if not isinstance(rf_dim, int) or rf_dim < 1:
+            raise AnalyticInputError(f"rf_dim must be a positive int, got {rf_dim!r}")
+        if not isinstance(num_classes, int) or num_classes < 1:
+            raise AnalyticInputError(f"num_classes must be a positive int, got {num_classes!r}")
+        if k_mode not in K_MODES:
+            raise AnalyticInputError(f"k_mode must be one of {K_MODES}, got {k_mode!r}")
+        self.rf_dim, self.num_classes, self.k_mode = rf_dim, num_classes, k_mode
+        self.class_sums = torch.zeros(rf_dim, num_classes, dtype=torch.float64)  # S (M × c)
+        self.counts = torch.zeros(num_classes, dtype=torch.float64)  # n_i
+        self.holders = torch.zeros(num_classes, dtype=torch.int64)  # K_i
+        self.num_uploads = 0  # K (dummy clients included)
+        self._columns: list[list[Tensor]] = [[] for _ in range(num_classes)]  # blocks (M × d) of P_i
+        self._num_columns = [0] * num_classes
+        self._dense: list[Tensor | None] = [None] * num_classes  # P_i once it outgrew its columns
+
+    def add(self, class_sums: Tensor, counts: Tensor) -> None:
+        """Fold in uploads: ``class_sums`` (M, c) or (D, M, c), ``counts`` (c,) or (D, c).
+
+        A client with K_D dummy clients sends D = K_D uploads; each counts once in K.
+        """
+        if class_sums.dim() == 2:
+            class_sums, counts = class_sums.unsqueeze(0), counts.unsqueeze(0)
+        if class_sums.dim() != 3 or tuple(class_sums.shape[1:]) != (self.rf_dim, self.num_classes):
+            raise AnalyticInputError(
+                f"class_sums must have shape (D, {self.rf_dim}, {self.num_classes}), "
+                f"got {tuple(class_sums.shape)}"
+            )
+        if tuple(counts.shape) != (class_sums.shape[0], self.num_classes):
+            raise AnalyticInputError(
+                f"counts shape {tuple(counts.shape)} does not match (D, c) = "
+                f"({class_sums.shape[0]}, {self.num_classes})"
+            )
+        if counts.dtype.is_complex or counts.dtype == torch.bool:
+            raise AnalyticInputError(f"counts must be real numbers, got {counts.dtype}")
+        sums = class_sums.to(device="cpu", dtype=torch.float64)
+        cnt = counts.to(device="cpu", dtype=torch.float64)
+        if bool((cnt < 0).any()):
+            raise AnalyticInputError("counts must be non-negative")
+        present = cnt > 0
+        self.class_sums += sums.sum(dim=0)
+        self.counts += cnt.sum(dim=0)
+        self.holders += present.sum(dim=0)
+        self.num_uploads += int(sums.shape[0])
+        for i in range(self.num_classes):
+            rows = present[:, i]
+            if not bool(rows.any()):
+                continue
+            block = sums[rows, :, i].T / torch.sqrt(cnt[rows, i]).unsqueeze(0)  # (M, d)
+            dense = self._dense[i]
+            if dense is not None:
+                dense.addmm_(block, block.T)
+                continue
+            self._columns[i].append(block)
+            self._num_columns[i] += int(block.shape[1])
+            if self._num_columns[i] > self.rf_dim:  # columns now cost more than P_i itself
+                z = torch.cat(self._columns[i], dim=1)
+                self._dense[i] = z @ z.T
+                self._columns[i], self._num_columns[i] = [], 0
+
+    def result(self) -> Tensor:
+        """Ĝ (M × M, float64) from everything added so far."""
+        if self.num_uploads == 0:
+            raise AnalyticInputError("GramEstimator.result needs at least one upload")
+        a, b = _coefficients_from_totals(self.counts, self.holders, self.num_uploads, self.k_mode)
+        gram = torch.zeros(self.rf_dim, self.rf_dim, dtype=torch.float64)
+        scaled = []
+        for i in range(self.num_classes):
+            if self._dense[i] is not None:
+                gram.add_(self._dense[i], alpha=float(a[i]))
+            scaled.extend(block * torch.sqrt(a[i]) for block in self._columns[i])
+        if scaled:
+            z_a = torch.cat(scaled, dim=1)
+            gram.addmm_(z_a, z_a.T)
+        z_b = self.class_sums * torch.sqrt(b).unsqueeze(0)
+        gram.addmm_(z_b, z_b.T, alpha=-1.0)
+        return 0.5 * (gram + gram.T)
+
+    def state_numbers(self) -> int:
+        """Numbers held (for memory accounting): columns or dense P_i, plus S."""
+        held = sum(n * self.rf_dim for n in self._num_columns)
+        held += sum(self.rf_dim**2 for d in self._dense if d is not None)
+        return held + self.class_sums.numel()
 
 
 def split_into_dummy_clients(
