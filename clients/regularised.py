@@ -1,8 +1,12 @@
 """Clients of the regularised gradient baselines: Fed-LwF and Fed-EWC.
 
-Both train exactly like the ``finetune`` client (``local_sgd``: cross-entropy over the classes
-seen so far, same optimiser and schedule) and only add a regulariser, so any difference from
-``finetune`` is the regulariser's doing.
+Both train with the ``finetune`` client's loop (``local_sgd``: same optimiser, schedule and
+batches) and add a regulariser. As in the TARGET/LANDER code the STSA paper's baseline numbers
+come from, from the second task on the cross-entropy covers the *new task's classes only*
+(``ce_from``); the old classes are kept by the regulariser alone (``NEW_CLASSES_ONLY_CE``).
+With the all-seen-classes cross-entropy of ``finetune`` the new data pushes every old logit
+down, and LwF forgets as much as finetune (digits, 5 tasks, 5 clients, β = 0.5, seed 0: A_T
+15.1 vs 15.3); with the new-class cross-entropy its A_T is 22.4.
 
 * ``lwf``: ``+ α · KD(teacher ‖ student)`` on the old classes, temperature T. The teacher (the
   global model at the end of the previous task) arrives with every message in the ArrayRecord
@@ -13,10 +17,6 @@ seen so far, same optimiser and schedule) and only add a regulariser, so any dif
 * ``ewc-stats``: after a task's last round, the diagonal Fisher of the received global model on
   this client's data of that task (eval mode, test-time transforms, cross-entropy over the seen
   classes), uploaded like any other statistic so its bytes are counted.
-
-Departure from the TARGET/LANDER code the STSA paper's baseline numbers come from: there the
-new-task cross-entropy covers the *new* classes only; here it covers all seen classes, as for
-``finetune`` (see strategies/baselines.py).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 All three share ``finetune``'s schedule (``stage1-rounds`` FedAvg rounds on task 1, then
 ``rounds-per-task`` rounds per later task, cosine learning rate per round, ``local-epochs`` local
-epochs, sample-weighted FedAvg) and its client loss (cross-entropy over the seen classes). They
-differ only where the method does:
+epochs, sample-weighted FedAvg). From task 2 on, ``lwf`` and ``ewc`` clients apply the
+cross-entropy to the new task's classes only, as the TARGET/LANDER code does (see
+clients/regularised.py), and add their regulariser:
 
 * ``lwf`` (Li & Hoiem 2016, federated as in TARGET/LANDER): from task 2 on, clients add
   ``lwf-alpha · KD`` (temperature ``lwf-temperature``) towards the *teacher*, the global model at
@@ -27,8 +28,10 @@ differ only where the method does:
 
 Hyper-parameters (spec stsa.md §4.5 names the baselines but gives no values; the STSA code
 takes them from the TARGET/LANDER code): LwF T = 2, KD weight 3; EWC λ = 1000 with each
-client's Fisher clamped at 1e-4. Departure from that code, for a like-for-like comparison with
-``finetune`` here: the new-task cross-entropy covers all seen classes, not only the new ones.
+client's Fisher clamped at 1e-4. Differences from that code: the Fisher is that of the
+*global* model, aggregated over clients on the server (the code keeps one per client, of its
+local model), computed in eval mode without augmentation; the penalty acts on the model being
+trained (the code's penalty reads the global network, so it has no gradient on the local model).
 """
 
 from __future__ import annotations
