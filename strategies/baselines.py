@@ -31,7 +31,8 @@ takes them from the TARGET/LANDER code): LwF T = 2, KD weight 3; EWC λ = 1000 w
 client's Fisher clamped at 1e-4. Differences from that code: the Fisher is that of the
 *global* model, aggregated over clients on the server (the code keeps one per client, of its
 local model), computed in eval mode without augmentation; the penalty acts on the model being
-trained (the code's penalty reads the global network, so it has no gradient on the local model).
+trained (in the copy of that code we read, the penalty is computed on the global network,
+not on the local copy being optimised).
 """
 
 from __future__ import annotations
