@@ -55,13 +55,18 @@ class AnalyticStrategy(FedAvgStrategy):
         feature_dim = self.model.backbone.feature_dim
         self.projection = random_projection(feature_dim, self.cfg.rf_dim, seed=self.cfg.seed)
         self.rf_dim = feature_dim if self.projection is None else self.projection.shape[1]
-        total_classes = self.split.bundle.num_classes
-        self.gram = torch.zeros(self.rf_dim, self.rf_dim, dtype=torch.float64)
-        self.class_sums = torch.zeros(self.rf_dim, total_classes, dtype=torch.float64)
+        self.gram, self.class_sums = self.init_statistics()
         self.num_samples = 0
         self.weights: torch.Tensor | None = None
         self.missing: dict[str, list[int]] = {}  # client -> tasks whose statistics are not in G, C
         self._backfilled: dict[str, list[int]] = {}  # late statistics that arrived in this stage
+
+    def init_statistics(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Empty G_{1:0} (M × M) and C_{1:0} (M × all classes); methods without a dense Gram
+        (FedRAN) return None and never allocate the M × M matrix."""
+        total_classes = self.split.bundle.num_classes
+        return (torch.zeros(self.rf_dim, self.rf_dim, dtype=torch.float64),
+                torch.zeros(self.rf_dim, total_classes, dtype=torch.float64))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "gram": self.gram, "class_sums": self.class_sums,
@@ -125,10 +130,8 @@ class AnalyticStrategy(FedAvgStrategy):
 
     def parse_stats(self, plan: RoundPlan, record: Any) -> dict[str, torch.Tensor]:
         classes = len(self.split.tasks[plan.task])
-        return {
-            "gram": unpack_upper(
-                read_tensor(record, "gram-packed", shape=(packed_length(self.rf_dim),), floating=True)
-                .to(torch.float64), self.rf_dim),
+        return {  # G stays packed at wire precision until summed: 1/4 (float32) of a dense float64 G per reply
+            "gram-packed": read_tensor(record, "gram-packed", shape=(packed_length(self.rf_dim),), floating=True),
             "class-sums": read_tensor(record, "class-sums", shape=(self.rf_dim, classes), floating=True)
             .to(torch.float64),
         }
@@ -179,7 +182,10 @@ class AnalyticStrategy(FedAvgStrategy):
 
     def stage_statistics(self, plan: RoundPlan, replies: list[Reply]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Spatial aggregation (Eq. 2): sums over the clients of this stage."""
-        gram = sum((r.payload["gram"] for r in replies), torch.zeros_like(self.gram))
+        packed = torch.zeros(packed_length(self.rf_dim), dtype=torch.float64)
+        for r in replies:
+            packed += r.payload["gram-packed"]  # summed in float64
+        gram = unpack_upper(packed, self.rf_dim)
         sums = sum(r.payload["class-sums"] for r in replies)
         return gram, sums, sum(r.num_examples for r in replies)
 

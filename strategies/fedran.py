@@ -61,11 +61,11 @@ class FedRANStrategy(AnalyticStrategy):
     name: ClassVar[str] = "fedran"
     stats_phase: ClassVar[str] = "fedran-stats"
 
+    def init_statistics(self) -> tuple[None, None]:
+        return None, None  # FedRAN keeps a low-rank summary, never the dense M × M Gram
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # FedRAN never holds the dense statistics AnalyticStrategy allocates for STSA.
-        self.gram = None  # type: ignore[assignment]
-        self.class_sums = None  # type: ignore[assignment]
         self.bytes_per_number = WIRE_DTYPE_BYTES[self.cfg.wire_dtype]
         self.summary_state = LowRankSummary.empty(self.rf_dim)
         self.label_corr = torch.zeros(self.rf_dim, 0, dtype=torch.float64)
