@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs["choices"] = knob.metadata["choices"]
         parser.add_argument(flag, **kwargs)
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPU cores reserved per simulated client.")
-    parser.add_argument("--num-gpus", type=float, default=0.0,
-                        help="GPU share per simulated client (e.g. 0.2 lets 5 clients share one GPU).")
+    parser.add_argument("--num-gpus", type=float, default=None,
+                        help="GPU share per simulated client (e.g. 0.2 lets 5 clients share one GPU); "
+                        "default: the visible GPUs shared evenly by the clients, 0 without a GPU.")
     parser.add_argument("--ray-verbose", action="store_true", help="Show Ray/Flower logs of the clients.")
     return parser
 
@@ -55,7 +56,14 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(**values).validated()
 
 
-def simulate(cfg: RunConfig, *, num_cpus: float = 1.0, num_gpus: float = 0.0, verbose: bool = False) -> Path:
+def default_gpu_share(num_clients: int) -> float:
+    """Each client's share when all visible GPUs are split evenly (0.0 on a CPU-only machine)."""
+    gpus = _visible_gpus()
+    return min(1.0, gpus / num_clients) if gpus else 0.0
+
+
+def simulate(cfg: RunConfig, *, num_cpus: float = 1.0, num_gpus: float | None = None,
+             verbose: bool = False) -> Path:
     """Run the simulation; returns the path of results.json."""
     from flwr.simulation import run_simulation
 
@@ -64,6 +72,8 @@ def simulate(cfg: RunConfig, *, num_cpus: float = 1.0, num_gpus: float = 0.0, ve
     from fcl_flower.server_app import build_server_app
 
     federated_split(cfg)  # fail fast, with a one-line error, before Ray starts
+    if num_gpus is None:
+        num_gpus = default_gpu_share(cfg.num_clients)
     backend_config = {
         "client_resources": {"num_cpus": num_cpus, "num_gpus": num_gpus},
         "init_args": {"num_cpus": os.cpu_count() or 1, "num_gpus": _visible_gpus(), "log_to_driver": verbose},
