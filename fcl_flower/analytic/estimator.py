@@ -197,14 +197,12 @@ class GramEstimator:
             raise AnalyticInputError("GramEstimator.result needs at least one upload")
         a, b = _coefficients_from_totals(self.counts, self.holders, self.num_uploads, self.k_mode)
         gram = torch.zeros(self.rf_dim, self.rf_dim, dtype=torch.float64)
-        scaled = []
-        for i in range(self.num_classes):
+        for i in range(self.num_classes):  # class by class: one class's columns as temporary, not all
             if self._dense[i] is not None:
                 gram.add_(self._dense[i], alpha=float(a[i]))
-            scaled.extend(block * torch.sqrt(a[i]) for block in self._columns[i])
-        if scaled:
-            z_a = torch.cat(scaled, dim=1)
-            gram.addmm_(z_a, z_a.T)
+            if self._columns[i]:
+                z = torch.cat(self._columns[i], dim=1) if len(self._columns[i]) > 1 else self._columns[i][0]
+                gram.addmm_(z, z.T, alpha=float(a[i]))
         z_b = self.class_sums * torch.sqrt(b).unsqueeze(0)
         gram.addmm_(z_b, z_b.T, alpha=-1.0)
         return 0.5 * (gram + gram.T)
