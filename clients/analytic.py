@@ -116,10 +116,8 @@ def reply_with_backfill(message: Message, job: ClientJob,
     arrays, num_samples = compute(job, job.task)
     late = {task: compute(job, task) for task in backfill_tasks(job)}
     metrics = {f"{BACKFILL_PREFIX}{task}-num-examples": n for task, (_, n) in late.items()}
-    reply = make_reply(message, job, arrays, num_samples, metrics)
-    for task, (late_arrays, _) in late.items():
-        reply.content[f"{BACKFILL_PREFIX}{task}"] = to_record(late_arrays)
-    return reply
+    records = {f"{BACKFILL_PREFIX}{task}": to_record(late_arrays) for task, (late_arrays, _) in late.items()}
+    return make_reply(message, job, arrays, num_samples, metrics, extra_records=records)
 
 
 def stsa_statistics(job: ClientJob, task: int) -> Statistics:

@@ -13,7 +13,7 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from clients.node_data import (
     DatasetShape,
@@ -99,10 +99,13 @@ def _run_keys() -> frozenset[str]:
 
 
 def make_reply(message: Message, job: ClientJob, arrays: dict[str, torch.Tensor], num_examples: int,
-               metrics: dict[str, int | float] | None = None) -> Message:
-    """Reply with named arrays plus the metrics every strategy needs to identify the upload."""
+               metrics: dict[str, int | float] | None = None,
+               extra_records: dict[str, ArrayRecord] | None = None) -> Message:
+    """Reply with named arrays (record "arrays", plus any ``extra_records``) and the metrics every
+    strategy needs to identify the upload."""
     content = RecordDict({
         "arrays": to_record(arrays),
+        **(extra_records or {}),
         "metrics": MetricRecord({"partition-id": job.partition, "num-examples": int(num_examples),
                                  **(metrics or {})}),
     })

@@ -25,23 +25,23 @@ Math: :mod:`fcl_flower.fcl.lga`, :mod:`fcl_flower.fcl.lga_proxy`, :mod:`fcl_flow
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from clients.fedavg import _round_seed
-from clients.job import ClientJob
+from clients.job import ClientJob, make_reply
+from clients.regularised import frozen_teacher
 from fcl_flower.data import LabelledDataset
 from fcl_flower.fcl.exemplars import ExemplarMemory
 from fcl_flower.fcl.lga import TaskTransitionDetector, lga_local_loss, mean_prediction_entropy, sharpening_exponent
 from fcl_flower.fcl.lga_proxy import (GradientEncoder, class_feature_variance, perturbed_prototype_gradient,
                                       prototype_indices)
-from fcl_flower.models import IncrementalClassifier, load_trainable_state, trainable_state
-from fcl_flower.runtime import iter_features, make_loader
+from fcl_flower.models import trainable_state
+from fcl_flower.runtime import iter_features
 from fcl_flower.wire import from_record, to_record
 
 OLD_MODEL_RECORD = "lga-old-model"  # server -> client: the proxy's selected old model
@@ -111,24 +111,6 @@ def exemplar_datasets(job: ClientJob, memory: ExemplarMemory, *, eval_transform:
             for t, idx in sorted(by_task.items()) if idx}
 
 
-def build_reply(message: Message, job: ClientJob, records: dict[str, ArrayRecord], num_examples: int,
-                metrics: dict[str, int | float]) -> Message:
-    content = RecordDict({
-        **records,
-        "metrics": MetricRecord({"partition-id": job.partition, "num-examples": int(num_examples), **metrics}),
-    })
-    return Message(content=content, reply_to=message)
-
-
-def frozen_copy(model: IncrementalClassifier, state: dict[str, torch.Tensor], device: torch.device) -> IncrementalClassifier:
-    teacher = copy.deepcopy(model)
-    load_trainable_state(teacher, state)
-    teacher.to(device).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    return teacher
-
-
 def train_loader(datasets: list[Dataset], job: ClientJob, seed: int) -> DataLoader:
     data = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
     return DataLoader(data, batch_size=job.cfg.batch_size, shuffle=True,
@@ -165,7 +147,7 @@ def handle_lga(message: Message, job: ClientJob) -> Message:
     if task > 0:
         if TEACHER_STATE not in state.array_records or int(meta.get("teacher-task", -1)) != task:
             raise MissingOldModel(f"LGA task {task}: no old model from the server for this task")
-        teacher = frozen_copy(job.model, from_record(state.array_records[TEACHER_STATE]), job.device)
+        teacher = frozen_teacher(job.model, from_record(state.array_records[TEACHER_STATE]), job.device)
 
     exemplars = exemplar_datasets(job, memory, eval_transform=False)
     datasets = ([current] if len(current) else []) + list(exemplars.values())
@@ -199,7 +181,7 @@ def handle_lga(message: Message, job: ClientJob) -> Message:
                 count += n
         model.eval()
 
-    records = {"arrays": to_record(trainable_state(model))}
+    records: dict[str, ArrayRecord] = {}
     proto_classes = 0
     if new_task and len(current_eval) and cfg.proxy_iterations > 0:
         grads = prototype_gradients(job, current_eval)
@@ -214,7 +196,7 @@ def handle_lga(message: Message, job: ClientJob) -> Message:
     metrics = {"train-loss": losses["total"] / max(count, 1), "lga-cb": losses["cb"] / max(count, 1),
                "lga-sd": losses["sd"] / max(count, 1), "lga-detected": detected, "lga-new-task": int(new_task),
                "lga-memory": len(memory), "lga-proto-classes": proto_classes}
-    return build_reply(message, job, records, num_examples, metrics)
+    return make_reply(message, job, trainable_state(model), num_examples, metrics, extra_records=records)
 
 
 def prototype_gradients(job: ClientJob, data: LabelledDataset) -> dict[int, list[torch.Tensor]]:

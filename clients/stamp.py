@@ -26,12 +26,11 @@ import torch.nn.functional as F
 from flwr.app import ConfigRecord, Message
 
 from clients.fedavg import _round_seed
-from clients.job import ClientJob
-from clients.lga import build_reply, exemplar_datasets, herd_finished_tasks, load_memory, save_memory, train_loader
+from clients.job import ClientJob, make_reply
+from clients.lga import exemplar_datasets, herd_finished_tasks, load_memory, save_memory, train_loader
 from fcl_flower.fcl.stamp import (assign_flat_params, flatten_params, protonet_loss, task_gradient,
                                   temporal_match)
 from fcl_flower.models import trainable_state
-from fcl_flower.wire import to_record
 
 CORESET_STATE = "stamp-coreset"
 META_STATE = "stamp-state"
@@ -86,7 +85,7 @@ def handle_stamp(message: Message, job: ClientJob) -> Message:
     save_memory(state, CORESET_STATE, coreset)
     metrics = {"train-loss": total / max(count, 1), "stamp-proto": proto_total / max(count, 1),
                "stamp-old-tasks": matched, "stamp-coreset": len(coreset)}
-    return build_reply(message, job, {"arrays": to_record(trainable_state(model))}, len(current), metrics)
+    return make_reply(message, job, trainable_state(model), len(current), metrics)
 
 
 __all__ = ["handle_stamp", "CORESET_STATE", "META_STATE"]

@@ -14,7 +14,6 @@ Departures
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
