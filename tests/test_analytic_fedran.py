@@ -11,6 +11,8 @@ import math
 import pytest
 import torch
 
+from fcl_flower.analytic.communication import fedran_upload_numbers as upload_numbers
+
 from fcl_flower.analytic.lowrank import (
     LowRankError,
     LowRankSummary,
@@ -22,7 +24,6 @@ from fcl_flower.analytic.lowrank import (
     merge_summaries,
     merge_two_level,
     rank_for_budget,
-    upload_numbers,
 )
 from fcl_flower.analytic.pseudolabel import (
     class_prototypes,

@@ -57,7 +57,7 @@ def fedran_upload_numbers(rf_dim: int, rank: int, num_classes: int) -> int:
     """
     m = _positive("rf_dim", rf_dim)
     r = _positive("rank", rank, allow_zero=True)
-    c = _positive("num_classes", num_classes)
+    c = _positive("num_classes", num_classes, allow_zero=True)
     return m * r + r + m * c
 
 

@@ -34,7 +34,6 @@ __all__ = [
     "merge_pair",
     "merge_summaries",
     "merge_two_level",
-    "upload_numbers",
     "rank_for_budget",
 ]
 
@@ -298,14 +297,6 @@ def merge_two_level(
     if previous is None:
         return current
     return merge_pair(previous, current, rank)
-
-
-def upload_numbers(rf_dim: int, rank: int, num_classes: int) -> int:
-    """Numbers one client uploads: M·r + r (the factor) + M·C (B), spec Eq. 11."""
-    for name, value in (("rf_dim", rf_dim), ("rank", rank), ("num_classes", num_classes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise LowRankError(f"{name} must be a non-negative int, got {value!r}")
-    return rf_dim * rank + rank + rf_dim * num_classes
 
 
 def rank_for_budget(budget_bytes: int, rf_dim: int, num_classes: int, bytes_per_number: int) -> int:
