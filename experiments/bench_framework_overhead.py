@@ -1,0 +1,146 @@
+"""Framework overhead: STSA statistics stages through Flower + Ray vs the same math in one process.
+
+    python experiments/bench_framework_overhead.py            # ~1-2 min on 2 cores
+    python experiments/bench_framework_overhead.py --no-ray   # skip the Ray simulation
+
+Config: STSA on digits, 5 tasks, 5 clients, stage1-rounds 0 (the seeded backbone stays frozen,
+so every stage is exactly one statistics round + solve + evaluation), fixed ridge.
+
+* ``direct``: for every client, its partition -> frozen features -> ReLU(F W) -> G, C
+  (StatisticsAccumulator), summed on the "server", Cholesky solve, evaluation: plain function
+  calls, no messages;
+* ``local``: the real strategy and ClientApp, messages delivered in-process (LocalGrid):
+  adds message construction, (de)serialisation of records, packing, validation, accounting;
+* ``ray``: Flower's Ray simulation (experiments/sim.py): adds Ray actors, inter-process
+  transfer and scheduling. Its start-up (Ray + actors) is reported separately.
+
+Per-stage times come from results.json (StageRecord.seconds: first message sent -> evaluation
+done). Ratios are per stage, stages 2..T (stage 1 also pays each process's first-use costs).
+Writes experiments/results/bench_framework_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchlib import format_table, write_json  # noqa: E402
+from fcl_flower.config import RunConfig  # noqa: E402
+
+
+def direct_stage_times(cfg: RunConfig) -> list[float]:
+    """The same statistics, solve and evaluation as STSA, as plain calls in this process."""
+    from fcl_flower.analytic import StatisticsAccumulator, predict, random_features, random_projection, solve_ridge
+    from fcl_flower.metrics import accuracy_by_task  # noqa: F401  (same work as the strategy's evaluation)
+    from fcl_flower.runtime import build_model, federated_split, iter_features
+
+    split = federated_split(cfg)
+    model = build_model(cfg, split).eval()
+    device = torch.device("cpu")
+    projection = random_projection(model.backbone.feature_dim, cfg.rf_dim, seed=cfg.seed)
+    dim = cfg.rf_dim
+    gram = torch.zeros(dim, dim, dtype=torch.float64)
+    sums = torch.zeros(dim, split.bundle.num_classes, dtype=torch.float64)
+    times = []
+    for task, classes in enumerate(split.tasks):
+        began = time.perf_counter()
+        for client in range(cfg.num_clients):
+            acc = StatisticsAccumulator(dim, len(classes), with_gram=True)
+            data = split.client_train(task, client, eval_transform=True)
+            for features, y in iter_features(model, data, cfg, device):
+                acc.update(random_features(features, projection), y - classes.start)
+            stats = acc.result()
+            gram += stats.gram
+            sums[:, classes.start:classes.stop] += stats.class_sums
+        weights = solve_ridge(gram, sums[:, :classes.stop], cfg.ridge_value())
+        phis, labels = [], []
+        for features, y in iter_features(model, split.seen_test(task), cfg, device):
+            phis.append(random_features(features, projection))
+            labels.append(y)
+        predictions = predict(torch.cat(phis), weights, cfg.head)
+        _ = float((predictions == torch.cat(labels)).double().mean())
+        times.append(time.perf_counter() - began)
+    return times
+
+
+def local_stage_times(cfg: RunConfig) -> tuple[list[float], float]:
+    from fcl_flower.client_app import app as client_app
+    from fcl_flower.local_grid import LocalGrid
+    from fcl_flower.server_app import run_experiment
+
+    began = time.perf_counter()
+    recorder = run_experiment(LocalGrid(client_app, cfg.num_clients), cfg)
+    return [s.seconds for s in recorder.stages], time.perf_counter() - began
+
+
+def ray_stage_times(cfg: RunConfig, num_cpus: float) -> tuple[list[float], float]:
+    import json
+
+    from sim import simulate
+
+    began = time.perf_counter()
+    path = simulate(cfg, num_cpus=num_cpus)
+    total = time.perf_counter() - began
+    return [s["seconds"] for s in json.loads(path.read_text())["stages"]], total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-clients", type=int, default=5)
+    parser.add_argument("--num-tasks", type=int, default=5, help="Must divide the 10 digit classes.")
+    parser.add_argument("--rf-dim", type=int, default=1000)
+    parser.add_argument("--num-cpus", type=float, default=1.0, help="Ray: CPU per simulated client.")
+    parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument("--out", help="JSON path (default experiments/results/bench_framework_overhead.json).")
+    args = parser.parse_args(argv)
+    load = os.getloadavg()[0]
+    from flwr.common.logger import console_handler
+
+    console_handler.setLevel(logging.WARNING)
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"fcl-bench-overhead-{os.getpid()}"
+    cfg = RunConfig(strategy="stsa", dataset="digits", num_tasks=args.num_tasks, num_clients=args.num_clients,
+                    seed=0, stage1_rounds=0, rf_dim=args.rf_dim, ridge="100.0", wire_dtype="float32",
+                    device="cpu", out=str(tmp))
+    engines: dict[str, dict[str, Any]] = {}
+    began = time.perf_counter()
+    stages = direct_stage_times(cfg)
+    engines["direct"] = {"stages": stages, "total": time.perf_counter() - began}
+    stages, total = local_stage_times(cfg.replace(run_name="local"))
+    engines["local"] = {"stages": stages, "total": total}
+    if not args.no_ray:
+        stages, total = ray_stage_times(cfg.replace(run_name="ray"), args.num_cpus)
+        engines["ray"] = {"stages": stages, "total": total}
+    rows = []
+    base = engines["direct"]
+    base_later = sum(base["stages"][1:]) / len(base["stages"][1:])
+    for name, result in engines.items():
+        later = sum(result["stages"][1:]) / len(result["stages"][1:])
+        rows.append({"engine": name, "stage 1 s": result["stages"][0], "stages 2..T mean s": later,
+                     "ratio vs direct": later / base_later, "run total s": result["total"],
+                     "outside stages s": result["total"] - sum(result["stages"])})
+    print(format_table(rows, ["engine", "stage 1 s", "stages 2..T mean s", "ratio vs direct", "run total s",
+                              "outside stages s"], floats="{:.2f}"))
+    path = write_json("bench_framework_overhead", {
+        "load_average_at_start": load,
+        "settings": {"strategy": "stsa", "dataset": "digits", "num_tasks": args.num_tasks,
+                     "num_clients": args.num_clients, "rf_dim": args.rf_dim, "stage1_rounds": 0,
+                     "ray_num_cpus_per_client": args.num_cpus, "wire_dtype": "float32"},
+        "engines": engines,
+        "rows": rows,
+    }, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
