@@ -56,6 +56,17 @@ class RunConfig:
     )
     num_clients: int = _knob(5, "Number of clients K (one SuperNode each).")
     beta: float = _knob(0.5, "Dirichlet concentration of the per-task label skew (smaller: more skew).")
+    partition: str = _knob(
+        "dirichlet",
+        "Per-task client data: Dirichlet shares (project), LGA's random class subsets with all their "
+        "images, or STAMP's distinct classes per client (task pool).",
+        ("dirichlet", "class-subsets", "task-pool"),
+    )
+    class_fraction: float = _knob(0.6, "class-subsets: share of a task's classes each client holds (LGA: 0.6).")
+    initial_clients: int = _knob(
+        0, "Clients holding data from task 0 (0: all); the others join later (LGA: 30 of 30 + 10/task)."
+    )
+    joining_per_task: int = _knob(0, "Clients that join at each later task when initial-clients > 0 (LGA: 10).")
     seed: int = _knob(0, "Seed for class order, partitions, initial weights and random features.")
     # --- backbone and gradient training ----------------------------------------------------
     backbone: str = _knob(
@@ -153,6 +164,12 @@ class RunConfig:
                 )
         if self.beta <= 0:
             raise ConfigError(f"beta must be > 0 (got {self.beta})")
+        if not 0.0 < self.class_fraction <= 1.0:
+            raise ConfigError(f"class-fraction must be in (0, 1] (got {self.class_fraction})")
+        if self.initial_clients < 0 or self.joining_per_task < 0:
+            raise ConfigError("initial-clients and joining-per-task must be >= 0")
+        if 0 < self.initial_clients < self.num_clients and self.joining_per_task < 1:
+            raise ConfigError("joining-per-task must be >= 1 when initial-clients < num-clients")
         positive = ("num_tasks", "num_clients", "local_epochs", "batch_size", "dummy_clients", "rank")
         for name in positive:
             if getattr(self, name) < 1:

@@ -28,6 +28,10 @@ def federated_split(cfg: RunConfig) -> FederatedSplit:
         num_clients=cfg.num_clients,
         beta=cfg.beta,
         image_size=cfg.image_size or None,
+        partition=cfg.partition,
+        class_fraction=cfg.class_fraction,
+        initial_clients=cfg.initial_clients,
+        joining_per_task=cfg.joining_per_task,
     )
 
 

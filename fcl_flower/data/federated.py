@@ -7,6 +7,12 @@ The STSA code instead calls ``setup_seed(seed)`` right before partitioning each 
 equal class counts (CIFAR-100) every task receives the *same* client-by-class proportion
 pattern; spec stsa.md §1.2 / §6 #12 calls both defensible and recommends independent
 partitions, which is what we do.
+
+``partition`` picks the per-task partitioner: "dirichlet" (default, the project protocol),
+"class-subsets" (LGA: a random ``class_fraction`` of the task's classes per client, all their
+samples) or "task-pool" (STAMP: distinct classes per client); see :mod:`.paper_partitions`.
+``initial_clients > 0`` makes clients join over time (LGA): a client not yet joined at task t
+holds an empty partition and the task is split over the joined clients only.
 """
 
 from __future__ import annotations
@@ -20,9 +26,13 @@ import numpy as np
 from .bundle import DatasetBundle
 from .errors import DatasetError
 from .labelled import LabelledDataset
+from .paper_partitions import class_subset_partition, join_tasks, task_pool_partition
 from .partition import dirichlet_partition
 from .registry import load_dataset
 from .tasks import task_class_ranges
+
+
+PARTITIONS = ("dirichlet", "class-subsets", "task-pool")
 
 
 class FederatedSplit:
@@ -41,7 +51,13 @@ class FederatedSplit:
         num_clients: int = 5,
         beta: float = 0.5,
         seed: int = 0,
+        partition: str = "dirichlet",
+        class_fraction: float = 0.6,
+        initial_clients: int = 0,
+        joining_per_task: int = 0,
     ) -> None:
+        if partition not in PARTITIONS:
+            raise DatasetError(f"unknown partition {partition!r}; choose one of: {', '.join(PARTITIONS)}")
         if not isinstance(num_clients, numbers.Integral) or isinstance(num_clients, bool) or num_clients < 1:
             raise DatasetError(f"num_clients must be an integer >= 1, got {num_clients!r}")
         if not isinstance(beta, numbers.Real) or not np.isfinite(beta) or beta <= 0:
@@ -53,23 +69,34 @@ class FederatedSplit:
         self.num_clients = int(num_clients)
         self.beta = float(beta)
         self.seed = int(seed)
+        self.partition = partition
+        self.join_task = join_tasks(self.num_clients, len(self.tasks), initial_clients, joining_per_task)
         train_y = bundle.train.targets
         self._task_idx: list[np.ndarray] = []
         self._client_idx: list[list[np.ndarray]] = []
         for t, r in enumerate(self.tasks):
             idx = np.flatnonzero((train_y >= r.start) & (train_y < r.stop)).astype(np.int64)
-            if len(idx) < self.num_clients:
+            active = np.flatnonzero(self.join_task <= t)
+            if len(idx) < len(active):
                 raise DatasetError(
-                    f"task {t} has {len(idx)} training samples but num_clients={self.num_clients}; "
+                    f"task {t} has {len(idx)} training samples but num_clients={len(active)}; "
                     "use fewer clients or fewer tasks"
                 )
+            rng = np.random.default_rng([self.seed, t])
             try:
-                parts = dirichlet_partition(train_y[idx], self.num_clients, self.beta, np.random.default_rng([self.seed, t]))
+                if partition == "class-subsets":
+                    parts = class_subset_partition(train_y[idx], len(active), class_fraction, rng)
+                elif partition == "task-pool":
+                    parts = task_pool_partition(train_y[idx], len(active), rng)
+                else:
+                    parts = dirichlet_partition(train_y[idx], len(active), self.beta, rng)
             except DatasetError as exc:
                 raise DatasetError(f"task {t}: {exc}") from None
             idx.setflags(write=False)
             self._task_idx.append(idx)
-            clients = [idx[p] for p in parts]
+            clients = [idx[:0].copy() for _ in range(self.num_clients)]
+            for k, p in zip(active, parts):
+                clients[k] = idx[p]
             for c in clients:
                 c.setflags(write=False)
             self._client_idx.append(clients)
@@ -147,7 +174,12 @@ def get_federated_split(
     num_clients: int,
     beta: float,
     image_size: int | None = None,
+    partition: str = "dirichlet",
+    class_fraction: float = 0.6,
+    initial_clients: int = 0,
+    joining_per_task: int = 0,
 ) -> FederatedSplit:
     """Load the dataset (seeded class order) and build its split once per process (cached)."""
     bundle = load_dataset(dataset, root=root, download=download, seed=seed, image_size=image_size)
-    return FederatedSplit(bundle, num_tasks, first_task_classes, num_clients, beta, seed)
+    return FederatedSplit(bundle, num_tasks, first_task_classes, num_clients, beta, seed,
+                          partition, class_fraction, initial_clients, joining_per_task)

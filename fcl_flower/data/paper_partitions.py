@@ -1,0 +1,127 @@
+"""The LGA and STAMP papers' own client data protocols, as per-task partitions (pure numpy).
+
+Spec lga_stamp.md A1.3/A1.4 (LGA) and B1.1/B1.4 (STAMP), mapped onto the project's shared
+class-incremental task stream (one growing head, central evaluation on the seen classes):
+
+* :func:`class_subset_partition` (LGA A1.4): every client holds a random ``fraction`` of the
+  task's classes with **all** training samples of those classes, as in the LGA code. Clients
+  sharing a class therefore hold identical copies of its samples (duplication, no sample split),
+  exactly like the code. The class count per client is ``floor(fraction * c_t)`` (the code's
+  ``int(0.6 * task_size)``), at least 1. One deviation: the draw is *coverage-first* (each client
+  takes still-uncovered classes before already-held ones, in random order), so every class of the
+  task is held by some client whenever ``num_clients * k >= c_t``; the code's independent draws
+  can leave a class unseen by the federation, which the central test would still score.
+* :func:`task_pool_partition` (STAMP B1.4 "each client is assigned distinct classes"): a random
+  permutation of the task's classes is dealt round-robin, so clients hold disjoint classes (all
+  their samples) when ``num_clients <= c_t``; with more clients than classes the deal wraps over
+  fresh permutations and classes are shared (samples duplicated). The full limitless pool
+  (per-client sequences over *all* classes, a 100-way head, per-client test sets) does not fit the
+  shared stream and is not reproduced.
+* :func:`join_tasks` (LGA A1.3 Z_a): ``initial`` clients from task 0, ``per_task`` more at each
+  later task. A client not yet joined holds no data of that task (empty partition).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from .errors import DatasetError
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise DatasetError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _by_class(labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    y = np.asarray(labels).reshape(-1)
+    if y.size == 0:
+        raise DatasetError("cannot partition an empty task")
+    classes = np.unique(y)
+    return classes, [np.flatnonzero(y == c) for c in classes]
+
+
+def _gather(per_class: list[np.ndarray], held: list[list[int]], rng: np.random.Generator) -> list[np.ndarray]:
+    """Concatenate the samples of each client's classes and shuffle each client's list."""
+    out = []
+    for cls in held:
+        ix = np.concatenate([per_class[j] for j in sorted(cls)]).astype(np.int64)
+        out.append(rng.permutation(ix))
+    return out
+
+
+def class_subset_count(num_classes: int, fraction: float) -> int:
+    """Classes per client: ``floor(fraction * c)`` as in the LGA code, at least 1."""
+    return max(1, int(np.floor(fraction * num_classes + 1e-9)))
+
+
+def class_subset_partition(
+    labels: np.ndarray, num_clients: int, fraction: float, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """LGA label skew: per client, all samples of a random ``fraction`` of the task's classes.
+
+    Returns one int64 array of positions into ``labels`` per client (shuffled). Samples are
+    duplicated across clients that share a class (LGA code, spec A1.4).
+    """
+    num_clients = _positive_int("num_clients", num_clients)
+    if not isinstance(fraction, numbers.Real) or not 0.0 < float(fraction) <= 1.0:
+        raise DatasetError(f"class fraction must be in (0, 1], got {fraction!r}")
+    classes, per_class = _by_class(labels)
+    c = len(classes)
+    k = class_subset_count(c, float(fraction))
+    uncovered = set(range(c))
+    held: list[list[int]] = []
+    for _ in range(num_clients):
+        first = rng.permutation(sorted(uncovered)).tolist()
+        rest = rng.permutation(sorted(set(range(c)) - uncovered)).tolist()
+        mine = (first + rest)[:k]
+        uncovered -= set(mine)
+        held.append(mine)
+    return _gather(per_class, held, rng)
+
+
+def task_pool_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """STAMP "distinct classes per client": deal a random permutation of the task's classes.
+
+    Client ``u`` gets slots ``u, u + U, ...`` of the dealt sequence, which has ``max(c, U)``
+    entries: disjoint classes when ``U <= c`` (sizes differ by at most one), one shared class each
+    when ``U > c``. All samples of a held class go to the client.
+    """
+    num_clients = _positive_int("num_clients", num_clients)
+    classes, per_class = _by_class(labels)
+    c = len(classes)
+    n = max(c, num_clients)
+    seq: list[int] = []
+    while len(seq) < n:
+        seq.extend(rng.permutation(c).tolist())
+    seq = seq[:n]
+    held = [seq[u::num_clients] for u in range(num_clients)]
+    return _gather(per_class, held, rng)
+
+
+def join_tasks(num_clients: int, num_tasks: int, initial: int, per_task: int) -> np.ndarray:
+    """First task (0-based) at which each client holds data; LGA's joining clients (spec A1.3).
+
+    ``initial == 0`` means no joining: every client is active from task 0. Otherwise clients
+    ``0..initial-1`` join at task 0 and client ``initial + j`` at task ``1 + j // per_task``; every
+    client must join by the last task.
+    """
+    num_clients = _positive_int("num_clients", num_clients)
+    num_tasks = _positive_int("num_tasks", num_tasks)
+    if not isinstance(initial, numbers.Integral) or isinstance(initial, bool) or initial < 0:
+        raise DatasetError(f"initial-clients must be an integer >= 0, got {initial!r}")
+    if initial == 0 or initial >= num_clients:
+        return np.zeros(num_clients, dtype=np.int64)
+    if not isinstance(per_task, numbers.Integral) or isinstance(per_task, bool) or per_task < 1:
+        raise DatasetError(f"joining-per-task must be an integer >= 1 when clients join, got {per_task!r}")
+    late = np.arange(num_clients - initial, dtype=np.int64)
+    joins = np.concatenate([np.zeros(initial, dtype=np.int64), 1 + late // int(per_task)])
+    if joins[-1] >= num_tasks:
+        raise DatasetError(
+            f"num-clients={num_clients} needs {int(joins[-1]) + 1} tasks to join with initial-clients="
+            f"{initial} and joining-per-task={per_task}, but there are {num_tasks}; use fewer clients"
+        )
+    return joins
