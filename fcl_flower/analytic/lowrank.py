@@ -224,15 +224,19 @@ def merge_pair(first: LowRankSummary, second: LowRankSummary, rank: int) -> LowR
     num_samples = first.num_samples + second.num_samples
     carried = first.discarded + second.discarded
     if first.rank == 0 or second.rank == 0:
-        only = second if first.rank == 0 else first
-        keep = min(rank, only.rank)
-        return LowRankSummary(
-            only.basis[:, :keep].contiguous(),
-            only.singular_values[:keep].contiguous(),
-            num_samples,
-            carried + discarded_energy(only.singular_values, keep),
-        )
+        return _truncated(second if first.rank == 0 else first, rank, num_samples, carried)
     return _qr_svd_merge([first.factor(), second.factor()], rank, num_samples, carried)
+
+
+def _truncated(only: LowRankSummary, rank: int, num_samples: int, carried: TailEnergy) -> LowRankSummary:
+    """The one non-empty summary of a merge, cut to ``rank``, with what the cut discards."""
+    keep = min(rank, only.rank)
+    return LowRankSummary(
+        only.basis[:, :keep].contiguous(),
+        only.singular_values[:keep].contiguous(),
+        num_samples,
+        carried + discarded_energy(only.singular_values, keep),
+    )
 
 
 def merge_summaries(
@@ -259,14 +263,7 @@ def merge_summaries(
             empty = LowRankSummary.empty(summaries[0].dim, device=summaries[0].basis.device)
             return LowRankSummary(empty.basis, empty.singular_values, num_samples, carried)
         if len(nonempty) == 1:
-            only = nonempty[0]
-            keep = min(rank, only.rank)
-            return LowRankSummary(
-                only.basis[:, :keep].contiguous(),
-                only.singular_values[:keep].contiguous(),
-                num_samples,
-                carried + discarded_energy(only.singular_values, keep),
-            )
+            return _truncated(nonempty[0], rank, num_samples, carried)
         return _qr_svd_merge([s.factor() for s in nonempty], rank, num_samples, carried)
     merged = LowRankSummary.empty(summaries[0].dim, device=summaries[0].basis.device)
     for summary in summaries:
