@@ -37,6 +37,9 @@ STRATEGY_NAMES = (
     "stamp",
 )
 
+SECURE_STRATEGIES = ("stsa",)  # their server needs only sums over clients (fcl_flower/privacy/secagg.py)
+
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -67,6 +70,12 @@ class RunConfig:
         0, "Clients holding data from task 0 (0: all); the others join later (LGA: 30 of 30 + 10/task)."
     )
     joining_per_task: int = _knob(0, "Clients that join at each later task when initial-clients > 0 (LGA: 10).")
+    clients_per_round: int = _knob(
+        0, "Clients sampled per local-training round among those joined (0: all; LGA: 10); statistics rounds reach all."
+    )
+    old_only_fraction: float = _knob(
+        0.0, "Share of the clients joined before a task that get none of its data and train on memory only (LGA Z_o: 0.1)."
+    )
     seed: int = _knob(0, "Seed for class order, partitions, initial weights and random features.")
     # --- backbone and gradient training ----------------------------------------------------
     backbone: str = _knob(
@@ -98,6 +107,15 @@ class RunConfig:
     rank_budget_bytes: int = _knob(0, "FedRAN: set the rank from an upload budget in bytes (0: use --rank).")
     label_ratio: float = _knob(1.0, "FedRAN-SSL: fraction of each client's samples that are labelled.")
     pseudo_threshold: float = _knob(0.5, "FedRAN-SSL: cosine threshold tau for prototype pseudo-labels.")
+    # --- privacy of the statistics uploads (fcl_flower/privacy) -----------------------------
+    secure_aggregation: bool = _knob(
+        False, "STSA: pairwise-masked uploads, the server sees only the sum over clients (on in the documented deployment)."
+    )
+    secagg_fraction_bits: int = _knob(24, "Secure aggregation: fixed-point fraction bits (rounding error 2^-(f+1) per entry).")
+    secagg_min_clients: int = _knob(2, "Secure aggregation: fewest participants a client accepts in a masked round.")
+    min_class_count: int = _knob(
+        1, "Clients upload statistics only of classes with at least this many samples (1: all; 3 makes single samples unidentifiable)."
+    )
     # --- gradient baselines ----------------------------------------------------------------
     lwf_alpha: float = _knob(3.0, "Fed-LwF: weight of the distillation loss (3 as in the TARGET/LANDER code).")
     lwf_temperature: float = _knob(2.0, "Fed-LwF: distillation temperature.")
@@ -170,6 +188,12 @@ class RunConfig:
             raise ConfigError("initial-clients and joining-per-task must be >= 0")
         if 0 < self.initial_clients < self.num_clients and self.joining_per_task < 1:
             raise ConfigError("joining-per-task must be >= 1 when initial-clients < num-clients")
+        if not 0 <= self.clients_per_round <= self.num_clients:
+            raise ConfigError(
+                f"clients-per-round must be in [0, num-clients={self.num_clients}] (got {self.clients_per_round})"
+            )
+        if not 0.0 <= self.old_only_fraction < 1.0:
+            raise ConfigError(f"old-only-fraction must be in [0, 1) (got {self.old_only_fraction})")
         positive = ("num_tasks", "num_clients", "local_epochs", "batch_size", "dummy_clients", "rank")
         for name in positive:
             if getattr(self, name) < 1:
@@ -186,6 +210,17 @@ class RunConfig:
             raise ConfigError(f"pseudo-threshold is a cosine, in [-1, 1] (got {self.pseudo_threshold})")
         if self.round_timeout <= 0:
             raise ConfigError(f"round-timeout must be > 0 seconds (got {self.round_timeout})")
+        if self.min_class_count < 1:
+            raise ConfigError(f"min-class-count must be >= 1 (got {self.min_class_count})")
+        if not 8 <= self.secagg_fraction_bits <= 48:
+            raise ConfigError(f"secagg-fraction-bits must be in [8, 48] (got {self.secagg_fraction_bits})")
+        if self.secagg_min_clients < 2:
+            raise ConfigError(f"secagg-min-clients must be >= 2: a sum over one client is its upload "
+                              f"(got {self.secagg_min_clients})")
+        if self.secure_aggregation and self.strategy not in SECURE_STRATEGIES:
+            raise ConfigError(
+                f"secure-aggregation works with {', '.join(SECURE_STRATEGIES)} (sums over clients); "
+                f"{self.strategy} needs per-client uploads: use min-class-count instead")
         self.ridge_value()  # parses or raises
         return self
 

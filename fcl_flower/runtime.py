@@ -32,6 +32,7 @@ def federated_split(cfg: RunConfig) -> FederatedSplit:
         class_fraction=cfg.class_fraction,
         initial_clients=cfg.initial_clients,
         joining_per_task=cfg.joining_per_task,
+        old_only_fraction=cfg.old_only_fraction,
     )
 
 

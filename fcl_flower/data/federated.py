@@ -13,6 +13,10 @@ partitions, which is what we do.
 samples) or "task-pool" (STAMP: distinct classes per client); see :mod:`.paper_partitions`.
 ``initial_clients > 0`` makes clients join over time (LGA): a client not yet joined at task t
 holds an empty partition and the task is split over the joined clients only.
+``old_only_fraction > 0`` (LGA's Z_o) additionally leaves a seeded share of the clients joined
+*before* task t without task-t data (:func:`.paper_partitions.old_only_clients`, generator
+``default_rng([seed, t, 1])``, separate from the partition's, so the other clients' split draw
+is the one of a federation without those clients); no sample is dropped.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 from .bundle import DatasetBundle
 from .errors import DatasetError
 from .labelled import LabelledDataset
-from .paper_partitions import class_subset_partition, join_tasks, task_pool_partition
+from .paper_partitions import class_subset_partition, join_tasks, old_only_clients, task_pool_partition
 from .partition import dirichlet_partition
 from .registry import load_dataset
 from .tasks import task_class_ranges
@@ -55,6 +59,7 @@ class FederatedSplit:
         class_fraction: float = 0.6,
         initial_clients: int = 0,
         joining_per_task: int = 0,
+        old_only_fraction: float = 0.0,
     ) -> None:
         if partition not in PARTITIONS:
             raise DatasetError(f"unknown partition {partition!r}; choose one of: {', '.join(PARTITIONS)}")
@@ -71,12 +76,16 @@ class FederatedSplit:
         self.seed = int(seed)
         self.partition = partition
         self.join_task = join_tasks(self.num_clients, len(self.tasks), initial_clients, joining_per_task)
+        self.old_only: list[np.ndarray] = []  # per task: LGA's Z_o (joined earlier, no data of the task)
         train_y = bundle.train.targets
         self._task_idx: list[np.ndarray] = []
         self._client_idx: list[list[np.ndarray]] = []
         for t, r in enumerate(self.tasks):
             idx = np.flatnonzero((train_y >= r.start) & (train_y < r.stop)).astype(np.int64)
-            active = np.flatnonzero(self.join_task <= t)
+            old_only = old_only_clients(self.join_task, t, old_only_fraction, np.random.default_rng([self.seed, t, 1]))
+            old_only.setflags(write=False)
+            self.old_only.append(old_only)
+            active = np.setdiff1d(np.flatnonzero(self.join_task <= t), old_only)
             if len(idx) < len(active):
                 raise DatasetError(
                     f"task {t} has {len(idx)} training samples but num_clients={len(active)}; "
@@ -120,6 +129,10 @@ class FederatedSplit:
         return self.bundle.train_eval if eval_transform else self.bundle.train
 
     # -- training views --------------------------------------------------------------------
+    def active_clients(self, task: int) -> np.ndarray:
+        """Clients that have joined by task ``task`` (Z_o included: they train on their memory)."""
+        return np.flatnonzero(self.join_task <= self._task(task)).astype(np.int64)
+
     def client_indices(self, task: int, client: int) -> np.ndarray:
         """Positions in ``bundle.train`` of client ``client``'s samples at task ``task``."""
         return self._client_idx[self._task(task)][self._client(client)]
@@ -178,8 +191,9 @@ def get_federated_split(
     class_fraction: float = 0.6,
     initial_clients: int = 0,
     joining_per_task: int = 0,
+    old_only_fraction: float = 0.0,
 ) -> FederatedSplit:
     """Load the dataset (seeded class order) and build its split once per process (cached)."""
     bundle = load_dataset(dataset, root=root, download=download, seed=seed, image_size=image_size)
     return FederatedSplit(bundle, num_tasks, first_task_classes, num_clients, beta, seed,
-                          partition, class_fraction, initial_clients, joining_per_task)
+                          partition, class_fraction, initial_clients, joining_per_task, old_only_fraction)

@@ -19,6 +19,12 @@ class-incremental task stream (one growing head, central evaluation on the seen 
   shared stream and is not reproduced.
 * :func:`join_tasks` (LGA A1.3 Z_a): ``initial`` clients from task 0, ``per_task`` more at each
   later task. A client not yet joined holds no data of that task (empty partition).
+* :func:`old_only_clients` (LGA A1.3 Z_o): at each task after the first, a seeded share of the
+  clients that joined *before* the task gets no data of it (they train on their exemplar memory
+  only); the task's samples are split over the other active clients.
+* :func:`sample_clients` (LGA A1.2 "the server randomly selects some clients"): the seeded
+  per-round sample among the active (joined) clients. Unlike the LGA code, which samples from
+  the 30 initial clients only, joined clients are sampled too.
 """
 
 from __future__ import annotations
@@ -125,3 +131,56 @@ def join_tasks(num_clients: int, num_tasks: int, initial: int, per_task: int) ->
             f"{initial} and joining-per-task={per_task}, but there are {num_tasks}; use fewer clients"
         )
     return joins
+
+
+def _fraction(name: str, value: object) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0.0 <= float(value) < 1.0:
+        raise DatasetError(f"{name} must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+def old_only_count(eligible: int, fraction: float) -> int:
+    """How many of ``eligible`` old clients become Z_o: ``fraction * eligible`` rounded half up,
+    capped at ``eligible - 1`` so at least one old client still receives the new classes.
+
+    Rounding (not the floor) keeps Z_o non-empty in small federations (6 old clients at 10%
+    give 1); at the paper's scale (30, 40, ... old clients at 10%) both rules agree.
+    """
+    if eligible <= 0:
+        return 0
+    return min(int(np.floor(fraction * eligible + 0.5)), eligible - 1)
+
+
+def old_only_clients(join_task: np.ndarray, task: int, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """LGA's Z_o at ``task``: sorted ids of clients that joined before it and get none of its data.
+
+    Only clients with ``join_task < task`` are eligible (they have an exemplar memory; a client
+    joining at ``task`` is Z_a and always gets data). Task 0 has no Z_o. ``rng`` should be seeded
+    per task, so every task's draw is independent and reproducible.
+    """
+    fraction = _fraction("old-only-fraction", fraction)
+    joins = np.asarray(join_task, dtype=np.int64).reshape(-1)
+    if not isinstance(task, numbers.Integral) or isinstance(task, bool) or task < 0:
+        raise DatasetError(f"task must be an integer >= 0, got {task!r}")
+    eligible = np.flatnonzero(joins < task)
+    count = old_only_count(len(eligible), fraction)
+    if count == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.sort(rng.choice(eligible, size=count, replace=False)).astype(np.int64)
+
+
+def sample_clients(active: np.ndarray, per_round: int, rng: np.random.Generator) -> np.ndarray:
+    """Sorted ids of ``per_round`` clients drawn uniformly without replacement from ``active``.
+
+    ``per_round == 0`` or ``per_round >= len(active)`` selects every active client. Seed ``rng``
+    per round (e.g. ``default_rng([seed, task, round])``) so a rerun, or a resumed run, selects
+    the same clients.
+    """
+    pool = np.asarray(active, dtype=np.int64).reshape(-1)
+    if not isinstance(per_round, numbers.Integral) or isinstance(per_round, bool) or per_round < 0:
+        raise DatasetError(f"clients-per-round must be an integer >= 0, got {per_round!r}")
+    if pool.size == 0:
+        raise DatasetError("no active client to sample from")
+    if per_round == 0 or per_round >= pool.size:
+        return np.sort(pool)
+    return np.sort(rng.choice(pool, size=int(per_round), replace=False)).astype(np.int64)
