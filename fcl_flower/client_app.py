@@ -7,11 +7,13 @@ model weights or aggregate statistics only.
 
 from __future__ import annotations
 
-from flwr.app import Context, Message
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients import HANDLERS
 from clients.job import parse_job
+from clients.node_data import node_data
+from fcl_flower.config import RunConfig
 
 app = ClientApp()
 
@@ -34,3 +36,11 @@ def train(message: Message, context: Context) -> Message:
 def stats(message: Message, context: Context) -> Message:
     """One-shot statistics upload (STSA, STSA-E, FedRAN)."""
     return _dispatch(message, context)
+
+
+@app.query("info")
+def info(message: Message, context: Context) -> Message:
+    """Which client (partition id) this node serves; the server samples clients per round by it."""
+    cfg = RunConfig.from_mapping(dict(message.content.config_records["config"]))
+    partition = node_data(context.node_config, cfg).partition
+    return Message(RecordDict({"metrics": MetricRecord({"partition-id": partition})}), reply_to=message)

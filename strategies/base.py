@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +34,8 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import FederatedSplit
-from fcl_flower.metrics import accuracy_by_task
+from fcl_flower.data.paper_partitions import sample_clients
+from fcl_flower.metrics import accuracy_by_task, task_pool_accuracy
 from fcl_flower.models import trainable_state
 from fcl_flower.results import ResultsRecorder, StageRecord, format_stage_table
 from fcl_flower.runtime import build_model, resolve_device
@@ -41,6 +43,7 @@ from fcl_flower.wire import UploadError, message_bytes, payload_bytes, to_record
 
 TRAIN_MESSAGE = "train"  # local SGD rounds -> @app.train()
 STATS_MESSAGE = "query.stats"  # one-shot statistics -> @app.query("stats")
+INFO_MESSAGE = "query.info"  # which client a node serves -> @app.query("info")
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class StagedStrategy(Strategy):
             [np.full(len(r), t, dtype=np.int64) for t, r in enumerate(split.tasks)]
         )
         self._plan: RoundPlan | None = None
+        self._node_partition: dict[int, int] = {}  # node id -> partition id, learnt from replies
         self._reset_stage_accounting()
 
     # ------------------------------------------------------------------ for subclasses
@@ -108,6 +112,23 @@ class StagedStrategy(Strategy):
     def predict_seen(self, task: int) -> tuple[np.ndarray, np.ndarray]:
         """(predictions, labels) of the global model on the test data of all seen classes."""
         raise NotImplementedError
+
+    def score_stage(self, task: int) -> tuple[float, list[float], dict[str, Any]]:
+        """(stage accuracy, per-task accuracies, result extras) of the global model after ``task``.
+
+        Shared task stream: accuracy over all seen test samples and per global task. STAMP's
+        task pool (``partition = task-pool``): every client is scored on its own tasks' test
+        classes; the stage accuracy is the mean over clients of their mean task accuracy and
+        ``per_task[i]`` the mean over clients of their task-i accuracy; the per-client rows go
+        to ``extra["per_client"]`` (results.json's A_avg/A_T/F_T are then means over clients).
+        """
+        preds, labels = self.predict_seen(task)
+        if not self.split.is_task_pool:
+            accuracy, per_task = accuracy_by_task(preds, labels, self.task_of_label, task + 1)
+            return accuracy, per_task, {}
+        rows = task_pool_accuracy(preds, labels, self.split.client_classes, task)
+        per_client = {f"client-{u}": row.tolist() for u, row in enumerate(rows)}
+        return float(rows.mean(axis=1).mean()), rows.mean(axis=0).tolist(), {"per_client": per_client}
 
     def round_config(self, plan: RoundPlan) -> dict[str, Any]:
         """Extra per-round settings for the clients (added to the run config)."""
@@ -150,7 +171,7 @@ class StagedStrategy(Strategy):
     ) -> Iterable[Message]:
         """Send the global arrays and the full run config + this round's settings to every client."""
         plan = self._require_plan()
-        node_ids = self.select_nodes(grid)
+        node_ids = self._round_nodes(grid, self.select_nodes(grid), plan, server_round)
         settings = {
             **self.cfg.to_mapping(),
             **dict(config),
@@ -180,6 +201,7 @@ class StagedStrategy(Strategy):
                 if message.has_error():
                     raise UploadError(f"client failed: {message.error.reason}")
                 client, num_examples = self._identify(message.content)
+                self._node_partition[node] = int(client.removeprefix("client-"))
                 if any(r.client == client for r in accepted):
                     claimed, client = client, f"node-{node}"  # name the sender: `claimed` is already in
                     raise UploadError(f"duplicate upload: {claimed} already uploaded in this round")
@@ -195,6 +217,8 @@ class StagedStrategy(Strategy):
         if not accepted:
             raise RuntimeError(f"round {server_round}: no valid reply; see the rejected uploads above")
         self._clients.update(r.client for r in accepted)
+        if server_round in self._sampling:
+            self._sampling[server_round]["contributed"] = sorted((r.client for r in accepted), key=_client_order)
         self.aggregate_round(plan, accepted)
         metrics = MetricRecord({"num-clients": len(accepted),
                                 "num-examples": sum(r.num_examples for r in accepted)})
@@ -279,7 +303,44 @@ class StagedStrategy(Strategy):
                 metrics = message.content.metric_records.get("metrics")
                 if metrics is not None and "partition-id" in metrics:
                     seen.add(f"client-{metrics['partition-id']}")
-        return {f"client-{i}" for i in range(self.cfg.num_clients)} - seen
+        return self._round_expected - seen
+
+    def _round_nodes(self, grid: Grid, node_ids: list[int], plan: RoundPlan, server_round: int) -> list[int]:
+        """The nodes this round goes to. Train rounds with ``clients-per-round > 0`` go only to the
+        nodes of a seeded sample of the clients joined by the task (LGA: 10 per round); every
+        other round goes to every node. Only the clients a round goes to can miss it."""
+        everyone = {f"client-{i}" for i in range(self.cfg.num_clients)}
+        if self.cfg.clients_per_round == 0 or plan.message_type != TRAIN_MESSAGE:
+            self._round_expected = everyone
+            self._expected |= everyone
+            return node_ids
+        # seeded by (seed, task, phase, round in stage): a rerun or a resumed run samples the same
+        rng = np.random.default_rng([self.cfg.seed, plan.task, zlib.crc32(plan.phase.encode()), plan.index])
+        sampled = sample_clients(self.split.active_clients(plan.task), self.cfg.clients_per_round, rng)
+        unknown = [n for n in node_ids if n not in self._node_partition]
+        if unknown:
+            self._discover(grid, unknown)
+        names = [f"client-{c}" for c in sampled.tolist()]
+        self._round_expected = set(names)
+        self._expected |= self._round_expected
+        self._sampling.setdefault(server_round, {"round": server_round, "sampled": names, "contributed": []})
+        wanted = set(sampled.tolist())
+        return [n for n in node_ids if self._node_partition.get(n) in wanted]
+
+    def _discover(self, grid: Grid, node_ids: list[int]) -> None:
+        """Ask nodes we have not heard from which client (partition) they serve: the server only
+        knows node ids, and sampling is by client. One tiny ``query.info`` message each, no data."""
+        content = RecordDict({"config": ConfigRecord(self.cfg.to_mapping())})
+        messages = [Message(content=content, message_type=INFO_MESSAGE, dst_node_id=n) for n in node_ids]
+        for reply in grid.send_and_receive(messages, timeout=self.cfg.round_timeout):
+            node = reply.metadata.src_node_id
+            metrics = None if reply.has_error() else reply.content.metric_records.get("metrics")
+            partition = None if metrics is None else metrics.get("partition-id")
+            if isinstance(partition, int) and 0 <= partition < self.cfg.num_clients:
+                self._node_partition[node] = partition
+            else:
+                why = reply.error.reason if reply.has_error() else f"partition-id {partition!r}"
+                log(WARNING, "node %d did not say which client it serves (%s); it is not sampled", node, why)
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -358,21 +419,29 @@ class StagedStrategy(Strategy):
         self._message: dict[str, int] = {}
         self._clients: set[str] = set()
         self._left_out: dict[str, str] = {}
+        self._expected: set[str] = set()  # clients some round of this stage was sent to
+        self._round_expected: set[str] = set()
+        self._sampling: dict[int, dict[str, Any]] = {}  # server round -> sampled / contributed clients
 
     def _evaluate_stage(self, task: int, *, rounds: int, began: float, extra: dict[str, Any]) -> StageRecord:
-        preds, labels = self.predict_seen(task)
-        accuracy, per_task = accuracy_by_task(preds, labels, self.task_of_label, task + 1)
+        accuracy, per_task, scores = self.score_stage(task)
+        extra = {**extra, **scores}
         left_out = {c: why for c, why in self._left_out.items() if c not in self._clients}
         unattributed = any(c.startswith("node-") for c in left_out)  # rejected before we knew who
         if rounds:  # a stage without federated rounds (e.g. joint) misses nobody
             for i in range(self.cfg.num_clients):
                 client = f"client-{i}"
-                if client not in self._clients and client not in left_out:
+                if client in self._expected and client not in self._clients and client not in left_out:
                     left_out[client] = ("no reply within round-timeout" if not unattributed else
                                         "no accepted reply (timed out, or one of the rejected node-* uploads)")
+        if self._sampling:
+            extra = {**extra, "sampling": [self._sampling[r] for r in sorted(self._sampling)]}
+        old_only = getattr(self.split, "old_only", None)
+        if old_only is not None and len(old_only[task]):
+            extra = {**extra, "old_only_clients": [f"client-{c}" for c in old_only[task].tolist()]}
         return StageRecord(
             stage=task + 1,
-            classes=list(self.split.tasks[task]),
+            classes=self.split.stage_classes(task),
             accuracy=accuracy,
             per_task_accuracy=per_task,
             seconds=time.perf_counter() - began,
@@ -389,6 +458,12 @@ def _resumable_config(cfg: RunConfig) -> dict[str, Any]:
     """The config keys that must match for a checkpoint to be resumed."""
     operational = {"resume", "round-timeout", "require-all-clients", "round-retries", "device"}
     return {k: v for k, v in cfg.to_mapping().items() if k not in operational}
+
+
+def _client_order(name: str) -> tuple[int, str]:
+    """``client-2`` before ``client-10``; other names (``node-*``) after."""
+    head, _, tail = name.partition("-")
+    return (int(tail), "") if head == "client" and tail.isdigit() else (1 << 30, name)
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
