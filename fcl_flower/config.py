@@ -24,6 +24,9 @@ def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> An
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+# Methods whose clients and server need no shared class ranges per task (STAMP's task pool).
+TASK_POOL_STRATEGIES = ("finetune", "lwf", "ewc", "stamp")
+
 STRATEGY_NAMES = (
     "stsa",
     "stsa-e",
@@ -62,10 +65,15 @@ class RunConfig:
     partition: str = _knob(
         "dirichlet",
         "Per-task client data: Dirichlet shares (project), LGA's random class subsets with all their "
-        "images, or STAMP's distinct classes per client (task pool).",
+        "images, or STAMP's limitless task pool (every client its own class sequence, all images of "
+        "those classes, one head over all classes, each client scored on its own tasks).",
         ("dirichlet", "class-subsets", "task-pool"),
     )
     class_fraction: float = _knob(0.6, "class-subsets: share of a task's classes each client holds (LGA: 0.6).")
+    classes_per_task: int = _knob(
+        0, "task-pool: classes in each task of a client (0: classes / num-tasks; beyond, each client's "
+        "class permutation repeats)."
+    )
     initial_clients: int = _knob(
         0, "Clients holding data from task 0 (0: all); the others join later (LGA: 30 of 30 + 10/task)."
     )
@@ -194,12 +202,18 @@ class RunConfig:
             )
         if not 0.0 <= self.old_only_fraction < 1.0:
             raise ConfigError(f"old-only-fraction must be in [0, 1) (got {self.old_only_fraction})")
+        if self.partition == "task-pool" and self.strategy not in TASK_POOL_STRATEGIES:
+            raise ConfigError(f"strategy '{self.strategy}' needs a shared task stream; partition task-pool "
+                              f"(STAMP's limitless task pool) runs with: {', '.join(TASK_POOL_STRATEGIES)}")
+        if self.partition == "task-pool" and (self.first_task_classes or 0 < self.initial_clients < self.num_clients):
+            raise ConfigError("partition task-pool has no large first task and no joining clients: "
+                              "set first-task-classes and initial-clients to 0")
         positive = ("num_tasks", "num_clients", "local_epochs", "batch_size", "dummy_clients", "rank")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.key(name)} must be >= 1 (got {getattr(self, name)})")
         for name in ("stage1_rounds", "rounds_per_task", "rf_dim", "first_task_classes",
-                     "image_size", "rank_budget_bytes", "memory_size"):
+                     "image_size", "rank_budget_bytes", "memory_size", "classes_per_task"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.key(name)} must be >= 0 (got {getattr(self, name)})")
         if self.lr <= 0:

@@ -71,3 +71,50 @@ def summarise(stage_accuracy: Sequence[float], per_task: Sequence[Sequence[float
         A_T=float(stage_accuracy[-1]),
         F_T=forgetting(per_task),
     )
+
+
+# --------------------------------------------------------------------------- STAMP's task pool
+def task_pool_accuracy(predictions: np.ndarray, labels: np.ndarray, client_classes: np.ndarray,
+                       stage: int) -> np.ndarray:
+    """``(clients, stage + 1)`` percent: ``a_u[stage][i]``, client ``u``'s accuracy on its task ``i``.
+
+    In STAMP's limitless task pool every client has its own task sequence
+    (``client_classes[u, i]`` = the classes of client u's task i), so task i's test set differs
+    per client: the test samples whose label is one of those classes, predicted over the full
+    head. NaN where a task has no test sample.
+    """
+    predictions = np.asarray(predictions)
+    labels = np.asarray(labels)
+    if predictions.shape != labels.shape:
+        raise ValueError(f"predictions {predictions.shape} and labels {labels.shape} differ in shape")
+    classes = np.asarray(client_classes)
+    if classes.ndim != 3 or not 0 <= stage < classes.shape[1]:
+        raise ValueError(f"client_classes must be (clients, tasks, classes) with stage < tasks, got "
+                         f"{classes.shape} and stage {stage}")
+    correct = predictions == labels
+    out = np.full((classes.shape[0], stage + 1), np.nan)
+    for u in range(classes.shape[0]):
+        for i in range(stage + 1):
+            mask = np.isin(labels, classes[u, i])
+            if mask.any():
+                out[u, i] = 100.0 * correct[mask].mean()
+    return out
+
+
+def summarise_clients(per_client: Sequence[Sequence[Sequence[float]]]) -> tuple[CILSummary, list[CILSummary]]:
+    """(mean over clients, per client) of A_avg, A_T, F_T for per-client accuracy matrices.
+
+    ``per_client[u][t][i]`` is ``a_u[t][i]``. Each client is summarised with the functions above,
+    its stage accuracy being the mean over its tasks so far, ``A_t^u = mean_{i<=t} a_u[t][i]``;
+    the headline numbers are the plain means over clients (forgetting is not linear in the
+    matrix, so averaging the matrices first would give another F_T).
+    """
+    if not per_client:
+        raise ValueError("no clients")
+    each = [summarise([float(np.mean(row)) for row in rows], rows) for rows in per_client]
+    mean = CILSummary(
+        A_avg=float(np.mean([s.A_avg for s in each])),
+        A_T=float(np.mean([s.A_T for s in each])),
+        F_T=float(np.mean([s.F_T for s in each])),
+    )
+    return mean, each

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fcl_flower.metrics import summarise
+from fcl_flower.metrics import CILSummary, summarise, summarise_clients
 
 
 @dataclass
@@ -59,10 +59,10 @@ class ResultsRecorder:
             **self.info,
         }
         if self.stages:
-            summary = summarise(
-                [s.accuracy for s in self.stages], [s.per_task_accuracy for s in self.stages]
-            )
+            summary, per_client = run_summary(self.stages)
             data.update(asdict(summary))
+            if per_client:
+                data["per_client"] = {c: asdict(m) for c, m in per_client.items()}
             data["total_seconds"] = sum(s.seconds for s in self.stages)
             data["total_upload_bytes_per_client"] = total_upload(self.stages)
         return data
@@ -73,6 +73,20 @@ class ResultsRecorder:
 
     def table(self) -> str:
         return format_stage_table(self.stages)
+
+
+def run_summary(stages: list[StageRecord]) -> tuple[CILSummary, dict[str, CILSummary]]:
+    """A_avg, A_T, F_T of a run, and per client where the stages score clients separately.
+
+    Under STAMP's task pool every stage carries ``extra["per_client"]`` (client -> its accuracy
+    on each of its own tasks so far); the run's numbers are then the means over clients of each
+    client's own (:func:`fcl_flower.metrics.summarise_clients`). Otherwise: the shared stream's.
+    """
+    if stages and all("per_client" in s.extra for s in stages):
+        clients = sorted(stages[0].extra["per_client"])
+        mean, each = summarise_clients([[s.extra["per_client"][c] for s in stages] for c in clients])
+        return mean, dict(zip(clients, each))
+    return summarise([s.accuracy for s in stages], [s.per_task_accuracy for s in stages]), {}
 
 
 def total_upload(stages: list[StageRecord]) -> dict[str, int]:
@@ -96,7 +110,7 @@ def format_stage_table(stages: list[StageRecord]) -> str:
             f"{s.rounds:>6} {s.seconds:>8.2f} {mean_upload:>14}"
         )
     if stages:
-        m = summarise([s.accuracy for s in stages], [s.per_task_accuracy for s in stages])
+        m, _ = run_summary(stages)
         lines.append(f"A_avg = {m.A_avg:.2f}   A_T = {m.A_T:.2f}   F_T = {m.F_T:.2f}")
     return "\n".join(lines)
 

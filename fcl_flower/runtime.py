@@ -33,6 +33,7 @@ def federated_split(cfg: RunConfig) -> FederatedSplit:
         initial_clients=cfg.initial_clients,
         joining_per_task=cfg.joining_per_task,
         old_only_fraction=cfg.old_only_fraction,
+        classes_per_task=cfg.classes_per_task,
     )
 
 

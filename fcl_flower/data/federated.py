@@ -10,7 +10,11 @@ partitions, which is what we do.
 
 ``partition`` picks the per-task partitioner: "dirichlet" (default, the project protocol),
 "class-subsets" (LGA: a random ``class_fraction`` of the task's classes per client, all their
-samples) or "task-pool" (STAMP: distinct classes per client); see :mod:`.paper_partitions`.
+samples) or "task-pool" (STAMP's limitless task pool, :mod:`.task_pool`: every client its own
+sequence of ``classes_per_task``-class blocks of a private class permutation, all samples of those
+classes; ``tasks[t]`` is then every class, since one head covers all classes from the start, and
+:meth:`FederatedSplit.client_task_classes` / :meth:`FederatedSplit.client_task_test` give each
+client's own tasks for per-client evaluation); see :mod:`.paper_partitions`.
 ``initial_clients > 0`` makes clients join over time (LGA): a client not yet joined at task t
 holds an empty partition and the task is split over the joined clients only.
 ``old_only_fraction > 0`` (LGA's Z_o) additionally leaves a seeded share of the clients joined
@@ -30,9 +34,10 @@ import numpy as np
 from .bundle import DatasetBundle
 from .errors import DatasetError
 from .labelled import LabelledDataset
-from .paper_partitions import class_subset_partition, join_tasks, old_only_clients, task_pool_partition
+from .paper_partitions import class_subset_partition, join_tasks, old_only_clients
 from .partition import dirichlet_partition
 from .registry import load_dataset
+from .task_pool import samples_of_classes, task_pool_classes
 from .tasks import task_class_ranges
 
 
@@ -60,6 +65,7 @@ class FederatedSplit:
         initial_clients: int = 0,
         joining_per_task: int = 0,
         old_only_fraction: float = 0.0,
+        classes_per_task: int = 0,
     ) -> None:
         if partition not in PARTITIONS:
             raise DatasetError(f"unknown partition {partition!r}; choose one of: {', '.join(PARTITIONS)}")
@@ -70,6 +76,11 @@ class FederatedSplit:
         if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
             raise DatasetError(f"seed must be an integer >= 0, got {seed!r}")
         self.bundle = bundle
+        self.client_classes: np.ndarray | None = None  # task pool: (clients, tasks, cpt) class blocks
+        if partition == "task-pool":
+            self._build_task_pool(num_tasks, first_task_classes, int(num_clients), float(beta), int(seed),
+                                  classes_per_task, initial_clients, old_only_fraction)
+            return
         self.tasks: list[range] = task_class_ranges(bundle.num_classes, num_tasks, first_task_classes)
         self.num_clients = int(num_clients)
         self.beta = float(beta)
@@ -95,8 +106,6 @@ class FederatedSplit:
             try:
                 if partition == "class-subsets":
                     parts = class_subset_partition(train_y[idx], len(active), class_fraction, rng)
-                elif partition == "task-pool":
-                    parts = task_pool_partition(train_y[idx], len(active), rng)
                 else:
                     parts = dirichlet_partition(train_y[idx], len(active), self.beta, rng)
             except DatasetError as exc:
@@ -109,6 +118,57 @@ class FederatedSplit:
             for c in clients:
                 c.setflags(write=False)
             self._client_idx.append(clients)
+
+    def _build_task_pool(self, num_tasks: int, first_task_classes: int, num_clients: int, beta: float,
+                         seed: int, classes_per_task: int, initial_clients: int, old_only_fraction: float) -> None:
+        """STAMP's limitless task pool (spec lga_stamp.md B1.4): per-client task sequences."""
+        if first_task_classes:
+            raise DatasetError("partition task-pool has no large first task; set first-task-classes to 0")
+        if 0 < initial_clients < num_clients or old_only_fraction:
+            raise DatasetError("partition task-pool has no joining or memory-only clients (STAMP B1.3)")
+        self.num_clients, self.beta, self.seed, self.partition = num_clients, beta, seed, "task-pool"
+        classes = task_pool_classes(self.bundle.num_classes, num_tasks, classes_per_task, num_clients, seed)
+        self.client_classes = classes
+        self.tasks = [range(self.bundle.num_classes)] * classes.shape[1]  # one head over all classes
+        self.join_task = np.zeros(num_clients, dtype=np.int64)
+        self.old_only = [np.zeros(0, dtype=np.int64) for _ in self.tasks]
+        train_y = self.bundle.train.targets
+        self._task_idx, self._client_idx = [], []
+        for t in range(len(self.tasks)):
+            clients = [samples_of_classes(train_y, classes[u, t]) for u in range(num_clients)]
+            pooled = np.unique(np.concatenate(clients))
+            for ix in (*clients, pooled):
+                ix.setflags(write=False)
+            self._task_idx.append(pooled)
+            self._client_idx.append(clients)
+
+    @property
+    def is_task_pool(self) -> bool:
+        """Whether every client has its own task sequence (STAMP's limitless task pool)."""
+        return self.client_classes is not None
+
+    def client_task_classes(self, task: int, client: int) -> np.ndarray:
+        """The classes of client ``client``'s task ``task``: its own block under the task pool,
+        else the shared task's classes (a Dirichlet client may hold samples of only some)."""
+        task, client = self._task(task), self._client(client)
+        if self.client_classes is not None:
+            return self.client_classes[client, task]
+        return np.arange(self.tasks[task].start, self.tasks[task].stop, dtype=np.int64)
+
+    def stage_classes(self, task: int) -> list[int]:
+        """Classes trained at stage ``task``: the task's, or (task pool) every client's block."""
+        task = self._task(task)
+        if self.client_classes is not None:
+            return sorted(set(self.client_classes[:, task].reshape(-1).tolist()))
+        return list(self.tasks[task])
+
+    def classes_through(self, task: int) -> int:
+        """Classes learnt by the end of ``task``, counted task by task (a client's; EWC's task
+        weights): ``tasks[task].stop`` on the shared stream, ``(task + 1) * cpt`` in the pool."""
+        task = self._task(task)
+        if self.client_classes is not None:
+            return (task + 1) * self.client_classes.shape[2]
+        return self.tasks[task].stop
 
     # -- validation ------------------------------------------------------------------------
     @property
@@ -169,6 +229,11 @@ class FederatedSplit:
         y = self.bundle.test.targets
         return self.bundle.test.subset(np.flatnonzero((y >= r.start) & (y < r.stop)))
 
+    def client_task_test(self, task: int, client: int) -> LabelledDataset:
+        """Test samples of the classes of client ``client``'s task ``task`` (task pool scoring)."""
+        classes = self.client_task_classes(task, client)
+        return self.bundle.test.subset(samples_of_classes(self.bundle.test.targets, classes))
+
     def __repr__(self) -> str:
         return (
             f"FederatedSplit({self.bundle.name}, tasks={self.num_tasks}, clients={self.num_clients}, "
@@ -192,8 +257,10 @@ def get_federated_split(
     initial_clients: int = 0,
     joining_per_task: int = 0,
     old_only_fraction: float = 0.0,
+    classes_per_task: int = 0,
 ) -> FederatedSplit:
     """Load the dataset (seeded class order) and build its split once per process (cached)."""
     bundle = load_dataset(dataset, root=root, download=download, seed=seed, image_size=image_size)
     return FederatedSplit(bundle, num_tasks, first_task_classes, num_clients, beta, seed,
-                          partition, class_fraction, initial_clients, joining_per_task, old_only_fraction)
+                          partition, class_fraction, initial_clients, joining_per_task, old_only_fraction,
+                          classes_per_task)
