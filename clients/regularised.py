@@ -7,6 +7,9 @@ come from, from the second task on the cross-entropy covers the *new task's clas
 With the all-seen-classes cross-entropy of ``finetune`` the new data pushes every old logit
 down, and LwF forgets as much as finetune (digits, 5 tasks, 5 clients, β = 0.5, seed 0: A_T
 15.1 vs 15.3); with the new-class cross-entropy its A_T is 22.4.
+In STAMP's limitless task pool (``partition = task-pool``) a client's task is a scattered set of
+classes on one head over all classes, so the cross-entropy covers the whole head there and LwF
+distils every logit of the previous task's global model.
 
 * ``lwf``: ``+ α · KD(teacher ‖ student)`` on the old classes, temperature T. The teacher (the
   global model at the end of the previous task) arrives with every message in the ArrayRecord
@@ -93,14 +96,22 @@ def ewc_extra_loss(fisher: dict[str, torch.Tensor], anchor: dict[str, torch.Tens
 
 # ------------------------------------------------------------------------------ handlers
 def new_task_ce_from(job: ClientJob) -> int:
-    """First class of the cross-entropy: the new task's (TARGET/LANDER LwF/EWC), see module doc."""
+    """First class of the cross-entropy: the new task's (TARGET/LANDER LwF/EWC), see module doc.
+    In STAMP's task pool a client's task is no label range (one head over all classes): all."""
+    if job.cfg.partition == "task-pool":
+        return 0
     return job.task_classes.start if NEW_CLASSES_ONLY_CE else 0
+
+
+def old_classes(job: ClientJob) -> int:
+    """Logits LwF distils: the classes before the task's (task pool: the whole head)."""
+    return job.num_seen if job.cfg.partition == "task-pool" else job.task_classes.start
 
 
 def handle_lwf(message: Message, job: ClientJob) -> Message:
     """Local SGD with distillation from the previous task's global model."""
     teacher = frozen_teacher(job.model, _server_arrays(message, TEACHER_RECORD, job.phase), job.device)
-    extra = lwf_extra_loss(teacher, job.task_classes.start, job.cfg.lwf_alpha, job.cfg.lwf_temperature)
+    extra = lwf_extra_loss(teacher, old_classes(job), job.cfg.lwf_alpha, job.cfg.lwf_temperature)
     stats = local_sgd(job.model, job.local_data(eval_transform=False), job.cfg, lr=job.lr,
                       num_seen=job.num_seen, device=job.device, seed=_round_seed(job), extra_loss=extra,
                       ce_from=new_task_ce_from(job))

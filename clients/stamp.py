@@ -16,25 +16,70 @@ Phase ``stamp``, every round of every task. Per round:
    matched by the CAGrad operator (radius ``gm-c``); the client uploads ``θ_received − d``.
    With no old task in the coreset this is plain local training.
 
+A client's "old tasks" are its *own* earlier tasks: each coreset class belongs to the first of
+this client's tasks whose data holds it. On the shared stream that is the task whose label
+range holds the class; in STAMP's limitless task pool (``partition = task-pool``) every client
+has its own class sequence, and a tiled sequence can bring a class back, in which case the
+coreset keeps the exemplars picked at its first task.
+
 Math: :mod:`fcl_flower.fcl.stamp`.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, Message
 
 from clients.fedavg import _round_seed
 from clients.job import ClientJob, make_reply
-from clients.lga import exemplar_datasets, herd_finished_tasks, load_memory, save_memory, train_loader
+from clients.lga import load_memory, save_memory, train_loader
+from fcl_flower.data import LabelledDataset
+from fcl_flower.fcl.exemplars import ExemplarMemory
 from fcl_flower.fcl.stamp import (assign_flat_params, flatten_params, protonet_loss, task_gradient,
                                   temporal_match)
 from fcl_flower.models import trainable_state
+from fcl_flower.runtime import iter_features
 
 CORESET_STATE = "stamp-coreset"
 META_STATE = "stamp-state"
 PROTO_WEIGHT = 1.0  # λ_proto (spec B5.2)
+
+
+def own_task_of_classes(job: ClientJob, through: int) -> dict[int, int]:
+    """class -> the first of this client's tasks ``0..through-1`` whose own data holds it."""
+    owner: dict[int, int] = {}
+    for task in range(through):
+        for cls in np.unique(job.data.train(task, eval_transform=True).targets).tolist():
+            owner.setdefault(int(cls), task)
+    return owner
+
+
+def herd_new_classes(job: ClientJob, coreset: ExemplarMemory, first: int, last: int) -> None:
+    """Eq. 6 for this client's tasks ``first..last-1``: herd towards each class mean on the
+    received model's embeddings; a class already in the coreset (a tiled task pool brings classes
+    back) keeps its exemplars. Indices are positions in that task's own data."""
+    for task in range(first, last):
+        data = job.data.train(task, eval_transform=True)
+        if len(data) == 0:
+            continue
+        labels = torch.from_numpy(np.array(data.targets, dtype=np.int64))
+        fresh = ~torch.isin(labels, torch.tensor(coreset.classes, dtype=torch.int64))
+        if not bool(fresh.any()):
+            continue
+        feats = torch.cat([f for f, _ in iter_features(job.model, data, job.cfg, job.device)])
+        coreset.add_classes(feats[fresh], labels[fresh], torch.arange(len(data))[fresh], normalize=False)
+
+
+def coreset_by_task(job: ClientJob, coreset: ExemplarMemory) -> dict[int, LabelledDataset]:
+    """Per old task of this client, its coreset samples (eval transforms)."""
+    owner = own_task_of_classes(job, job.task)
+    by_task: dict[int, list[int]] = {}
+    for cls in coreset.classes:
+        by_task.setdefault(owner[cls], []).extend(coreset.class_indices(cls).tolist())
+    return {t: job.data.train(t, eval_transform=True).subset(np.asarray(idx, dtype=np.int64))
+            for t, idx in sorted(by_task.items()) if idx}
 
 
 def handle_stamp(message: Message, job: ClientJob) -> Message:
@@ -42,7 +87,7 @@ def handle_stamp(message: Message, job: ClientJob) -> Message:
     coreset = load_memory(state, CORESET_STATE, cfg.memory_size)
     meta = dict(state.config_records[META_STATE]) if META_STATE in state.config_records else {}
     if task > int(meta.get("task", -1)):  # Eq. 6 on the end-of-task global model
-        herd_finished_tasks(job, coreset, int(meta.get("memory-through", 0)), task, normalize=False)
+        herd_new_classes(job, coreset, int(meta.get("memory-through", 0)), task)
         meta["memory-through"] = task
 
     model, device = job.model.to(job.device), job.device
@@ -68,7 +113,7 @@ def handle_stamp(message: Message, job: ClientJob) -> Message:
                 count += len(labels)
         model.eval()
 
-    old_tasks = exemplar_datasets(job, coreset, eval_transform=True)
+    old_tasks = coreset_by_task(job, coreset)
     matched = 0
     if len(current) and old_tasks:
         local = flatten_params(model)

@@ -132,8 +132,8 @@ class EWCStrategy(FedAvgStrategy):
         if sum(weights) == 0:
             weights = [1.0] * len(replies)
         task_fisher = aggregate_fishers([r.payload for r in replies], weights)
-        previous = self.num_seen(plan.task - 1) if plan.task > 0 else 0
-        self.fisher = merge_task_fishers(self.fisher, task_fisher, previous, self.num_seen(plan.task))
+        previous = self.split.classes_through(plan.task - 1) if plan.task > 0 else 0  # task pool: per client
+        self.fisher = merge_task_fishers(self.fisher, task_fisher, previous, self.split.classes_through(plan.task))
         self.anchor = {k: p.detach().cpu().clone() for k, p in trainable_parameters(self.model).items()}
 
     def extra_arrays(self, plan: RoundPlan) -> dict[str, ArrayRecord]:
