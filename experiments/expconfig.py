@@ -206,7 +206,9 @@ def _run_table(table: Any, where: str) -> dict[str, Any]:
         raise ExperimentConfigError(f"{where}: {', '.join(reserved)} may not be set in [run] "
                                     "(use 'strategies', 'seeds' and --out)")
     try:
-        RunConfig.from_mapping(dict(table))  # unknown keys and bad values, with the key's name
+        # unknown keys and bad values, with the key's name; the strategy comes from 'strategies', so
+        # a placeholder that runs under every partition stands in (each run is validated in full)
+        RunConfig.from_mapping({**dict(table), "strategy": "finetune"})
     except ConfigError as err:
         raise ExperimentConfigError(f"{where}: {err}") from None
     return dict(table)
