@@ -17,6 +17,7 @@ from clients.job import ClientJob
 from clients.lga import handle_lga
 from clients.stamp import handle_stamp
 from clients.regularised import handle_ewc, handle_ewc_stats, handle_lwf
+from clients.secure import KEYS_PHASE, handle_keys
 
 Handler = Callable[[Message, ClientJob], Message]
 
@@ -27,6 +28,7 @@ HANDLERS: dict[str, Handler] = {
     "stsa-stats": handle_stsa_stats,
     "stsa-e-stats": handle_stsa_e_stats,
     "fedran-stats": handle_fedran_stats,
+    KEYS_PHASE: handle_keys,
 }
 
 

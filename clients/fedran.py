@@ -22,11 +22,12 @@ import torch
 from flwr.app import Message
 from torch import Tensor
 
-from clients.analytic import effective_rf_dim, projection_for
+from clients.analytic import WITHHELD_METRIC, effective_rf_dim, projection_for
 from clients.job import ClientJob, make_reply
 from fcl_flower.analytic import random_features
 from fcl_flower.analytic.lowrank import LowRankSummary, client_summary, client_summary_from_gram
 from fcl_flower.analytic.pseudolabel import pseudo_label_client, pseudo_label_report, select_labelled
+from fcl_flower.privacy.disclosure import disclosable
 from fcl_flower.runtime import iter_features
 from fcl_flower.wire import cast_for_wire
 
@@ -51,6 +52,7 @@ class FedRANClientStats:
     label_corr: Tensor
     num_labelled: int
     pseudo: dict[str, float]
+    withheld: int = 0  # kept samples left out under min-class-count
 
     @property
     def num_samples(self) -> int:
@@ -106,21 +108,25 @@ def fedran_client_update(
     num_classes: int,
     rank: int,
     threshold: float,
+    min_count: int = 1,
 ) -> FedRANClientStats:
     """Algorithm 1, client side, on backbone features Z (n × d) with true ``labels``.
 
     ``labelled`` marks D^ℓ. Prototypes come from the labelled Z only; an unlabelled sample joins
     with its prototype class iff its best cosine over the client's labelled classes is ≥ τ;
     rejected ones are dropped (spec §2.5). Labelled + accepted samples then enter both the Gram
-    summary and B. With every sample labelled this is exactly plain FedRAN.
+    summary and B. With every sample labelled this is exactly plain FedRAN. Classes with fewer
+    than ``min_count`` kept samples are then left out of both (fcl_flower/privacy/disclosure.py).
     """
     labels = labels.to(torch.int64)
     labelled = labelled.to(torch.bool)
     hidden = labels[~labelled]
     kept = pseudo_label_client(features[labelled], labels[labelled], features[~labelled], num_classes, threshold)
-    summary, label_corr = random_feature_statistics(kept.features, kept.labels, projection, num_classes, rank)
+    disclosed = disclosable(kept.labels, num_classes, min_count)
+    summary, label_corr = random_feature_statistics(kept.features[disclosed], kept.labels[disclosed], projection,
+                                                    num_classes, rank)
     report = pseudo_label_report(kept.accepted, kept.predicted, hidden)
-    return FedRANClientStats(summary, label_corr, kept.num_labelled, report)
+    return FedRANClientStats(summary, label_corr, kept.num_labelled, report, int((~disclosed).sum()))
 
 
 def local_backbone_features(job: ClientJob) -> tuple[Tensor, Tensor]:
@@ -144,6 +150,7 @@ def handle_fedran_stats(message: Message, job: ClientJob) -> Message:
     stats = fedran_client_update(
         features, labels, mask, projection_for(job),
         num_classes=job.num_seen, rank=rank, threshold=job.cfg.pseudo_threshold,
+        min_count=job.cfg.min_class_count,
     )
     assert stats.summary.dim == effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
     wire = job.cfg.wire_dtype
@@ -157,5 +164,6 @@ def handle_fedran_stats(message: Message, job: ClientJob) -> Message:
         "pseudo-unlabelled": int(stats.pseudo["total"]),
         "pseudo-accepted": int(stats.pseudo["accepted"]),
         "pseudo-correct": int(stats.pseudo["correct"]),
+        WITHHELD_METRIC: stats.withheld,
     }
     return make_reply(message, job, arrays, stats.num_samples, metrics)

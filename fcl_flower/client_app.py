@@ -1,7 +1,8 @@
 """ClientApp: routes each message to the handler of the phase the strategy asked for.
 
 ``train`` messages carry local-SGD phases; ``query.stats`` messages carry the one-shot
-statistics of the analytic methods. Raw samples never leave this process: handlers reply with
+statistics of the analytic methods; ``query.keys`` asks for a fresh public key before a
+secure-aggregation statistics round. Raw samples never leave this process: handlers reply with
 model weights or aggregate statistics only.
 """
 
@@ -44,3 +45,9 @@ def info(message: Message, context: Context) -> Message:
     cfg = RunConfig.from_mapping(dict(message.content.config_records["config"]))
     partition = node_data(context.node_config, cfg).partition
     return Message(RecordDict({"metrics": MetricRecord({"partition-id": partition})}), reply_to=message)
+
+
+@app.query("keys")
+def keys(message: Message, context: Context) -> Message:
+    """A fresh public key before a secure statistics round (clients/secure.py)."""
+    return _dispatch(message, context)

@@ -90,3 +90,18 @@ def read_tensor(
     if nonnegative and (tensor < 0).any():
         raise UploadError(f"array '{key}' has negative entries")
     return tensor
+
+
+def read_ring(record: ArrayRecord, key: str, *, shape: Sequence[int]) -> np.ndarray:
+    """Fetch one masked secure-aggregation array (uint64 ring elements) and check its shape."""
+    if key not in record:
+        raise UploadError(f"missing array '{key}'")
+    try:
+        data = record[key].numpy()
+    except Exception as exc:  # malformed buffer
+        raise UploadError(f"array '{key}' cannot be decoded ({type(exc).__name__})") from None
+    if data.dtype != np.uint64:
+        raise UploadError(f"masked array '{key}' has dtype {data.dtype}, expected uint64")
+    if tuple(data.shape) != tuple(shape):
+        raise UploadError(f"array '{key}' has shape {tuple(data.shape)}, expected {tuple(shape)}")
+    return np.array(data, copy=True)

@@ -25,7 +25,7 @@ import torch
 from flwr.app import RecordDict
 from flwr.common.logger import log
 
-from clients.analytic import BACKFILL_KEY, BACKFILL_PREFIX, backfill_task_of, encode_backfill
+from clients.analytic import BACKFILL_KEY, BACKFILL_PREFIX, WITHHELD_METRIC, backfill_task_of, encode_backfill
 from fcl_flower.analytic import (
     StatisticsAccumulator,
     estimate_gram,
@@ -38,14 +38,30 @@ from fcl_flower.analytic import (
     unpack_upper,
 )
 from fcl_flower.analytic.estimator import GramEstimator
+from fcl_flower.privacy.secagg import unmask_sum
 from fcl_flower.runtime import iter_features
-from fcl_flower.wire import UploadError, read_tensor
+from fcl_flower.wire import UploadError, read_ring, read_tensor
 from strategies.base import Reply, RoundPlan
 from strategies.gradient import FedAvgStrategy
+from strategies.secure import SecureRounds
 
 
-class AnalyticStrategy(FedAvgStrategy):
-    """STSA: sum exact client statistics, solve the joint ridge in closed form."""
+def withheld_samples(content: RecordDict) -> int:
+    """Samples a client kept out of its upload under ``min-class-count`` (metric, default 0)."""
+    count = content.metric_records["metrics"].get(WITHHELD_METRIC, 0)
+    if not isinstance(count, int) or count < 0:
+        raise UploadError(f"metric '{WITHHELD_METRIC}' is {count!r}, expected a non-negative int")
+    return count
+
+
+class AnalyticStrategy(SecureRounds, FedAvgStrategy):
+    """STSA: sum exact client statistics, solve the joint ridge in closed form.
+
+    With ``secure-aggregation`` the uploads are pairwise-masked ring elements (strategies/
+    secure.py): the server reads only their sum over the round's participants, which is all
+    Eq. 2 needs; with ``min-class-count`` the clients leave out classes they hold too few
+    samples of (fcl_flower/privacy/disclosure.py) and say how many samples they withheld.
+    """
 
     name: ClassVar[str] = "stsa"
     stats_phase: ClassVar[str] = "stsa-stats"
@@ -60,6 +76,7 @@ class AnalyticStrategy(FedAvgStrategy):
         self.weights: torch.Tensor | None = None
         self.missing: dict[str, list[int]] = {}  # client -> tasks whose statistics are not in G, C
         self._backfilled: dict[str, list[int]] = {}  # late statistics that arrived in this stage
+        self._withheld: dict[str, int] = {}  # samples each client kept back under min-class-count
 
     def init_statistics(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Empty G_{1:0} (M × M) and C_{1:0} (M × all classes); methods without a dense Gram
@@ -101,6 +118,7 @@ class AnalyticStrategy(FedAvgStrategy):
             raise UploadError("reply has no 'arrays' record")
         payload = self.parse_stats(plan, content.array_records["arrays"])
         payload["backfill"] = self.parse_backfill(content)
+        payload["withheld"] = withheld_samples(content)
         return payload
 
     def parse_backfill(self, content: RecordDict) -> dict[int, tuple[dict[str, torch.Tensor], int]]:
@@ -111,25 +129,40 @@ class AnalyticStrategy(FedAvgStrategy):
         """
         metrics = content.metric_records["metrics"]  # present: base._identify checked it
         client = f"client-{metrics['partition-id']}"
+        owed = self.missing.get(client, [])
+        # Masked sums cancel only if every participant sends every record: under secure
+        # aggregation each one answers for every owed stage, with zeros for stages it does not owe.
+        asked = sorted({t for ts in self.missing.values() for t in ts}) if self.secure_payloads() else owed
         late = {}
         for name, record in content.array_records.items():
             if not name.startswith(BACKFILL_PREFIX):
                 continue
             task = backfill_task_of(name)
-            if task is None or task not in self.missing.get(client, []):
-                owed = [t + 1 for t in self.missing.get(client, [])]
-                raise UploadError(f"record '{name}' was not asked for ({client} owes stages {owed})")
+            if task is None or task not in asked:
+                raise UploadError(f"record '{name}' was not asked for ({client} owes stages {[t + 1 for t in owed]})")
             count = metrics.get(f"{name}-num-examples")
             if not isinstance(count, int) or count < 0:
                 raise UploadError(f"metric '{name}-num-examples' is {count!r}, expected a non-negative int")
+            if task not in owed and count:
+                raise UploadError(f"record '{name}' carries {count} samples of a stage {client} does not owe")
             try:
                 late[task] = (self.parse_stats(RoundPlan(task, self.stats_phase), record), count)
             except UploadError as err:
                 raise UploadError(f"record '{name}': {err}") from None
+        if self.secure_payloads() and sorted(late) != asked:
+            raise UploadError(f"secure round: backfill records for stages {[t + 1 for t in sorted(late)]}, "
+                              f"expected {[t + 1 for t in asked]}")
         return late
+
+    def secure_payloads(self) -> bool:
+        """Whether the replies being read are masked (the round in progress is a secure one)."""
+        return self._secagg_step is not None and self._secagg_step[0] == "stats"
 
     def parse_stats(self, plan: RoundPlan, record: Any) -> dict[str, torch.Tensor]:
         classes = len(self.split.tasks[plan.task])
+        if self.secure_payloads():  # ring elements: only their sum over the participants is readable
+            return {"gram-packed": read_ring(record, "gram-packed", shape=(packed_length(self.rf_dim),)),
+                    "class-sums": read_ring(record, "class-sums", shape=(self.rf_dim, classes))}
         return {  # G stays packed at wire precision until summed: 1/4 (float32) of a dense float64 G per reply
             "gram-packed": read_tensor(record, "gram-packed", shape=(packed_length(self.rf_dim),), floating=True),
             "class-sums": read_tensor(record, "class-sums", shape=(self.rf_dim, classes), floating=True)
@@ -140,9 +173,37 @@ class AnalyticStrategy(FedAvgStrategy):
         if plan.phase == "fedavg":
             super().aggregate_round(plan, replies)
             return
+        if self.secure_payloads():
+            self.require_participants(replies)
+        self.note_withheld(replies)
         self.add_stage_statistics(plan.task, *self.stage_statistics(plan, replies))
         self.add_backfill(replies)
         self.note_missing(plan.task, replies)
+
+    def note_withheld(self, replies: list[Reply]) -> None:
+        for reply in replies:
+            if reply.payload.get("withheld", 0):
+                self._withheld[reply.client] = self._withheld.get(reply.client, 0) + reply.payload["withheld"]
+
+    def pop_withheld(self) -> dict[str, Any]:
+        """Stage extra: samples each client withheld under min-class-count (never silent)."""
+        withheld, self._withheld = self._withheld, {}
+        return {"withheld_samples": dict(sorted(withheld.items()))} if withheld else {}
+
+    def require_participants(self, replies: list[Reply]) -> None:
+        """A masked sum opens only with every participant's upload: anything else is garbage."""
+        _, peers, _ = self._secagg_step
+        if len(replies) != len(peers):
+            raise RuntimeError(f"secure round: {len(replies)} accepted uploads for {len(peers)} participants")
+
+    def sum_over_clients(self, replies: list[Reply], key: str) -> torch.Tensor:
+        """Σ_k of one statistic in float64: plain, or by opening the masked sum."""
+        if self.secure_payloads():
+            return torch.from_numpy(unmask_sum((r.payload[key] for r in replies), self.cfg.secagg_fraction_bits))
+        total = torch.zeros_like(replies[0].payload[key], dtype=torch.float64)
+        for r in replies:
+            total += r.payload[key]  # summed in float64
+        return total
 
     def note_missing(self, task: int, replies: list[Reply]) -> None:
         """Every client without an accepted upload in this stats round owes task ``task``."""
@@ -162,6 +223,8 @@ class AnalyticStrategy(FedAvgStrategy):
         for task, task_replies in sorted(late.items()):
             self.add_late_statistics(task, task_replies)
             for reply in task_replies:
+                if task not in self.missing.get(reply.client, []):
+                    continue  # a secure round's zero record from a client that did not owe it
                 self.missing[reply.client].remove(task)
                 if not self.missing[reply.client]:
                     del self.missing[reply.client]
@@ -182,12 +245,8 @@ class AnalyticStrategy(FedAvgStrategy):
 
     def stage_statistics(self, plan: RoundPlan, replies: list[Reply]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Spatial aggregation (Eq. 2): sums over the clients of this stage."""
-        packed = torch.zeros(packed_length(self.rf_dim), dtype=torch.float64)
-        for r in replies:
-            packed += r.payload["gram-packed"]  # summed in float64
-        gram = unpack_upper(packed, self.rf_dim)
-        sums = sum(r.payload["class-sums"] for r in replies)
-        return gram, sums, sum(r.num_examples for r in replies)
+        gram = unpack_upper(self.sum_over_clients(replies, "gram-packed"), self.rf_dim)
+        return gram, self.sum_over_clients(replies, "class-sums"), sum(r.num_examples for r in replies)
 
     def add_stage_statistics(self, task: int, gram: torch.Tensor, class_sums: torch.Tensor, n: int) -> None:
         """Temporal aggregation (Eq. 4): G grows by G_t, the task's class columns receive C_t."""
@@ -209,6 +268,9 @@ class AnalyticStrategy(FedAvgStrategy):
             extra["gcv"] = {"grid_min": table[0].gamma, "grid_max": table[-1].gamma}
         extra["ridge"] = gamma
         self.weights = solve_ridge(self.gram, sums, gamma)
+        if self.cfg.secure_aggregation:
+            extra["secure_aggregation"] = True
+        extra.update(self.pop_withheld())
         if self._backfilled:
             extra["backfilled"] = {c: [t + 1 for t in sorted(ts)] for c, ts in sorted(self._backfilled.items())}
             self._backfilled = {}

@@ -153,8 +153,8 @@ class FedRANStrategy(AnalyticStrategy):
         if r_k > min(self.upload_rank(plan.task), n, self.rf_dim):
             raise UploadError(f"rank {r_k} exceeds min(r, n={n}, M)")
         counts = payload["pseudo"]
-        if counts["num-labelled"] + counts["pseudo-accepted"] != n:
-            raise UploadError("num-examples differs from labelled + accepted pseudo-labelled samples")
+        if counts["num-labelled"] + counts["pseudo-accepted"] != n + payload["withheld"]:
+            raise UploadError("num-examples differs from labelled + accepted pseudo-labelled - withheld samples")
         if not counts["pseudo-correct"] <= counts["pseudo-accepted"] <= counts["pseudo-unlabelled"]:
             raise UploadError("pseudo-label counts are inconsistent (correct <= accepted <= unlabelled)")
         try:
@@ -177,6 +177,7 @@ class FedRANStrategy(AnalyticStrategy):
                          torch.zeros(self.rf_dim, classes, dtype=torch.float64))
         self.label_corr = pad_label_corr(self.label_corr, classes) + stage_corr
         self.num_samples += sum(r.num_examples for r in ordered)
+        self.note_withheld(ordered)
         for r in ordered:
             r_k = r.payload["wire-rank"]
             self._stage["client_ranks"][r.client] = r_k
@@ -199,6 +200,7 @@ class FedRANStrategy(AnalyticStrategy):
         extra["ridge"] = gamma
         self.weights = solve_subspace_ridge(summary, label_corr, gamma)
         pseudo = self._stage["pseudo"]
+        extra.update(self.pop_withheld())
         extra.update({
             "rank": {"upload": self.upload_rank(task), "server": self.server_rank, "retained": summary.rank,
                      "clients": dict(sorted(self._stage["client_ranks"].items()))},

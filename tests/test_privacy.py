@@ -11,7 +11,7 @@ backbone features f and their random features Φ (recomputed here from the same 
   axis or in its flat layout, to 1e-9 relative precision;
 * metrics: only scalar numbers (counts, rank), with num-examples = n; no other records.
 
-The guarantee has a precondition that the last test makes explicit: a statistic summed over a
+The plain uploads have a precondition that a later test makes explicit: a statistic summed over a
 single sample *is* that sample. If a client holds exactly one sample of a class, the class-sum
 column C[:, c] that STSA, STSA-E and FedRAN upload equals that sample's Φ_i. The runs above use
 a partition where every class a client holds has several samples; the last test shows that
@@ -27,7 +27,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 
-from fcl_flower.analytic import packed_length, random_features
+from fcl_flower.analytic import packed_length, random_features, solve_ridge
 from fcl_flower.runtime import iter_features
 from tests.conftest import reply_partition, run_in_process, small_config
 
@@ -178,3 +178,85 @@ def test_inspection_catches_a_class_held_by_one_sample(tmp_path) -> None:
     phi = local_rows(strategy, 0, partition)["phi"][sample].numpy()
     assert contains_vector(sums, phi)
     assert np.allclose(sums[:, column], phi, rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------------------------ the guards
+# On the skewed split some clients hold one or two samples of a class. The documented guards:
+# secure aggregation (STSA: every upload is masked) or min-class-count (3 with a Gram upload,
+# 2 for sums only; see fcl_flower/privacy/disclosure.py for why these numbers).
+GUARDED = {
+    "stsa-secure": dict(strategy="stsa", secure_aggregation=True),
+    "stsa-min3": dict(strategy="stsa", min_class_count=3),
+    "stsa-e-min2": dict(strategy="stsa-e", dummy_clients=DUMMIES, min_class_count=2),
+    "fedran-min3": dict(strategy="fedran", rank=RANK, min_class_count=3),
+}
+SKEWED = {**SETTINGS, "beta": 0.2}  # on this split some clients hold 1 (4 cases) or 2 (2 cases) samples of a class
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory) -> dict[str, tuple[object, list[tuple[int, str, list[Message]]]]]:
+    runs = {}
+    for name, changes in GUARDED.items():
+        rounds: list[tuple[int, str, list[Message]]] = []
+
+        def keep(task: int, phase: str, replies: list[Message], rounds=rounds) -> list[Message]:
+            if phase.endswith("stats"):
+                rounds.append((task, phase, list(replies)))
+            return replies
+
+        cfg = small_config(Path(tmp_path_factory.mktemp(name)), **SKEWED, **changes)
+        runs[name] = (run_in_process(cfg, keep), rounds)
+    return runs
+
+
+def test_the_skewed_split_has_classes_held_by_one_or_two_samples(guarded) -> None:
+    strategy, _ = guarded["stsa-min3"]
+    counts = np.concatenate([strategy.split.label_counts(t).ravel() for t in range(strategy.split.num_tasks)])
+    assert (counts == 1).any() and (counts == 2).any()
+
+
+@pytest.mark.parametrize("name", list(GUARDED))
+def test_guarded_uploads_contain_no_sample_even_for_singleton_classes(guarded, name) -> None:
+    strategy, rounds = guarded[name]
+    assert len(rounds) == 3
+    for task, _, replies in rounds:
+        for message in replies:
+            partition = reply_partition(message)
+            rows = local_rows(strategy, task, partition)
+            for array_name, array in reply_arrays(message).items():
+                for kind, matrix in rows.items():
+                    for i, row in enumerate(matrix.numpy()):
+                        assert not contains_vector(array, row), (
+                            f"{name}: client {partition}, task {task}: {array_name} contains {kind} of sample {i}")
+
+
+@pytest.mark.parametrize("name", ["stsa-min3", "fedran-min3"])
+def test_withheld_samples_are_exactly_those_of_small_classes_and_reported(guarded, name) -> None:
+    strategy, rounds = guarded[name]
+    for (task, _, replies), stage in zip(rounds, strategy.recorder.stages):
+        counts = strategy.split.label_counts(task)
+        small = np.where(counts < 3, counts, 0).sum(axis=1)
+        for message in replies:
+            metrics = message.content.metric_records["metrics"]
+            partition = reply_partition(message)
+            assert metrics["withheld-samples"] == small[partition]
+            assert metrics["num-examples"] == counts[partition].sum() - small[partition]
+        reported = stage.extra.get("withheld_samples", {})
+        assert reported == {f"client-{p}": int(n) for p, n in enumerate(small) if n}
+
+
+def test_min_class_count_stsa_equals_centralised_ridge_on_the_disclosed_samples(guarded) -> None:
+    strategy, _ = guarded["stsa-min3"]
+    gram = torch.zeros(M, M, dtype=torch.float64)
+    sums = torch.zeros(M, strategy.split.bundle.num_classes, dtype=torch.float64)
+    for task in range(strategy.split.num_tasks):
+        counts = strategy.split.label_counts(task)
+        start = strategy.split.tasks[task].start
+        for partition in range(strategy.cfg.num_clients):
+            data = strategy.split.client_train(task, partition, eval_transform=True)
+            keep = torch.as_tensor(counts[partition][data.targets - start] >= 3)
+            phi = local_rows(strategy, task, partition)["phi"][keep]
+            gram += phi.T @ phi
+            sums.index_add_(1, torch.as_tensor(data.targets)[keep], phi.T)
+    expected = solve_ridge(gram, sums, strategy.cfg.ridge_value())
+    assert float((strategy.weights - expected).norm() / expected.norm()) < 1e-8
