@@ -30,7 +30,12 @@ def local_sgd(model: IncrementalClassifier, dataset: LabelledDataset, cfg: RunCo
     cross-entropy over the classes seen so far (single head, no task id).
 
     ``ce_from > 0`` limits the cross-entropy to classes ``ce_from..num_seen-1`` (the new task's,
-    as the TARGET/LANDER LwF/EWC baselines train); ``extra_loss`` still gets all seen logits."""
+    as the TARGET/LANDER LwF/EWC baselines train); ``extra_loss`` still gets all seen logits.
+
+    An empty dataset (a client not yet joined, or an LGA Z_o client without memory) trains
+    nothing and reports 0 examples, so FedAvg gives its unchanged model weight 0."""
+    if len(dataset) == 0:
+        return TrainStats(num_examples=0, mean_loss=0.0)
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimiser = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)

@@ -202,14 +202,16 @@ def test_lga_run_samples_joined_clients_and_only_sampled_can_be_missing(tmp_path
 
 def test_require_all_clients_waits_only_for_the_sampled(tmp_path):
     """With require-all-clients and no retries, a round fails as soon as an expected client is
-    missing: the run completes only because unsampled clients are not expected."""
+    missing: the run completes only because unsampled clients are not expected, and because a
+    sampled Z_o client (no data, finetune has no memory) answers with 0 examples instead of failing."""
     from fcl_flower.client_app import app as client_app
     from fcl_flower.local_grid import LocalGrid
     from fcl_flower.server_app import run_experiment
 
     torch.set_num_threads(1)
     cfg = RunConfig(strategy="finetune", dataset="digits", num_tasks=2, num_clients=4, clients_per_round=2,
-                    stage1_rounds=2, rounds_per_task=1, local_epochs=1, batch_size=64, seed=1,
+                    initial_clients=3, joining_per_task=1, old_only_fraction=0.34,
+                    stage1_rounds=2, rounds_per_task=3, local_epochs=1, batch_size=64, seed=0,
                     require_all_clients=True, round_retries=0, out=str(tmp_path), run_name="ft").validated()
     grid = LocalGrid(client_app, 4)
     result = json.loads(run_experiment(grid, cfg).path.read_text())
@@ -217,5 +219,11 @@ def test_require_all_clients_waits_only_for_the_sampled(tmp_path):
         assert stage["left_out"] == {}
         for r in stage["extra"]["sampling"]:
             assert len(r["sampled"]) == 2 and r["contributed"] == r["sampled"]
-    train = [m for m in grid.sent if m.metadata.message_type == "train"]
-    assert len(train) == 2 * 3  # 3 rounds x 2 sampled clients, nobody else trained
+    train = [(m, r) for m, r in zip(grid.sent, grid.replies) if m.metadata.message_type == "train"]
+    assert len(train) == 2 * 5  # 5 rounds x 2 sampled clients, nobody else trained
+    zo = result["stages"][1]["extra"]["old_only_clients"]
+    assert len(zo) == 1
+    zo_replies = [int(r.content.metric_records["metrics"]["num-examples"]) for m, r in train
+                  if f"client-{int(r.content.metric_records['metrics']['partition-id'])}" in zo
+                  and int(m.content.config_records["config"]["task"]) == 1]
+    assert zo_replies and all(n == 0 for n in zo_replies)
