@@ -34,7 +34,9 @@ FORMAT = "fcl-flower-client-data/1"
 META_FILE = "meta.json"
 # Run-config keys that decide which samples a client holds and what their labels mean. A client
 # folder exported under other values would silently train on a different split.
-SPLIT_KEYS = ("dataset", "seed", "num-tasks", "first-task-classes", "num-clients", "beta", "image-size")
+SPLIT_KEYS = ("dataset", "seed", "num-tasks", "first-task-classes", "num-clients", "beta", "image-size",
+              "partition", "class-fraction", "initial-clients", "joining-per-task", "old-only-fraction",
+              "classes-per-task")
 
 
 class NodeConfigError(ValueError):
@@ -121,9 +123,9 @@ class FolderData:
 
     def check_matches(self, cfg: RunConfig) -> None:
         """Refuse a run whose split settings differ from those the folder was exported with."""
-        wanted = cfg.to_mapping()
-        changed = [f"{k} (folder {self.meta[k]!r}, run {wanted[k]!r})"
-                   for k in SPLIT_KEYS if self.meta.get(k) != wanted[k]]
+        wanted, defaults = cfg.to_mapping(), RunConfig().to_mapping()
+        exported = {k: self.meta.get(k, defaults[k]) for k in SPLIT_KEYS}  # older folders lack newer keys
+        changed = [f"{k} (folder {exported[k]!r}, run {wanted[k]!r})" for k in SPLIT_KEYS if exported[k] != wanted[k]]
         if changed:
             raise NodeConfigError(
                 f"client folder {self.folder} was exported for another split: {', '.join(changed)}; "

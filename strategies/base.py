@@ -219,6 +219,9 @@ class StagedStrategy(Strategy):
         self._clients.update(r.client for r in accepted)
         if server_round in self._sampling:
             self._sampling[server_round]["contributed"] = sorted((r.client for r in accepted), key=_client_order)
+        # Replies arrive in whatever order the nodes finish; aggregating in client order makes
+        # every float sum (and any seeded shuffle of the replies) independent of that order.
+        accepted.sort(key=lambda r: int(r.client.removeprefix("client-")))
         self.aggregate_round(plan, accepted)
         metrics = MetricRecord({"num-clients": len(accepted),
                                 "num-examples": sum(r.num_examples for r in accepted)})

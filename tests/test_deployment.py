@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import socket
 import ssl
 import subprocess
@@ -33,11 +34,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from clients.node_data import NodeConfigError, OwnSplit, load_folder, node_data
 from fcl_flower.config import RunConfig
+from fcl_flower.data import FederatedSplit, load_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -130,6 +133,38 @@ def test_folder_for_another_split_is_refused(exported) -> None:
         node_data({"data-dir": str(out)}, cfg)
     with pytest.raises(NodeConfigError, match="names no data"):
         node_data({}, cfg)
+
+    with pytest.raises(NodeConfigError, match="exported for another split: partition"):
+        node_data({"data-dir": str(out / "client-0")}, cfg.replace(partition="class-subsets"))
+
+
+def test_paper_protocol_folder_serves_that_protocols_partition(tmp_path) -> None:
+    """A folder exported for LGA's protocol (class subsets, a joining client) holds exactly that
+    client's partition, and is refused for the default Dirichlet run."""
+    cfg = run_config(tmp_path / "unused", num_clients=4, partition="class-subsets", initial_clients=3,
+                     joining_per_task=1)
+    export_partitions(cfg, tmp_path / "lga")
+    split = FederatedSplit(load_dataset("digits", seed=0), 3, 4, 4, 0.5, 0, "class-subsets", 0.6, 3, 1)
+    for client in range(4):
+        own = node_data({"data-dir": str(tmp_path / "lga" / f"client-{client}")}, cfg)
+        for task in range(3):
+            assert np.array_equal(own.train(task, eval_transform=False).targets,
+                                  split.client_train(task, client).targets)
+    assert len(own.train(0, eval_transform=False)) == 0  # client 3 joins at task 1
+    with pytest.raises(NodeConfigError, match="partition"):
+        node_data({"data-dir": str(tmp_path / "lga" / "client-0")}, cfg.replace(partition="dirichlet"))
+
+
+def test_folder_exported_before_the_protocol_keys_still_serves_default_runs(exported, tmp_path) -> None:
+    cfg, out = exported
+    old = tmp_path / "old-client-0"
+    shutil.copytree(out / "client-0", old)
+    meta = json.loads((old / "meta.json").read_text())
+    for key in ("partition", "class-fraction", "initial-clients", "joining-per-task", "old-only-fraction",
+                "classes-per-task"):
+        meta.pop(key)
+    (old / "meta.json").write_text(json.dumps(meta))
+    assert len(node_data({"data-dir": str(old)}, cfg).train(0, eval_transform=False)) > 0
 
 
 # ------------------------------------------------------------------------------ processes

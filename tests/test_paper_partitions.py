@@ -1,10 +1,11 @@
-"""The LGA / STAMP papers' data protocols (spec lga_stamp.md A1.3, A1.4, B1.4).
+"""The LGA paper's data protocols (spec lga_stamp.md A1.3, A1.4); STAMP's task pool is in
+tests/test_task_pool.py.
 
 Checks: LGA class subsets give every client floor(fraction * c_t) whole classes of the task
-(all their samples, duplicated across clients), covering the task, seeded; the STAMP task pool
-gives clients disjoint whole classes; joining clients hold nothing before they join; the
-default Dirichlet split is unchanged by the new knobs; and one LGA run on class subsets with a
-joining client goes through the real Flower hooks (in-process LocalGrid).
+(all their samples, duplicated across clients), covering the task, seeded; joining clients
+hold nothing before they join; the default Dirichlet split is unchanged by the new knobs; and
+one LGA run on class subsets with a joining client goes through the real Flower hooks
+(in-process LocalGrid).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from fcl_flower.data.paper_partitions import (
     class_subset_count,
     class_subset_partition,
     join_tasks,
-    task_pool_partition,
 )
 
 
@@ -56,26 +56,6 @@ def test_class_subsets_seeded():
     c = class_subset_partition(y, 5, 0.6, np.random.default_rng([4, 1]))
     assert all(np.array_equal(p, q) for p, q in zip(a, b))
     assert _class_sets(y, a) != _class_sets(y, c)
-
-
-@pytest.mark.parametrize("num_clients", [1, 3, 4, 10])
-def test_task_pool_disjoint_whole_classes(num_clients):
-    y = _labels()
-    parts = task_pool_partition(y, num_clients, np.random.default_rng(2))
-    sets = _class_sets(y, parts)
-    assert set().union(*sets) == set(np.unique(y).tolist())
-    assert sum(len(s) for s in sets) == 10  # disjoint: no class held twice
-    assert max(map(len, sets)) - min(map(len, sets)) <= 1
-    for p, s in zip(parts, sets):
-        np.testing.assert_array_equal(np.sort(p), np.flatnonzero(np.isin(y, list(s))))
-    again = task_pool_partition(y, num_clients, np.random.default_rng(2))
-    assert all(np.array_equal(p, q) for p, q in zip(parts, again))
-
-
-def test_task_pool_more_clients_than_classes_shares():
-    y = _labels(num_classes=3)
-    sets = _class_sets(y, task_pool_partition(y, 7, np.random.default_rng(0)))
-    assert all(len(s) == 1 for s in sets) and set().union(*sets) == set(np.unique(y).tolist())
 
 
 def test_join_tasks_and_errors():

@@ -1,6 +1,6 @@
 """The LGA and STAMP papers' own client data protocols, as per-task partitions (pure numpy).
 
-Spec lga_stamp.md A1.3/A1.4 (LGA) and B1.1/B1.4 (STAMP), mapped onto the project's shared
+Spec lga_stamp.md A1.3/A1.4 (LGA), mapped onto the project's shared
 class-incremental task stream (one growing head, central evaluation on the seen classes):
 
 * :func:`class_subset_partition` (LGA A1.4): every client holds a random ``fraction`` of the
@@ -11,12 +11,8 @@ class-incremental task stream (one growing head, central evaluation on the seen 
   takes still-uncovered classes before already-held ones, in random order), so every class of the
   task is held by some client whenever ``num_clients * k >= c_t``; the code's independent draws
   can leave a class unseen by the federation, which the central test would still score.
-* :func:`task_pool_partition` (STAMP B1.4 "each client is assigned distinct classes"): a random
-  permutation of the task's classes is dealt round-robin, so clients hold disjoint classes (all
-  their samples) when ``num_clients <= c_t``; with more clients than classes the deal wraps over
-  fresh permutations and classes are shared (samples duplicated). The full limitless pool
-  (per-client sequences over *all* classes, a 100-way head, per-client test sets) does not fit the
-  shared stream and is not reproduced.
+* STAMP's limitless task pool (per-client class sequences over all classes) is not a per-task
+  partition of the shared stream; it lives in :mod:`.task_pool`.
 * :func:`join_tasks` (LGA A1.3 Z_a): ``initial`` clients from task 0, ``per_task`` more at each
   later task. A client not yet joined holds no data of that task (empty partition).
 * :func:`old_only_clients` (LGA A1.3 Z_o): at each task after the first, a seeded share of the
@@ -86,25 +82,6 @@ def class_subset_partition(
         mine = (first + rest)[:k]
         uncovered -= set(mine)
         held.append(mine)
-    return _gather(per_class, held, rng)
-
-
-def task_pool_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """STAMP "distinct classes per client": deal a random permutation of the task's classes.
-
-    Client ``u`` gets slots ``u, u + U, ...`` of the dealt sequence, which has ``max(c, U)``
-    entries: disjoint classes when ``U <= c`` (sizes differ by at most one), one shared class each
-    when ``U > c``. All samples of a held class go to the client.
-    """
-    num_clients = _positive_int("num_clients", num_clients)
-    classes, per_class = _by_class(labels)
-    c = len(classes)
-    n = max(c, num_clients)
-    seq: list[int] = []
-    while len(seq) < n:
-        seq.extend(rng.permutation(c).tolist())
-    seq = seq[:n]
-    held = [seq[u::num_clients] for u in range(num_clients)]
     return _gather(per_class, held, rng)
 
 
