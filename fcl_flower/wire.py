@@ -68,12 +68,7 @@ def read_tensor(
     nonnegative: bool = False,
 ) -> torch.Tensor:
     """Fetch one array from an untrusted reply and check it; raise UploadError if it is bad."""
-    if key not in record:
-        raise UploadError(f"missing array '{key}'")
-    try:
-        data = record[key].numpy()
-    except Exception as exc:  # malformed buffer
-        raise UploadError(f"array '{key}' cannot be decoded ({type(exc).__name__})") from None
+    data = _fetch(record, key)
     if data.dtype == object or not np.issubdtype(data.dtype, np.number):
         raise UploadError(f"array '{key}' has non-numeric dtype {data.dtype}")
     tensor = torch.from_numpy(np.array(data, copy=True))
@@ -94,14 +89,18 @@ def read_tensor(
 
 def read_ring(record: ArrayRecord, key: str, *, shape: Sequence[int]) -> np.ndarray:
     """Fetch one masked secure-aggregation array (uint64 ring elements) and check its shape."""
-    if key not in record:
-        raise UploadError(f"missing array '{key}'")
-    try:
-        data = record[key].numpy()
-    except Exception as exc:  # malformed buffer
-        raise UploadError(f"array '{key}' cannot be decoded ({type(exc).__name__})") from None
+    data = _fetch(record, key)
     if data.dtype != np.uint64:
         raise UploadError(f"masked array '{key}' has dtype {data.dtype}, expected uint64")
     if tuple(data.shape) != tuple(shape):
         raise UploadError(f"array '{key}' has shape {tuple(data.shape)}, expected {tuple(shape)}")
     return np.array(data, copy=True)
+
+
+def _fetch(record: ArrayRecord, key: str) -> np.ndarray:
+    if key not in record:
+        raise UploadError(f"missing array '{key}'")
+    try:
+        return record[key].numpy()
+    except Exception as exc:  # malformed buffer
+        raise UploadError(f"array '{key}' cannot be decoded ({type(exc).__name__})") from None

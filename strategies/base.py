@@ -195,22 +195,12 @@ class StagedStrategy(Strategy):
         plan = self._require_plan()
         accepted: list[Reply] = []
         for message in replies:
-            node = message.metadata.src_node_id
-            client = f"node-{node}"
             try:
-                if message.has_error():
-                    raise UploadError(f"client failed: {message.error.reason}")
-                client, num_examples = self._identify(message.content)
-                self._node_partition[node] = int(client.removeprefix("client-"))
-                if any(r.client == client for r in accepted):
-                    claimed, client = client, f"node-{node}"  # name the sender: `claimed` is already in
-                    raise UploadError(f"duplicate upload: {claimed} already uploaded in this round")
-                reply = Reply(client, num_examples, self.parse_reply(plan, message.content))
-                self.validate_reply(plan, reply)
+                reply = self.check_reply(plan, message, {r.client for r in accepted})
             except UploadError as err:
-                log(WARNING, "Rejected upload from %s (node %d) in round %d: %s", client, node, server_round, err)
-                self._left_out[client] = str(err)
+                self.reject(message, err, server_round)
                 continue
+            client = reply.client
             self._upload[client] = self._upload.get(client, 0) + payload_bytes(message.content)
             self._message[client] = self._message.get(client, 0) + message_bytes(message.content)
             accepted.append(reply)
@@ -226,6 +216,35 @@ class StagedStrategy(Strategy):
         metrics = MetricRecord({"num-clients": len(accepted),
                                 "num-examples": sum(r.num_examples for r in accepted)})
         return self.global_arrays(), metrics
+
+    def check_reply(self, plan: RoundPlan, message: Message, taken: set[str]) -> Reply:
+        """Identify, parse and validate one reply; ``taken``: clients already accepted this round.
+
+        Raises UploadError with ``.client`` set to the name the rejection is logged under.
+        """
+        node = message.metadata.src_node_id
+        client = f"node-{node}"
+        try:
+            if message.has_error():
+                raise UploadError(f"client failed: {message.error.reason}")
+            client, num_examples = self._identify(message.content)
+            self._node_partition[node] = int(client.removeprefix("client-"))
+            if client in taken:
+                claimed, client = client, f"node-{node}"  # name the sender: `claimed` is already in
+                raise UploadError(f"duplicate upload: {claimed} already uploaded in this round")
+            reply = Reply(client, num_examples, self.parse_reply(plan, message.content))
+            self.validate_reply(plan, reply)
+            return reply
+        except UploadError as err:
+            err.client = client
+            raise
+
+    def reject(self, message: Message, err: UploadError, server_round: int) -> None:
+        """Log a rejected reply by name and record it for the stage's ``left_out``."""
+        client = getattr(err, "client", f"node-{message.metadata.src_node_id}")
+        log(WARNING, "Rejected upload from %s (node %d) in round %d: %s", client,
+            message.metadata.src_node_id, server_round, err)
+        self._left_out[client] = str(err)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:

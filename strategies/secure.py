@@ -28,7 +28,6 @@ from flwr.serverapp import Grid
 from clients.secure import ATTEMPT_KEY, KEYS_PHASE, PEERS_KEY, PUBLIC_KEY, encode_peers
 from fcl_flower.privacy.secagg import KEY_BYTES
 from fcl_flower.wire import UploadError
-from strategies.base import Reply
 
 KEYS_MESSAGE = "query.keys"  # -> @app.query("keys")
 
@@ -74,7 +73,7 @@ class SecureRounds:
             messages = [m for m in self.configure_train(server_round, self.global_arrays(), config, grid)
                         if m.metadata.dst_node_id in peers]
             replies = list(grid.send_and_receive(messages, timeout=timeout))
-            good = self._screen(plan, replies)
+            good = self._screen(plan, server_round, replies)
             dropped = sorted(set(peers) - set(good))
             missing = self._missing_clients(list(good.values())) if self.cfg.require_all_clients else set()
             if not dropped and not missing:
@@ -115,24 +114,16 @@ class SecureRounds:
             peers[node] = key
         return peers
 
-    def _screen(self, plan: Any, replies: list[Message]) -> dict[int, Message]:
+    def _screen(self, plan: Any, server_round: int, replies: list[Message]) -> dict[int, Message]:
         """The replies that would be accepted, by node: the masked sum needs all of them."""
         good: dict[int, Message] = {}
         clients: set[str] = set()
         for message in replies:
-            node = message.metadata.src_node_id
-            name = f"node-{node}"
             try:
-                if message.has_error():
-                    raise UploadError(f"client failed: {message.error.reason}")
-                name, num_examples = self._identify(message.content)
-                if name in clients:
-                    raise UploadError(f"duplicate upload: {name} already uploaded in this round")
-                self.validate_reply(plan, Reply(name, num_examples, self.parse_reply(plan, message.content)))
+                reply = self.check_reply(plan, message, clients)
             except UploadError as err:
-                log(WARNING, "Rejected upload from %s (node %d): %s", name, node, err)
-                self._left_out[name] = str(err)
+                self.reject(message, err, server_round)
                 continue
-            clients.add(name)
-            good[node] = message
+            clients.add(reply.client)
+            good[message.metadata.src_node_id] = message
         return good

@@ -133,3 +133,23 @@ def run_in_process(cfg: RunConfig, tamper: Tamper | None = None) -> StagedStrate
 
 def reply_partition(message: Message) -> int:
     return int(message.content.metric_records["metrics"]["partition-id"])
+
+
+def run_locally(configs: dict[str, RunConfig]) -> dict[str, tuple[RunConfig, object, dict]]:
+    """Run each config through the ServerApp's own ``run_experiment`` on an in-process LocalGrid
+    (one torch thread, so the numbers match a Ray actor's); name -> (cfg, grid, results.json)."""
+    import json
+
+    import torch
+
+    from fcl_flower.client_app import app as client_app
+    from fcl_flower.local_grid import LocalGrid
+    from fcl_flower.server_app import run_experiment
+
+    torch.set_num_threads(1)
+    results = {}
+    for name, cfg in configs.items():
+        grid = LocalGrid(client_app, cfg.num_clients)
+        recorder = run_experiment(grid, cfg)
+        results[name] = (cfg, grid, json.loads(recorder.path.read_text()))
+    return results

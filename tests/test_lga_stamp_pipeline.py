@@ -12,19 +12,15 @@ so that every task is actually learned and forgetting is measurable. Checks:
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
-import torch
 
 from clients.lga import MEMORY_STATE, load_memory
 from clients.stamp import CORESET_STATE
-from fcl_flower.client_app import app as client_app
 from fcl_flower.config import ConfigError, RunConfig
-from fcl_flower.local_grid import LocalGrid
 from fcl_flower.runtime import federated_split
-from fcl_flower.server_app import run_experiment
+from tests.conftest import run_locally
 
 MEMORY = 80  # 40 per class in task 2 down to 10 per class in task 5 (a client holds ~100 per task)
 NUM_CLIENTS = 3
@@ -38,15 +34,8 @@ def _config(strategy: str, out) -> RunConfig:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("lga-stamp")
-    results = {}
-    for strategy in ("finetune", "lga", "stamp"):
-        cfg = _config(strategy, out)
-        grid = LocalGrid(client_app, NUM_CLIENTS)
-        recorder = run_experiment(grid, cfg)
-        results[strategy] = (cfg, grid, json.loads(recorder.path.read_text()))
-    return results
+    return run_locally({strategy: _config(strategy, out) for strategy in ("finetune", "lga", "stamp")})
 
 
 @pytest.mark.parametrize("method", ["lga", "stamp"])

@@ -96,17 +96,20 @@ def local_rows(strategy, task: int, partition: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory) -> dict[str, tuple[object, list[tuple[int, str, list[Message]]]]]:
     """strategy name -> (strategy after the run, [(task, phase, replies)] of every round)."""
-    runs = {}
-    for name, changes in CASES.items():
-        rounds: list[tuple[int, str, list[Message]]] = []
+    return {name: run_capturing(Path(tmp_path_factory.mktemp(name)), **SETTINGS, **changes)
+            for name, changes in CASES.items()}
 
-        def tamper(task: int, phase: str, replies: list[Message], rounds=rounds) -> list[Message]:
+
+def run_capturing(out: Path, **settings) -> tuple[object, list[tuple[int, str, list[Message]]]]:
+    """Run in process and keep (task, phase, replies) of every statistics round."""
+    rounds: list[tuple[int, str, list[Message]]] = []
+
+    def keep(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        if phase.endswith("stats"):
             rounds.append((task, phase, list(replies)))
-            return replies
+        return replies
 
-        cfg = small_config(Path(tmp_path_factory.mktemp(name)), **SETTINGS, **changes)
-        runs[name] = (run_in_process(cfg, tamper), rounds)
-    return runs
+    return run_in_process(small_config(out, **settings), keep), rounds
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -122,9 +125,9 @@ def test_reply_shapes_do_not_depend_on_the_number_of_samples(captured, name) -> 
             assert {k: v.shape for k, v in reply_arrays(message).items()} == wanted
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_no_raw_sample_or_per_sample_feature_leaves_a_client(captured, name) -> None:
-    strategy, rounds = captured[name]
+def assert_no_sample_leaves(name: str, strategy, rounds: list[tuple[int, str, list[Message]]]) -> int:
+    """Inspect every array of every reply against every row of the sender's samples; returns
+    how many (array, row) pairs were checked."""
     checked = 0
     for task, _, replies in rounds:
         for message in replies:
@@ -137,6 +140,13 @@ def test_no_raw_sample_or_per_sample_feature_leaves_a_client(captured, name) -> 
                         assert not contains_vector(array, row), (
                             f"{name}: client {partition}, task {task}: {array_name} contains {kind} of sample {i}")
                         checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_no_raw_sample_or_per_sample_feature_leaves_a_client(captured, name) -> None:
+    strategy, rounds = captured[name]
+    checked = assert_no_sample_leaves(name, strategy, rounds)
     assert checked > 10_000  # every sample of every client of every task, four kinds, all arrays
 
 
@@ -161,14 +171,7 @@ def test_inspection_catches_a_class_held_by_one_sample(tmp_path) -> None:
     """The limit of the guarantee, and a check that the inspection is not vacuous: on the skewed
     beta=0.5 split a client holds exactly one sample of some class, and its STSA class sum for that
     class is that sample's Φ_i -- which :func:`contains_vector` must (and does) find."""
-    rounds: list[tuple[int, str, list[Message]]] = []
-
-    def tamper(task: int, phase: str, replies: list[Message]) -> list[Message]:
-        rounds.append((task, phase, list(replies)))
-        return replies
-
-    cfg = small_config(tmp_path, **{**SETTINGS, "beta": 0.5, "num_tasks": 3}, strategy="stsa")
-    strategy = run_in_process(cfg, tamper)
+    strategy, rounds = run_capturing(tmp_path, **{**SETTINGS, "beta": 0.5, "num_tasks": 3}, strategy="stsa")
     counts = strategy.split.label_counts(0)
     partition, column = map(int, np.argwhere(counts == 1)[0])
     message = next(m for m in rounds[0][2] if reply_partition(m) == partition)
@@ -195,18 +198,8 @@ SKEWED = {**SETTINGS, "beta": 0.2}  # on this split some clients hold 1 (4 cases
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory) -> dict[str, tuple[object, list[tuple[int, str, list[Message]]]]]:
-    runs = {}
-    for name, changes in GUARDED.items():
-        rounds: list[tuple[int, str, list[Message]]] = []
-
-        def keep(task: int, phase: str, replies: list[Message], rounds=rounds) -> list[Message]:
-            if phase.endswith("stats"):
-                rounds.append((task, phase, list(replies)))
-            return replies
-
-        cfg = small_config(Path(tmp_path_factory.mktemp(name)), **SKEWED, **changes)
-        runs[name] = (run_in_process(cfg, keep), rounds)
-    return runs
+    return {name: run_capturing(Path(tmp_path_factory.mktemp(name)), **SKEWED, **changes)
+            for name, changes in GUARDED.items()}
 
 
 def test_the_skewed_split_has_classes_held_by_one_or_two_samples(guarded) -> None:
@@ -219,15 +212,7 @@ def test_the_skewed_split_has_classes_held_by_one_or_two_samples(guarded) -> Non
 def test_guarded_uploads_contain_no_sample_even_for_singleton_classes(guarded, name) -> None:
     strategy, rounds = guarded[name]
     assert len(rounds) == 3
-    for task, _, replies in rounds:
-        for message in replies:
-            partition = reply_partition(message)
-            rows = local_rows(strategy, task, partition)
-            for array_name, array in reply_arrays(message).items():
-                for kind, matrix in rows.items():
-                    for i, row in enumerate(matrix.numpy()):
-                        assert not contains_vector(array, row), (
-                            f"{name}: client {partition}, task {task}: {array_name} contains {kind} of sample {i}")
+    assert assert_no_sample_leaves(name, strategy, rounds) > 10_000
 
 
 @pytest.mark.parametrize("name", ["stsa-min3", "fedran-min3"])

@@ -22,6 +22,7 @@ from fcl_flower.config import TASK_POOL_STRATEGIES, ConfigError, RunConfig
 from fcl_flower.data import DatasetError, FederatedSplit, load_dataset
 from fcl_flower.data.task_pool import client_task_classes, resolve_classes_per_task, task_pool_classes
 from fcl_flower.metrics import forgetting, summarise_clients, task_pool_accuracy
+from tests.conftest import run_locally
 
 
 # ------------------------------------------------------------------------------ sequences
@@ -147,19 +148,8 @@ def _config(strategy: str, out) -> RunConfig:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from fcl_flower.client_app import app as client_app
-    from fcl_flower.local_grid import LocalGrid
-    from fcl_flower.server_app import run_experiment
-
-    torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("task-pool")
-    results = {}
-    for strategy in ("finetune", "stamp", "ewc"):
-        cfg = _config(strategy, out)
-        grid = LocalGrid(client_app, NUM_CLIENTS)
-        recorder = run_experiment(grid, cfg)
-        results[strategy] = (cfg, grid, json.loads(recorder.path.read_text()))
-    return results
+    return run_locally({strategy: _config(strategy, out) for strategy in ("finetune", "stamp", "ewc")})
 
 
 @pytest.mark.parametrize("strategy", ["finetune", "stamp", "ewc"])
