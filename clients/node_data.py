@@ -28,6 +28,7 @@ import numpy as np
 
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit, LabelledDataset
+from fcl_flower.data.federated import PROTOCOL_ARGS
 from fcl_flower.data.labelled import Transform
 
 FORMAT = "fcl-flower-client-data/1"
@@ -35,8 +36,7 @@ META_FILE = "meta.json"
 # Run-config keys that decide which samples a client holds and what their labels mean. A client
 # folder exported under other values would silently train on a different split.
 SPLIT_KEYS = ("dataset", "seed", "num-tasks", "first-task-classes", "num-clients", "beta", "image-size",
-              "partition", "class-fraction", "initial-clients", "joining-per-task", "old-only-fraction",
-              "classes-per-task")
+              *(RunConfig.key(arg) for arg in PROTOCOL_ARGS))
 
 
 class NodeConfigError(ValueError):

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit, LabelledDataset, get_federated_split
+from fcl_flower.data.federated import PROTOCOL_ARGS
 from fcl_flower.models import IncrementalClassifier, build_classifier, pick_device
 
 
@@ -28,12 +29,7 @@ def federated_split(cfg: RunConfig) -> FederatedSplit:
         num_clients=cfg.num_clients,
         beta=cfg.beta,
         image_size=cfg.image_size or None,
-        partition=cfg.partition,
-        class_fraction=cfg.class_fraction,
-        initial_clients=cfg.initial_clients,
-        joining_per_task=cfg.joining_per_task,
-        old_only_fraction=cfg.old_only_fraction,
-        classes_per_task=cfg.classes_per_task,
+        **{arg: getattr(cfg, arg) for arg in PROTOCOL_ARGS},
     )
 
 

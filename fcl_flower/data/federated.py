@@ -241,6 +241,12 @@ class FederatedSplit:
         )
 
 
+# FederatedSplit's client-protocol arguments (the papers' data protocols); the run config's knobs
+# of the same names, so callers can pass ``{k: getattr(cfg, k) for k in PROTOCOL_ARGS}``.
+PROTOCOL_ARGS = ("partition", "class_fraction", "initial_clients", "joining_per_task", "old_only_fraction",
+                 "classes_per_task")
+
+
 @lru_cache(maxsize=16)
 def get_federated_split(
     dataset: str,
@@ -252,15 +258,14 @@ def get_federated_split(
     num_clients: int,
     beta: float,
     image_size: int | None = None,
-    partition: str = "dirichlet",
-    class_fraction: float = 0.6,
-    initial_clients: int = 0,
-    joining_per_task: int = 0,
-    old_only_fraction: float = 0.0,
-    classes_per_task: int = 0,
+    **protocol: str | float | int,
 ) -> FederatedSplit:
-    """Load the dataset (seeded class order) and build its split once per process (cached)."""
+    """Load the dataset (seeded class order) and build its split once per process (cached).
+
+    ``protocol``: any of :data:`PROTOCOL_ARGS` (FederatedSplit's defaults otherwise).
+    """
+    unknown = sorted(set(protocol) - set(PROTOCOL_ARGS))
+    if unknown:
+        raise DatasetError(f"unknown split argument(s): {', '.join(unknown)}")
     bundle = load_dataset(dataset, root=root, download=download, seed=seed, image_size=image_size)
-    return FederatedSplit(bundle, num_tasks, first_task_classes, num_clients, beta, seed,
-                          partition, class_fraction, initial_clients, joining_per_task, old_only_fraction,
-                          classes_per_task)
+    return FederatedSplit(bundle, num_tasks, first_task_classes, num_clients, beta, seed, **protocol)
