@@ -40,7 +40,7 @@ import torch
 
 from clients.node_data import NodeConfigError, OwnSplit, load_folder, node_data
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit, load_dataset
+from fcl_flower.runtime import federated_split
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -138,21 +138,25 @@ def test_folder_for_another_split_is_refused(exported) -> None:
         node_data({"data-dir": str(out / "client-0")}, cfg.replace(partition="class-subsets"))
 
 
-def test_paper_protocol_folder_serves_that_protocols_partition(tmp_path) -> None:
-    """A folder exported for LGA's protocol (class subsets, a joining client) holds exactly that
-    client's partition, and is refused for the default Dirichlet run."""
-    cfg = run_config(tmp_path / "unused", num_clients=4, partition="class-subsets", initial_clients=3,
-                     joining_per_task=1)
-    export_partitions(cfg, tmp_path / "lga")
-    split = FederatedSplit(load_dataset("digits", seed=0), 3, 4, 4, 0.5, 0, "class-subsets", 0.6, 3, 1)
+@pytest.mark.parametrize("protocol", [
+    dict(partition="class-subsets", initial_clients=3, joining_per_task=1, old_only_fraction=0.4),  # LGA
+    dict(strategy="stamp", secure_aggregation=False, partition="task-pool", first_task_classes=0,  # STAMP
+         num_tasks=5, classes_per_task=2),
+], ids=["lga", "stamp"])
+def test_paper_protocol_folder_serves_that_protocols_partition(tmp_path, protocol) -> None:
+    """A folder exported for a paper's protocol holds exactly that client's partition of every
+    task, and is refused for the default Dirichlet run."""
+    cfg = run_config(tmp_path / "unused", num_clients=4, **protocol)
+    export_partitions(cfg, tmp_path / "folders")
+    split = federated_split(cfg)
     for client in range(4):
-        own = node_data({"data-dir": str(tmp_path / "lga" / f"client-{client}")}, cfg)
-        for task in range(3):
+        own = node_data({"data-dir": str(tmp_path / "folders" / f"client-{client}")}, cfg)
+        for task in range(cfg.num_tasks):
             assert np.array_equal(own.train(task, eval_transform=False).targets,
                                   split.client_train(task, client).targets)
-    assert len(own.train(0, eval_transform=False)) == 0  # client 3 joins at task 1
+        assert own.tasks == split.tasks
     with pytest.raises(NodeConfigError, match="partition"):
-        node_data({"data-dir": str(tmp_path / "lga" / "client-0")}, cfg.replace(partition="dirichlet"))
+        node_data({"data-dir": str(tmp_path / "folders" / "client-0")}, cfg.replace(partition="dirichlet"))
 
 
 def test_folder_exported_before_the_protocol_keys_still_serves_default_runs(exported, tmp_path) -> None:
