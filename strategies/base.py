@@ -43,6 +43,7 @@ from fcl_flower.wire import UploadError, message_bytes, payload_bytes, to_record
 
 TRAIN_MESSAGE = "train"  # local SGD rounds -> @app.train()
 STATS_MESSAGE = "query.stats"  # one-shot statistics -> @app.query("stats")
+RECONNECT_GRACE_S = 30.0  # after the first round: how long to wait for a node that went away
 INFO_MESSAGE = "query.info"  # which client a node serves -> @app.query("info")
 
 
@@ -86,6 +87,7 @@ class StagedStrategy(Strategy):
             [np.full(len(r), t, dtype=np.int64) for t, r in enumerate(split.tasks)]
         )
         self._plan: RoundPlan | None = None
+        self._nodes_seen = False  # select_nodes has waited for the federation once
         self._node_partition: dict[int, int] = {}  # node id -> partition id, learnt from replies
         self._reset_stage_accounting()
 
@@ -406,8 +408,16 @@ class StagedStrategy(Strategy):
         return done
 
     def select_nodes(self, grid: Grid) -> list[int]:
-        """All connected nodes, after waiting (bounded) for ``num-clients`` of them."""
-        deadline = time.monotonic() + self.cfg.round_timeout
+        """All connected nodes, after waiting (bounded) for ``num-clients`` of them.
+
+        The first round waits up to ``round-timeout`` (SuperNodes are still connecting); later
+        rounds wait at most :data:`RECONNECT_GRACE_S` for a node that went away, then go on
+        without it (its missing statistics are backfilled when it comes back), instead of
+        paying the whole timeout again in every round.
+        """
+        patience = self.cfg.round_timeout if not self._nodes_seen else min(self.cfg.round_timeout, RECONNECT_GRACE_S)
+        self._nodes_seen = True
+        deadline = time.monotonic() + patience
         while True:
             node_ids = sorted(grid.get_node_ids())
             if len(node_ids) >= self.cfg.num_clients or time.monotonic() > deadline:

@@ -398,3 +398,21 @@ def test_replayed_stage_3_round_backfills_when_nothing_is_wrong(after_stage_2: R
     assert good.missing == {} and good._backfilled == {"client-1": [1]}
     good.end_stage(2)
     assert rel_err(good.weights, full.stage_weights[2]) <= 1e-8
+
+
+def test_only_the_first_round_waits_the_whole_timeout_for_missing_nodes(tmp_path, monkeypatch) -> None:
+    """A node that went away costs the first round up to round-timeout (nodes still connecting),
+    and every later round at most the reconnect grace, not the whole timeout again."""
+    import strategies.base as base
+
+    cfg = RunConfig(dataset="digits", num_clients=3, out=str(tmp_path), round_timeout=1000.0).validated()
+    strategy = STRATEGIES["stsa"](cfg, federated_split(cfg), ResultsRecorder(cfg.output_dir, "stsa", cfg.to_mapping()))
+    clock = {"now": 0.0}
+    monkeypatch.setattr(base.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(base.time, "sleep", lambda seconds: clock.__setitem__("now", clock["now"] + seconds))
+    grid = SimpleNamespace(get_node_ids=lambda: [11, 12])  # the third node is gone
+    assert strategy.select_nodes(grid) == [11, 12]
+    first = clock["now"]
+    assert 1000.0 <= first <= 1001.0
+    assert strategy.select_nodes(grid) == [11, 12]
+    assert clock["now"] - first <= base.RECONNECT_GRACE_S + 1.0
