@@ -21,7 +21,7 @@ from __future__ import annotations
 from logging import WARNING
 from typing import Any
 
-from flwr.app import ConfigRecord, Message
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
@@ -90,7 +90,8 @@ class SecureRounds:
                       timeout: float) -> dict[int, bytes]:
         """One fresh public key per answering node; malformed or duplicate answers are dropped."""
         self._secagg_step = ("keys", {}, 0)
-        requests = [Message(content=m.content, message_type=KEYS_MESSAGE, dst_node_id=m.metadata.dst_node_id)
+        requests = [Message(content=RecordDict({"config": m.content.config_records["config"]}),  # no model
+                            message_type=KEYS_MESSAGE, dst_node_id=m.metadata.dst_node_id)
                     for m in self.configure_train(server_round, self.global_arrays(), config, grid)]
         peers: dict[int, bytes] = {}
         clients: set[str] = set()
