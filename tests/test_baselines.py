@@ -188,7 +188,7 @@ def test_lwf_loss_equals_hand_computed_kd_and_is_zero_for_the_teacher_itself() -
 
     same = teacher(images).detach()[:, :4].clone().requires_grad_(True)
     zero = lwf_extra_loss(teacher, num_old, alpha, temperature)(None, images, None, same)
-    assert float(zero) == pytest.approx(0.0, abs=1e-7)
+    assert float(zero.detach()) == pytest.approx(0.0, abs=1e-7)
     with pytest.raises(ValueError):
         lwf_extra_loss(teacher, 0, alpha, temperature)
 
