@@ -28,6 +28,7 @@ import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 
 from fcl_flower.analytic import packed_length, random_features, solve_ridge
+from fcl_flower.models import trainable_state
 from fcl_flower.runtime import iter_features
 from tests.conftest import reply_partition, run_in_process, small_config
 
@@ -245,3 +246,26 @@ def test_min_class_count_stsa_equals_centralised_ridge_on_the_disclosed_samples(
             sums.index_add_(1, torch.from_numpy(data.targets.copy())[keep], phi.T)
     expected = solve_ridge(gram, sums, strategy.cfg.ridge_value())
     assert float((strategy.weights - expected).norm() / expected.norm()) < 1e-8
+
+
+def test_stage1_fedavg_replies_hold_weights_only(tmp_path) -> None:
+    """Before the statistics, stage 1 uploads model weights: the same inspection finds no raw
+    image row of the sender's task-1 samples in any of them, and they carry the model's trainable
+    tensors only (names and shapes fixed by the architecture)."""
+    rounds: list[tuple[int, str, list[Message]]] = []
+
+    def keep(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        if phase == "fedavg":
+            rounds.append((task, phase, list(replies)))
+        return replies
+
+    strategy = run_in_process(small_config(tmp_path, **{**SETTINGS, "num_tasks": 3, "stage1_rounds": 1}), keep)
+    (task, _, replies), = rounds
+    expected = {f"arrays/{name}": tuple(t.shape) for name, t in trainable_state(strategy.model).items()}
+    for message in replies:
+        arrays = reply_arrays(message)
+        assert {k: v.shape for k, v in arrays.items()} == expected
+        images, _ = strategy.split.client_train(task, reply_partition(message)).tensors()
+        for array in arrays.values():
+            for row in images.reshape(len(images), -1).double().numpy():
+                assert not contains_vector(array, row)
