@@ -147,11 +147,10 @@ def reply_with_backfill(message: Message, job: ClientJob,
     metrics[WITHHELD_METRIC] = current.withheld + sum(stats.withheld for stats in late.values())
     records = {"arrays": current.arrays, **{f"{BACKFILL_PREFIX}{task}": stats.arrays for task, stats in late.items()}}
     if secure_round(job):
-        wire = {name: ArrayRecord(masked) for name, masked in mask_records(job, records).items()}  # dict of Arrays
+        wire = {name: ArrayRecord(masked) for name, masked in mask_records(job, records).items()}
     else:
         wire = {name: to_record(arrays) for name, arrays in records.items()}
-    arrays = wire.pop("arrays")
-    return make_reply(message, job, {}, current.num_samples, metrics, extra_records={"arrays": arrays, **wire})
+    return make_reply(message, job, wire.pop("arrays"), current.num_samples, metrics, extra_records=wire)
 
 
 def stsa_statistics(job: ClientJob, task: int) -> Statistics:

@@ -98,13 +98,13 @@ def _run_keys() -> frozenset[str]:
     return frozenset(RunConfig().to_mapping())
 
 
-def make_reply(message: Message, job: ClientJob, arrays: dict[str, torch.Tensor], num_examples: int,
+def make_reply(message: Message, job: ClientJob, arrays: dict[str, torch.Tensor] | ArrayRecord, num_examples: int,
                metrics: dict[str, int | float] | None = None,
                extra_records: dict[str, ArrayRecord] | None = None) -> Message:
     """Reply with named arrays (record "arrays", plus any ``extra_records``) and the metrics every
     strategy needs to identify the upload."""
     content = RecordDict({
-        "arrays": to_record(arrays),
+        "arrays": arrays if isinstance(arrays, ArrayRecord) else to_record(arrays),
         **(extra_records or {}),
         "metrics": MetricRecord({"partition-id": job.partition, "num-examples": int(num_examples),
                                  **(metrics or {})}),
