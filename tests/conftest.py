@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
@@ -140,8 +141,6 @@ def run_locally(configs: dict[str, RunConfig]) -> dict[str, tuple[RunConfig, obj
     (one torch thread, so the numbers match a Ray actor's); name -> (cfg, grid, results.json)."""
     import json
 
-    import torch
-
     from fcl_flower.client_app import app as client_app
     from fcl_flower.local_grid import LocalGrid
     from fcl_flower.server_app import run_experiment
@@ -153,3 +152,8 @@ def run_locally(configs: dict[str, RunConfig]) -> dict[str, tuple[RunConfig, obj
         recorder = run_experiment(grid, cfg)
         results[name] = (cfg, grid, json.loads(recorder.path.read_text()))
     return results
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    """A CPU torch.Generator seeded with ``seed`` (test data that repeats exactly)."""
+    return torch.Generator().manual_seed(seed)

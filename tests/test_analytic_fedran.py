@@ -39,6 +39,7 @@ from fcl_flower.analytic.subspace import (
     subspace_coefficients,
     weight_error_bound,
 )
+from tests.conftest import seeded_generator
 
 F64 = torch.float64
 
@@ -46,10 +47,7 @@ F64 = torch.float64
 # ----------------------------------------------------------------------------- helpers
 
 
-def generator(seed: int) -> torch.Generator:
-    gen = torch.Generator()
-    gen.manual_seed(seed)
-    return gen
+generator = seeded_generator
 
 
 def relu_features(n: int, in_dim: int, projection: torch.Tensor, gen: torch.Generator, labels=None):

@@ -34,14 +34,12 @@ from fcl_flower.analytic import (
     stsa_upload_numbers,
     unpack_upper,
 )
+from tests.conftest import seeded_generator
 
 F64 = torch.float64
 
 
-def _gen(seed: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
+_gen = seeded_generator
 
 
 def _make_data(n: int, in_dim: int, rf_dim: int, num_classes: int, seed: int):
