@@ -8,7 +8,7 @@ H = ReLU(Z̃ P) and uploads
 
 with r_k = min(r, ñ, M) and C_t the number of classes seen so far: M·r_k + r_k + M·C_t numbers,
 the spec §3.1 count. G = HᵀH itself never leaves the client. The rank r is chosen by the server
-(round config ``fedran-rank``) because a byte budget makes it depend on C_t (Eq. 12).
+(:attr:`StatsIns.rank`) because a byte budget makes it depend on C_t (Eq. 12).
 
 The true labels of the unlabelled samples are read only to *report* how many accepted
 pseudo-labels are right (a simulation diagnostic, spec §6.10); they never enter H or B.
@@ -19,24 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from flwr.app import Message
 from torch import Tensor
 
-from clients.analytic import WITHHELD_METRIC, effective_rf_dim, projection_for
-from clients.job import ClientJob, make_reply
+from clients.job import ClientJob
+from clients.statistics import effective_rf_dim, projection_for
 from fcl_flower.analytic import random_features
 from fcl_flower.analytic.lowrank import LowRankSummary, client_summary, client_summary_from_gram
 from fcl_flower.analytic.pseudolabel import pseudo_label_client, pseudo_label_report, select_labelled
 from fcl_flower.privacy.disclosure import disclosable
+from fcl_flower.protocol import FedranReport, ProtocolError, StatsIns, StatsRes
+from fcl_flower.protocol.payloads import FedranStats
 from fcl_flower.runtime import iter_features
-from fcl_flower.wire import cast_for_wire
-
-RANK_KEY = "fedran-rank"  # round-config key: the upload rank r the server asks for
-UPLOAD_KEYS = ("basis", "singular-values", "label-corr")  # everything a FedRAN reply carries
-
-
-class FedRANClientError(ValueError):
-    """The server's FedRAN request cannot be served (e.g. no rank in the round config)."""
 
 
 @dataclass(frozen=True)
@@ -140,30 +133,21 @@ def local_backbone_features(job: ClientJob) -> tuple[Tensor, Tensor]:
     return torch.cat(zs), torch.cat(ys)
 
 
-def handle_fedran_stats(message: Message, job: ClientJob) -> Message:
+def handle_stats(job: ClientJob) -> StatsRes:
     """Upload (U, σ, B) of the labelled + accepted pseudo-labelled local samples."""
-    if RANK_KEY not in job.round_config:
-        raise FedRANClientError(f"round config lacks '{RANK_KEY}': the server must set the upload rank")
-    rank = int(job.round_config[RANK_KEY])
+    assert isinstance(job.ins, StatsIns)
+    if job.ins.rank < 1:
+        raise ProtocolError("FedRAN statistics round without an upload rank: the server must set it")
     features, labels = local_backbone_features(job)
     mask = labelled_mask(job.cfg.seed, job.task, job.partition, int(labels.shape[0]), job.cfg.label_ratio)
     stats = fedran_client_update(
         features, labels, mask, projection_for(job),
-        num_classes=job.num_seen, rank=rank, threshold=job.cfg.pseudo_threshold,
+        num_classes=job.num_seen, rank=job.ins.rank, threshold=job.cfg.pseudo_threshold,
         min_count=job.cfg.min_class_count,
     )
     assert stats.summary.dim == effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
-    wire = job.cfg.wire_dtype
-    arrays = {
-        "basis": cast_for_wire(stats.summary.basis, wire),
-        "singular-values": cast_for_wire(stats.summary.singular_values, wire),
-        "label-corr": cast_for_wire(stats.label_corr, wire),
-    }
-    metrics = {
-        "num-labelled": stats.num_labelled,
-        "pseudo-unlabelled": int(stats.pseudo["total"]),
-        "pseudo-accepted": int(stats.pseudo["accepted"]),
-        "pseudo-correct": int(stats.pseudo["correct"]),
-        WITHHELD_METRIC: stats.withheld,
-    }
-    return make_reply(message, job, arrays, stats.num_samples, metrics)
+    arrays = FedranStats(stats.summary.basis, stats.summary.singular_values, stats.label_corr)
+    report = FedranReport(num_labelled=stats.num_labelled, pseudo_unlabelled=int(stats.pseudo["total"]),
+                          pseudo_accepted=int(stats.pseudo["accepted"]), pseudo_correct=int(stats.pseudo["correct"]))
+    return job.stats_reply(stats.num_samples, arrays=arrays.to_record(job.cfg.wire_dtype), withheld=stats.withheld,
+                           fedran=report)

@@ -15,37 +15,36 @@ task 1 on; in task 1 L_local = L_CB with all weights 1, i.e. plain CE). Per roun
    the received model (the end-of-task global model), shrinking old classes to the new quota.
 4. ``local-epochs`` of SGD on ``L_local = L_CB + L_SD`` (Eq. 7) over current data ∪ memory; the
    Eq. 4 exponent uses this client's own class counts (spec A6.2); the teacher is the old model
-   the server's proxy selected (ArrayRecord ``lga-old-model``, cached in the state).
+   the server's proxy selected (:attr:`TrainIns.old_model`, cached in the state).
 5. In a client's first round of a task: per new class, the prototype (sample nearest the class
    mean) is perturbed (Eqs. 13-14) and the gradient of the shared LeNet Γ on it is uploaded in
-   the ArrayRecord ``lga-proto`` (keys ``"<class>/<param index>"``).
+   the :class:`~fcl_flower.protocol.LGAReport` (keys ``"<class>/<param index>"``).
 
 Math: :mod:`fcl_flower.fcl.lga`, :mod:`fcl_flower.fcl.lga_proxy`, :mod:`fcl_flower.fcl.exemplars`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
-from torch.utils.data import ConcatDataset, DataLoader, Dataset
+from flwr.app import ConfigRecord
 
-from clients.fedavg import _round_seed
-from clients.job import ClientJob, make_reply
-from clients.regularised import frozen_teacher
+from clients.job import ClientJob
+from clients.memory import load_memory, save_memory, train_loader
 from fcl_flower.data import LabelledDataset
+from fcl_flower.fcl.distill import frozen_teacher
 from fcl_flower.fcl.exemplars import ExemplarMemory
 from fcl_flower.fcl.lga import TaskTransitionDetector, lga_local_loss, mean_prediction_entropy, sharpening_exponent
-from fcl_flower.fcl.lga_proxy import (GradientEncoder, class_feature_variance, perturbed_prototype_gradient,
-                                      prototype_indices)
-from fcl_flower.models import trainable_state
+from fcl_flower.fcl.lga_proxy import (
+    class_feature_variance,
+    gradient_encoder,
+    perturbed_prototype_gradient,
+    prototype_indices,
+)
+from fcl_flower.protocol import LGAReport, TrainRes, from_record
+from fcl_flower.protocol.payloads import prototype_record
 from fcl_flower.runtime import iter_features
-from fcl_flower.wire import from_record, to_record
 
-OLD_MODEL_RECORD = "lga-old-model"  # server -> client: the proxy's selected old model
-PROTO_RECORD = "lga-proto"  # client -> server: perturbed prototype gradients of Γ
 MEMORY_STATE = "lga-memory"
 TEACHER_STATE = "lga-teacher"
 META_STATE = "lga-state"
@@ -58,29 +57,7 @@ class MissingOldModel(ValueError):
     """A later-task LGA round reached a client that has no old model to distil from."""
 
 
-# ------------------------------------------------------------------------------ shared helpers
-def gradient_encoder(job_or_shape: Sequence[int], num_classes: int, seed: int) -> GradientEncoder:
-    """Γ, built identically on clients and proxy from the run seed (it never travels)."""
-    c, h, w = (int(s) for s in job_or_shape)
-    if h != w:
-        raise ValueError(f"the LGA gradient encoder needs square images, got {h}x{w}")
-    return GradientEncoder(in_channels=c, image_size=h, num_classes=num_classes, seed=seed)
-
-
-def load_memory(state: RecordDict, key: str, memory_size: int) -> ExemplarMemory:
-    if key not in state.array_records:
-        return ExemplarMemory(memory_size)
-    arrays = {k: v.numpy() for k, v in state.array_records[key].items()}
-    memory = ExemplarMemory.from_state(arrays)
-    if memory.memory_size != memory_size:
-        raise ValueError(f"stored memory has size {memory.memory_size}, the run says memory-size={memory_size}")
-    return memory
-
-
-def save_memory(state: RecordDict, key: str, memory: ExemplarMemory) -> None:
-    state.array_records[key] = to_record({k: torch.from_numpy(v) for k, v in memory.to_state().items()})
-
-
+# ------------------------------------------------------------------------------ helpers
 def memory_task_of(job: ClientJob, cls: int) -> int:
     """The task that introduced class ``cls`` (tasks own contiguous class ranges)."""
     for t, r in enumerate(job.data.tasks):
@@ -111,14 +88,8 @@ def exemplar_datasets(job: ClientJob, memory: ExemplarMemory, *, eval_transform:
             for t, idx in sorted(by_task.items()) if idx}
 
 
-def train_loader(datasets: list[Dataset], job: ClientJob, seed: int) -> DataLoader:
-    data = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
-    return DataLoader(data, batch_size=job.cfg.batch_size, shuffle=True,
-                      generator=torch.Generator().manual_seed(seed), num_workers=0)
-
-
 # ------------------------------------------------------------------------------ the handler
-def handle_lga(message: Message, job: ClientJob) -> Message:
+def handle_lga(job: ClientJob) -> TrainRes:
     cfg, state, task = job.cfg, job.context.state, job.task
     memory = load_memory(state, MEMORY_STATE, cfg.memory_size)
     meta = dict(state.config_records[META_STATE]) if META_STATE in state.config_records else {}
@@ -126,8 +97,9 @@ def handle_lga(message: Message, job: ClientJob) -> Message:
     last_task = int(meta.get("task", -1))
     new_task = task > last_task
 
-    if OLD_MODEL_RECORD in message.content.array_records:  # the proxy's choice for this task
-        state.array_records[TEACHER_STATE] = message.content.array_records[OLD_MODEL_RECORD]
+    old_model = getattr(job.ins, "old_model", None)
+    if old_model is not None:  # the proxy's choice for this task
+        state.array_records[TEACHER_STATE] = old_model
         meta["teacher-task"] = task
     current = job.local_data(eval_transform=False)
     current_eval = job.local_data(eval_transform=True)
@@ -163,7 +135,7 @@ def handle_lga(message: Message, job: ClientJob) -> Message:
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=job.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         for epoch in range(cfg.local_epochs):
-            for images, labels in train_loader(datasets, job, _round_seed(job) * 1000 + epoch):
+            for images, labels in train_loader(datasets, job, job.round_seed() * 1000 + epoch):
                 images, labels = images.to(device), labels.to(device)
                 logits = model(images)[:, :job.num_seen]
                 old_logits = None
@@ -181,22 +153,18 @@ def handle_lga(message: Message, job: ClientJob) -> Message:
                 count += n
         model.eval()
 
-    records: dict[str, ArrayRecord] = {}
-    proto_classes = 0
+    grads: dict[int, list[torch.Tensor]] = {}
     if new_task and len(current_eval) and cfg.proxy_iterations > 0:
         grads = prototype_gradients(job, current_eval)
-        proto_classes = len(grads)
-        if grads:
-            records[PROTO_RECORD] = to_record({f"{c}/{i}": g for c, gs in grads.items() for i, g in enumerate(gs)})
 
     meta.update(detector.to_state())
     meta["task"] = task
     state.config_records[META_STATE] = ConfigRecord(meta)
     save_memory(state, MEMORY_STATE, memory)
-    metrics = {"train-loss": losses["total"] / max(count, 1), "lga-cb": losses["cb"] / max(count, 1),
-               "lga-sd": losses["sd"] / max(count, 1), "lga-detected": detected, "lga-new-task": int(new_task),
-               "lga-memory": len(memory), "lga-proto-classes": proto_classes}
-    return make_reply(message, job, trainable_state(model), num_examples, metrics, extra_records=records)
+    report = LGAReport(cb=losses["cb"] / max(count, 1), sd=losses["sd"] / max(count, 1), detected=bool(detected),
+                       new_task=new_task, memory=len(memory), proto_classes=len(grads),
+                       prototypes=prototype_record(grads) if grads else None)
+    return job.train_reply(num_examples, losses["total"] / max(count, 1), lga=report)
 
 
 def prototype_gradients(job: ClientJob, data: LabelledDataset) -> dict[int, list[torch.Tensor]]:
@@ -207,7 +175,7 @@ def prototype_gradients(job: ClientJob, data: LabelledDataset) -> dict[int, list
     protos = prototype_indices(feats, labels)
     variances = class_feature_variance(feats, labels)
     encoder = gradient_encoder(job.data.shape.image_shape, job.data.shape.num_classes, job.cfg.seed).to(device)
-    gen = torch.Generator().manual_seed(_round_seed(job))
+    gen = torch.Generator().manual_seed(job.round_seed())
     out: dict[int, list[torch.Tensor]] = {}
     for cls, row in sorted(protos.items()):
         image = data[row][0].to(device)

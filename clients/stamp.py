@@ -30,16 +30,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import ConfigRecord, Message
+from flwr.app import ConfigRecord
 
-from clients.fedavg import _round_seed
-from clients.job import ClientJob, make_reply
-from clients.lga import load_memory, save_memory, train_loader
+from clients.job import ClientJob
+from clients.memory import load_memory, save_memory, train_loader
 from fcl_flower.data import LabelledDataset
 from fcl_flower.fcl.exemplars import ExemplarMemory
 from fcl_flower.fcl.stamp import (assign_flat_params, flatten_params, protonet_loss, task_gradient,
                                   temporal_match)
-from fcl_flower.models import trainable_state
+from fcl_flower.protocol import StampReport, TrainRes
 from fcl_flower.runtime import iter_features
 
 CORESET_STATE = "stamp-coreset"
@@ -82,7 +81,7 @@ def coreset_by_task(job: ClientJob, coreset: ExemplarMemory) -> dict[int, Labell
             for t, idx in sorted(by_task.items()) if idx}
 
 
-def handle_stamp(message: Message, job: ClientJob) -> Message:
+def handle_stamp(job: ClientJob) -> TrainRes:
     cfg, state, task = job.cfg, job.context.state, job.task
     coreset = load_memory(state, CORESET_STATE, cfg.memory_size)
     meta = dict(state.config_records[META_STATE]) if META_STATE in state.config_records else {}
@@ -99,7 +98,7 @@ def handle_stamp(message: Message, job: ClientJob) -> Message:
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=job.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         for epoch in range(cfg.local_epochs):
-            for images, labels in train_loader([current], job, _round_seed(job) * 1000 + epoch):
+            for images, labels in train_loader([current], job, job.round_seed() * 1000 + epoch):
                 images, labels = images.to(device), labels.to(device)
                 emb = model.features(images)
                 logits = model.head(emb)[:, :job.num_seen]
@@ -128,9 +127,8 @@ def handle_stamp(message: Message, job: ClientJob) -> Message:
     meta["task"] = task
     state.config_records[META_STATE] = ConfigRecord(meta)
     save_memory(state, CORESET_STATE, coreset)
-    metrics = {"train-loss": total / max(count, 1), "stamp-proto": proto_total / max(count, 1),
-               "stamp-old-tasks": matched, "stamp-coreset": len(coreset)}
-    return make_reply(message, job, trainable_state(model), len(current), metrics)
+    report = StampReport(proto=proto_total / max(count, 1), old_tasks=matched, coreset=len(coreset))
+    return job.train_reply(len(current), total / max(count, 1), stamp=report)
 
 
 __all__ = ["handle_stamp", "CORESET_STATE", "META_STATE"]

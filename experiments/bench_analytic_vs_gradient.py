@@ -30,11 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import format_table, write_json  # noqa: E402
-from fcl_flower.config import RunConfig  # noqa: E402
+from experiments.benchlib import format_table, write_json
+from fcl_flower.config import RunConfig
 
 ANALYTIC = ("stsa", "stsa-e", "fedran")
 GRADIENT = ("finetune", "lwf", "ewc")
@@ -43,12 +41,10 @@ PAPER_ROUNDS_X_EPOCHS = 100 * 2
 
 def run_stage_times(cfg: RunConfig) -> tuple[list[float], float]:
     """(seconds of every stage, total wall time) of one in-process run."""
-    from fcl_flower.client_app import app as client_app
-    from fcl_flower.local_grid import LocalGrid
-    from fcl_flower.server_app import run_experiment
+    from experiments.sim import run_local
 
     began = time.perf_counter()
-    recorder = run_experiment(LocalGrid(client_app, cfg.num_clients), cfg)
+    recorder = run_local(cfg)
     return [s.seconds for s in recorder.stages], time.perf_counter() - began
 
 

@@ -10,7 +10,7 @@ Part 1, the papers' settings (formulas of fcl_flower.analytic.communication, MiB
   * FedRAN Table 4: per client per task, float64 (8 bytes), with C = all classes;
   * the gradient baselines: rounds × trainable state of the same model (ResNet-18 CIFAR stem,
     100 classes) × 4 bytes, which reproduces the TARGET row of FedRAN's Table 4.
-Part 2, measured: every strategy in strategies.STRATEGIES that uploads anything runs on digits
+Part 2, measured: every registered method (fcl_flower/methods.py) that uploads anything runs on digits
 (3 tasks: 4 + 3 + 3 classes, 3 clients) through the real ClientApp (in-process grid); the
 numeric payload of each reply (wire.payload_bytes, from the serialised arrays) of stage 2 is
 set against the formula at the same M, r, K_D, c_t (strategies without a formula here, e.g.
@@ -27,11 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import format_table, write_json  # noqa: E402
-from fcl_flower.analytic.communication import (  # noqa: E402
+from experiments.benchlib import format_table, write_json
+from fcl_flower.analytic.communication import (
     WIRE_DTYPE_BYTES,
     fedran_upload_numbers,
     mib,
@@ -39,7 +37,7 @@ from fcl_flower.analytic.communication import (  # noqa: E402
     stsa_e_upload_numbers,
     stsa_upload_numbers,
 )
-from fcl_flower.config import RunConfig  # noqa: E402
+from fcl_flower.config import RunConfig
 
 
 def state_bytes(state: dict[str, Any]) -> int:
@@ -94,11 +92,9 @@ def paper_settings() -> list[dict[str, Any]]:
 
 def measured(strategies: list[str], tmp: Path) -> list[dict[str, Any]]:
     """Stage-2 upload per client from real replies, against the formula at the same settings."""
-    from fcl_flower.client_app import app as client_app
+    from experiments.sim import run_local
     from fcl_flower.fcl.ewc import trainable_parameters
-    from fcl_flower.local_grid import LocalGrid
     from fcl_flower.models import trainable_state
-    from fcl_flower.server_app import run_experiment
     from fcl_flower.runtime import build_model, federated_split
 
     base = RunConfig(dataset="digits", num_tasks=3, first_task_classes=4, num_clients=3, seed=0,
@@ -116,7 +112,7 @@ def measured(strategies: list[str], tmp: Path) -> list[dict[str, Any]]:
     for name in strategies:
         cfg = base.replace(strategy=name)
         try:
-            recorder = run_experiment(LocalGrid(client_app, cfg.num_clients), cfg)
+            recorder = run_local(cfg)
         except Exception as err:
             rows.append({"method": name, "measured B/client": "", "formula B/client": "", "match": f"failed: {err}"})
             continue
@@ -157,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     print("Part 1: the papers' settings (MiB per client)")
     print(format_table(rows, ["source", "setting", "method", "per stage MiB (formula)", "total MiB (formula)",
                               "total MiB (this upload)", "paper MiB"], floats="{:.2f}"))
-    from strategies import STRATEGIES
+    from fcl_flower import methods
 
     no_upload = {"joint", "joint-gradient"}  # trained/solved on the server: nothing to measure
-    names = args.strategies or (["stsa", "stsa-e", "fedran"] if args.quick else sorted(set(STRATEGIES) - no_upload))
+    names = args.strategies or (["stsa", "stsa-e", "fedran"] if args.quick else sorted(set(methods.names()) - no_upload))
     print("Part 2: measured from real replies (digits, stage 2)")
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"fcl-bench-comm-{os.getpid()}"
     rows2 = measured(names, tmp)

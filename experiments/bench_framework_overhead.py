@@ -29,13 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from benchlib import format_table, write_json  # noqa: E402
-from fcl_flower.config import RunConfig  # noqa: E402
+from experiments.benchlib import format_table, write_json
+from fcl_flower.config import RunConfig
 
 
 def direct_stage_times(cfg: RunConfig) -> list[float]:
@@ -74,19 +72,17 @@ def direct_stage_times(cfg: RunConfig) -> list[float]:
 
 
 def local_stage_times(cfg: RunConfig) -> tuple[list[float], float]:
-    from fcl_flower.client_app import app as client_app
-    from fcl_flower.local_grid import LocalGrid
-    from fcl_flower.server_app import run_experiment
+    from experiments.sim import run_local
 
     began = time.perf_counter()
-    recorder = run_experiment(LocalGrid(client_app, cfg.num_clients), cfg)
+    recorder = run_local(cfg)
     return [s.seconds for s in recorder.stages], time.perf_counter() - began
 
 
 def ray_stage_times(cfg: RunConfig, num_cpus: float) -> tuple[list[float], float]:
     import json
 
-    from sim import simulate
+    from experiments.sim import simulate
 
     began = time.perf_counter()
     path = simulate(cfg, num_cpus=num_cpus)

@@ -22,13 +22,11 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from benchlib import best_time, format_table, write_json  # noqa: E402
-from fcl_flower.analytic import StatisticsAccumulator, random_features, random_projection  # noqa: E402
+from experiments.benchlib import best_time, format_table, write_json
+from fcl_flower.analytic import StatisticsAccumulator, random_features, random_projection
 
 
 def matmul_peak(dtype: torch.dtype, sizes: list[int], repeats: int) -> dict[str, float]:

@@ -29,11 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import format_table, peak_rss_mib, reset_peak_rss, write_json  # noqa: E402
-from fcl_flower.config import RunConfig  # noqa: E402
+from experiments.benchlib import format_table, peak_rss_mib, reset_peak_rss, write_json
+from fcl_flower.config import RunConfig
 
 
 def _children() -> dict[int, list[int]]:
@@ -108,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=float, default=1.0, help="Ray CPU share per simulated client.")
     parser.add_argument("--out", help="JSON path (default experiments/results/bench_scale.json).")
     args = parser.parse_args(argv)
-    from sim import simulate
+    from experiments.sim import simulate
 
     load = os.getloadavg()[0]
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"fcl-bench-scale-{os.getpid()}"

@@ -36,16 +36,14 @@ if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # large blocks via mmap: f
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from benchlib import current_rss_mib, format_table, peak_rss_mib, reset_peak_rss, write_json  # noqa: E402
-from fcl_flower.analytic import estimate_gram, select_ridge_gcv, solve_ridge  # noqa: E402
-from fcl_flower.analytic.estimator import GramEstimator  # noqa: E402
-from fcl_flower.analytic.lowrank import LowRankSummary, merge_pair  # noqa: E402
-from fcl_flower.analytic.subspace import solve_subspace_ridge  # noqa: E402
+from experiments.benchlib import current_rss_mib, format_table, peak_rss_mib, reset_peak_rss, write_json
+from fcl_flower.analytic import estimate_gram, select_ridge_gcv, solve_ridge
+from fcl_flower.analytic.estimator import GramEstimator
+from fcl_flower.analytic.lowrank import LowRankSummary, merge_pair
+from fcl_flower.analytic.subspace import solve_subspace_ridge
 
 MIB = 2**20
 

@@ -35,11 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from expconfig import PAPER_METRICS, Experiment, ExperimentConfigError, PlannedRun, load_experiment, point_label  # noqa: E402
-from fcl_flower.config import ConfigError, RunConfig  # noqa: E402
+from experiments.expconfig import PAPER_METRICS, Experiment, ExperimentConfigError, PlannedRun, load_experiment, point_label
+from fcl_flower.config import ConfigError, RunConfig
 
 MIB = 2**20
 METRICS = ("A_avg", "A_T", "F_T")
@@ -50,16 +48,13 @@ STAGE_DONE_MSG = "[stage %d/%d] accuracy on %d seen classes: %.2f%% (%.1f s)"
 # ----------------------------------------------------------------------------- running
 def run_local(cfg: RunConfig) -> Path:
     """One run through the real ClientApp, in this process (no Ray)."""
-    from fcl_flower.client_app import app as client_app
-    from fcl_flower.local_grid import LocalGrid
-    from fcl_flower.server_app import run_experiment
+    from experiments.sim import run_local as run_in_process
 
-    recorder = run_experiment(LocalGrid(client_app, cfg.num_clients), cfg)
-    return recorder.path
+    return run_in_process(cfg).path
 
 
 def run_ray(cfg: RunConfig, *, num_cpus: float, num_gpus: float | None, verbose: bool) -> Path:
-    from sim import simulate
+    from experiments.sim import simulate
 
     return simulate(cfg, num_cpus=num_cpus, num_gpus=num_gpus, verbose=verbose)
 
@@ -444,12 +439,12 @@ def main(argv: list[str] | None = None, *, on_done: Callable[[Path], None] | Non
         suffix = "-offline" if args.offline else ""
         out = Path(args.out or Path("~/fcl-flower-results/compare") / f"{experiment.name}{suffix}").expanduser().resolve()
         runs = experiment.runs(strategies=args.strategies, seeds=args.seeds, out=out, extra=parse_set(args.set))
-        from strategies import STRATEGIES
+        from fcl_flower import methods
 
-        unavailable = sorted({r.strategy for r in runs} - set(STRATEGIES))
+        unavailable = sorted({r.strategy for r in runs} - set(methods.names()))
         if unavailable:
             raise ExperimentConfigError(f"strategy not available yet: {', '.join(unavailable)}; "
-                                        f"available: {', '.join(sorted(STRATEGIES))}")
+                                        f"available: {', '.join(sorted(methods.names()))}")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -29,11 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clients.node_data import FORMAT, META_FILE, SPLIT_KEYS  # noqa: E402
-from fcl_flower.config import ConfigError, RunConfig  # noqa: E402
-from fcl_flower.data import DatasetError, FederatedSplit, LabelledDataset  # noqa: E402
+from clients.node_data import FORMAT, META_FILE, SPLIT_KEYS
+from fcl_flower.config import ConfigError, RunConfig
+from fcl_flower.data import DatasetError, FederatedSplit, LabelledDataset
 
 
 def raw_items(dataset: LabelledDataset) -> np.ndarray | list[str]:

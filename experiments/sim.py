@@ -1,6 +1,7 @@
 """Run one fcl-flower experiment in Flower's Ray-backed simulation engine.
 
-    python experiments/sim.py --strategy fedran --num-clients 5 --beta 0.1
+    fcl-sim --strategy fedran --num-clients 5 --beta 0.1
+    python experiments/sim.py --strategy fedran --num-clients 5 --beta 0.1   # the same
 
 Every run-config key of pyproject.toml is a flag here (``num-tasks`` -> ``--num-tasks``), with
 the same default; ``--num-cpus``/``--num-gpus`` set the resources each simulated client gets.
@@ -15,9 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fcl_flower.config import ConfigError, RunConfig  # noqa: E402
+from fcl_flower.config import ConfigError, RunConfig
+from fcl_flower.results import ResultsRecorder
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = type(default)
-            if knob.metadata.get("choices"):
-                kwargs["choices"] = knob.metadata["choices"]
+            if RunConfig.choices(knob):
+                kwargs["choices"] = RunConfig.choices(knob)
         parser.add_argument(flag, **kwargs)
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPU cores reserved per simulated client.")
     parser.add_argument("--num-gpus", type=float, default=None,
@@ -62,14 +62,25 @@ def default_gpu_share(num_clients: int) -> float:
     return min(1.0, gpus / num_clients) if gpus else 0.0
 
 
+def run_local(cfg: RunConfig) -> ResultsRecorder:
+    """The same run without Ray: the real ServerApp logic and ClientApp, messages delivered in this
+    process (``fcl_flower.local_grid.LocalGrid``). Used by ``compare.py --engine local``, the
+    benchmarks and ``results_diff.py``."""
+    from clients.app import app as client_app
+    from fcl_flower.local_grid import LocalGrid
+    from strategies.app import run_experiment
+
+    return run_experiment(LocalGrid(client_app, cfg.num_clients), cfg)
+
+
 def simulate(cfg: RunConfig, *, num_cpus: float = 1.0, num_gpus: float | None = None,
              verbose: bool = False) -> Path:
     """Run the simulation; returns the path of results.json."""
     from flwr.simulation import run_simulation
 
-    from fcl_flower.client_app import app as client_app
+    from clients.app import app as client_app
     from fcl_flower.runtime import federated_split
-    from fcl_flower.server_app import build_server_app
+    from strategies.app import build_server_app
 
     federated_split(cfg)  # fail fast, with a one-line error, before Ray starts
     if num_gpus is None:
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # data/model errors carry one-line messages for the user
-        from fcl_flower.server_app import USER_ERRORS
+        from strategies.app import USER_ERRORS
 
         if isinstance(err, USER_ERRORS):
             print(f"error: {err}", file=sys.stderr)

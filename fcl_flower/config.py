@@ -10,38 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from fcl_flower import methods
 
 
 class ConfigError(ValueError):
     """A run configuration that cannot work; the message is one line meant for the user."""
 
 
-def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+Choices = tuple[str, ...] | Callable[[], tuple[str, ...]]
+
+
+def _knob(default: Any, help: str, choices: Choices | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
-
-
-# Methods whose clients and server need no shared class ranges per task (STAMP's task pool).
-TASK_POOL_STRATEGIES = ("finetune", "lwf", "ewc", "stamp")
-
-STRATEGY_NAMES = (
-    "stsa",
-    "stsa-e",
-    "fedran",
-    "joint",
-    "finetune",
-    "lwf",
-    "ewc",
-    "joint-gradient",
-    "lga",
-    "stamp",
-)
-
-SECURE_STRATEGIES = ("stsa",)  # their server needs only sums over clients (fcl_flower/privacy/secagg.py)
-
 
 
 @dataclass(frozen=True)
@@ -49,7 +34,7 @@ class RunConfig:
     """Every knob of an fcl-flower run, with its default."""
 
     # --- what to run -----------------------------------------------------------------------
-    strategy: str = _knob("stsa", "FCIL method to run.", STRATEGY_NAMES)
+    strategy: str = _knob("stsa", "FCIL method to run (fcl_flower/methods.py lists them).", methods.names)
     dataset: str = _knob(
         "digits", "Dataset (digits is bundled with scikit-learn and works offline).",
         ("digits", "synthetic", "cifar100", "tiny-imagenet", "imagenet-r"),
@@ -157,6 +142,12 @@ class RunConfig:
     def knobs(cls) -> tuple[dataclasses.Field, ...]:
         return dataclasses.fields(cls)
 
+    @staticmethod
+    def choices(knob: dataclasses.Field) -> tuple[str, ...] | None:
+        """The allowed values of a knob (the registry's method names for ``strategy``), or None."""
+        choices = knob.metadata.get("choices")
+        return choices() if callable(choices) else choices
+
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, strict: bool = True) -> RunConfig:
         """Build from run-config/ConfigRecord keys, coercing types; unknown keys are an error."""
@@ -182,7 +173,7 @@ class RunConfig:
     def validated(self) -> RunConfig:
         """Check everything that can be checked without loading data; raise ConfigError."""
         for f in self.knobs():
-            choices = f.metadata.get("choices")
+            choices = self.choices(f)
             value = getattr(self, f.name)
             if choices and value not in choices:
                 raise ConfigError(
@@ -202,9 +193,9 @@ class RunConfig:
             )
         if not 0.0 <= self.old_only_fraction < 1.0:
             raise ConfigError(f"old-only-fraction must be in [0, 1) (got {self.old_only_fraction})")
-        if self.partition == "task-pool" and self.strategy not in TASK_POOL_STRATEGIES:
+        if self.partition == "task-pool" and not self.method.task_pool:
             raise ConfigError(f"strategy '{self.strategy}' needs a shared task stream; partition task-pool "
-                              f"(STAMP's limitless task pool) runs with: {', '.join(TASK_POOL_STRATEGIES)}")
+                              f"(STAMP's limitless task pool) runs with: {', '.join(methods.with_capability('task_pool'))}")
         if self.partition == "task-pool" and (self.first_task_classes or 0 < self.initial_clients < self.num_clients):
             raise ConfigError("partition task-pool has no large first task and no joining clients: "
                               "set first-task-classes and initial-clients to 0")
@@ -231,12 +222,24 @@ class RunConfig:
         if self.secagg_min_clients < 2:
             raise ConfigError(f"secagg-min-clients must be >= 2: a sum over one client is its upload "
                               f"(got {self.secagg_min_clients})")
-        if self.secure_aggregation and self.strategy not in SECURE_STRATEGIES:
+        if self.secure_aggregation and not self.method.secure_aggregation:
+            secure = ", ".join(methods.with_capability("secure_aggregation"))
             raise ConfigError(
-                f"secure-aggregation works with {', '.join(SECURE_STRATEGIES)} (sums over clients); "
+                f"secure-aggregation works with {secure} (sums over clients); "
                 f"{self.strategy} needs per-client uploads: use min-class-count instead")
         self.ridge_value()  # parses or raises
         return self
+
+    @property
+    def method(self) -> methods.MethodSpec:
+        """This run's registry entry (the strategy name is validated against the registry)."""
+        return methods.get(self.strategy)
+
+    def unused_knobs(self) -> list[str]:
+        """Knobs set to a non-default value that this run's method never reads (a likely mistake)."""
+        used, default = methods.knobs_of(self.method), RunConfig()
+        return [self.key(f.name) for f in self.knobs()
+                if self.key(f.name) not in used and getattr(self, f.name) != getattr(default, f.name)]
 
     def ridge_value(self) -> float | None:
         """The fixed ridge gamma, or None for 'auto' (generalised cross-validation)."""

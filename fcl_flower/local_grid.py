@@ -4,13 +4,15 @@ Ray's simulation engine costs ~15 s of start-up per run; tests of the strategies
 path and fault handling do not need separate processes, only the same messages. This grid
 serialises nothing and hides nothing: each message goes to the real ClientApp of its node,
 with that node's own Context (node config and persistent state), and the reply comes back as
-a Message. ``unavailable`` lets a test switch nodes off to simulate crashed SuperNodes. It is
-also the "no framework" baseline of the framework-overhead benchmark.
+a Message. ``unavailable`` lets a test switch nodes off to simulate crashed SuperNodes, and
+``tamper`` lets it change replies in flight (an attacker on a client, or on the wire). It is
+also the "no framework" baseline of the framework-overhead benchmark and the in-process engine
+of ``compare.py --engine local``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -19,21 +21,26 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 
+#: tamper(messages delivered, their replies) -> the replies the server receives
+Tamper = Callable[[Sequence[Message], list[Message]], list[Message]]
+
+
 class LocalGrid(Grid):
-    """``num_nodes`` in-process nodes with node ids 1..K and partition ids 0..K-1."""
+    """``num_nodes`` in-process nodes with node ids ``first_node_id``.. and partition ids 0..K-1."""
 
     def __init__(self, client_app: ClientApp | Callable[[Message, Context], Message], num_nodes: int,
-                 *, run_id: int = 1) -> None:
+                 *, run_id: int = 1, first_node_id: int = 1, tamper: Tamper | None = None) -> None:
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 0, run_id
         self.client_app = client_app
+        self.tamper = tamper
         self.unavailable: set[int] = set()  # node ids that do not answer (crashed SuperNodes)
         self.sent: list[Message] = []  # every message delivered, for inspection in tests
         self.replies: list[Message] = []
         self.contexts = {
-            node_id: Context(run_id=run_id, node_id=node_id,
-                             node_config={"partition-id": node_id - 1, "num-partitions": num_nodes},
-                             state=RecordDict(), run_config={})
-            for node_id in range(1, num_nodes + 1)
+            first_node_id + k: Context(run_id=run_id, node_id=first_node_id + k,
+                                       node_config={"partition-id": k, "num-partitions": num_nodes},
+                                       state=RecordDict(), run_config={})
+            for k in range(num_nodes)
         }
         self._run: Run | None = None
 
@@ -43,17 +50,21 @@ class LocalGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         replies = []
+        delivered = []
         for message in messages:
             node_id = message.metadata.dst_node_id
             if node_id in self.unavailable or node_id not in self.contexts:
                 continue  # like a SuperNode that never answers before the timeout
             self.sent.append(message)
+            delivered.append(message)
             try:
                 reply = self.client_app(message, self.contexts[node_id])
             except Exception as exc:  # the ClientApp raised: Flower replies with an Error
                 reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
             replies.append(reply)
         self.replies.extend(replies)
+        if self.tamper is not None and delivered:
+            replies = self.tamper(delivered, replies)
         return replies
 
     # -- the rest of the Grid interface -------------------------------------------------

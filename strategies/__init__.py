@@ -1,37 +1,32 @@
-"""One Flower strategy per FCIL method; :func:`build_strategy` picks it by name."""
+"""The server side: the ServerApp (:mod:`strategies.app`) and one Flower strategy per FCIL method.
+
+A method's strategy is named in its registry entry (fcl_flower/methods.py) and imported only
+when a run uses it; :func:`build_strategy` does that.
+"""
 
 from __future__ import annotations
 
+from fcl_flower import methods
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import FederatedSplit
 from fcl_flower.results import ResultsRecorder
-from strategies.analytic import AnalyticStrategy, JointStrategy, STSAEStrategy
-from strategies.base import RoundPlan, StagedStrategy
-from strategies.baselines import EWCStrategy, JointGradientStrategy, LwFStrategy
-from strategies.fedran import FedRANStrategy
-from strategies.gradient import FedAvgStrategy, FinetuneStrategy
-from strategies.lga import LGAStrategy
-from strategies.stamp import STAMPStrategy
+from strategies.base import StagedStrategy
 
-STRATEGIES: dict[str, type[StagedStrategy]] = {
-    "stsa": AnalyticStrategy,
-    "stsa-e": STSAEStrategy,
-    "fedran": FedRANStrategy,
-    "joint": JointStrategy,
-    "finetune": FinetuneStrategy,
-    "lga": LGAStrategy, "stamp": STAMPStrategy,
-    "lwf": LwFStrategy, "ewc": EWCStrategy, "joint-gradient": JointGradientStrategy,
-}
+
+def strategy_class(name: str) -> type[StagedStrategy]:
+    """The strategy class of method ``name`` (ConfigError for an unknown name)."""
+    try:
+        spec = methods.get(name)
+    except methods.RegistryError as err:
+        raise ConfigError(str(err)) from None
+    cls = methods.load(spec.strategy)
+    if not (isinstance(cls, type) and issubclass(cls, StagedStrategy)):
+        raise ConfigError(f"registry entry '{name}' names {spec.strategy}, which is not a StagedStrategy")
+    return cls
 
 
 def build_strategy(cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> StagedStrategy:
-    try:
-        cls = STRATEGIES[cfg.strategy]
-    except KeyError:
-        raise ConfigError(
-            f"strategy '{cfg.strategy}' is not available; choose one of: {', '.join(sorted(STRATEGIES))}"
-        ) from None
-    return cls(cfg, split, recorder)
+    return strategy_class(cfg.strategy)(cfg, split, recorder)
 
 
-__all__ = ["STRATEGIES", "RoundPlan", "StagedStrategy", "FedAvgStrategy", "build_strategy"]
+__all__ = ["StagedStrategy", "build_strategy", "strategy_class"]

@@ -8,12 +8,11 @@ exactly, and W = U (diag(σ²) + γI)⁻¹ UᵀB is re-solved (spec §2.7–2.8,
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import dataclasses
+from typing import Any
 
 import torch
-from flwr.app import RecordDict
 
-from clients.fedran import RANK_KEY, UPLOAD_KEYS
 from fcl_flower.analytic.communication import WIRE_DTYPE_BYTES, fedran_upload_numbers
 from fcl_flower.analytic.lowrank import (
     LowRankError,
@@ -23,12 +22,13 @@ from fcl_flower.analytic.lowrank import (
     rank_for_budget,
 )
 from fcl_flower.analytic.subspace import pad_label_corr, select_subspace_ridge_gcv, solve_subspace_ridge
-from fcl_flower.config import ConfigError
-from fcl_flower.wire import UploadError, read_tensor
-from strategies.analytic import AnalyticStrategy
-from strategies.base import Reply, RoundPlan
-
-PSEUDO_METRICS = ("num-labelled", "pseudo-unlabelled", "pseudo-accepted", "pseudo-correct")
+from fcl_flower.config import ConfigError, RunConfig
+from fcl_flower.data import FederatedSplit
+from fcl_flower.protocol import FedranReport, Instruction, StatsIns, StatsRes, UploadError
+from fcl_flower.protocol.payloads import FedranStats
+from fcl_flower.results import ResultsRecorder
+from strategies.analytic import AnalyticStrategy, ridge_extras
+from strategies.base import Accepted, RoundPlan
 
 
 class FedRANStrategy(AnalyticStrategy):
@@ -58,19 +58,16 @@ class FedRANStrategy(AnalyticStrategy):
     depends on the order in which summaries arrive.
     """
 
-    name: ClassVar[str] = "fedran"
-    stats_phase: ClassVar[str] = "fedran-stats"
+    stats_phase = "fedran-stats"
 
-    def init_statistics(self) -> tuple[None, None]:
-        return None, None  # FedRAN keeps a low-rank summary, never the dense M × M Gram
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.bytes_per_number = WIRE_DTYPE_BYTES[self.cfg.wire_dtype]
+    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+        super().__init__(cfg, split, recorder)
+        self.bytes_per_number = WIRE_DTYPE_BYTES[cfg.wire_dtype]
         self.summary_state = LowRankSummary.empty(self.rf_dim)
         self.label_corr = torch.zeros(self.rf_dim, 0, dtype=torch.float64)
+        self.num_samples = 0
         self.server_rank = 0
-        if self.cfg.rank_budget_bytes > 0:
+        if cfg.rank_budget_bytes > 0:
             self.upload_rank(self.num_tasks - 1)  # the last stage has the widest B: fail now, not then
         self._stage: dict[str, Any] = {}
 
@@ -78,6 +75,7 @@ class FedRANStrategy(AnalyticStrategy):
     def state_dict(self) -> dict[str, Any]:
         summary = self.summary_state
         return {**super().state_dict(), "label_corr": self.label_corr, "server_rank": self.server_rank,
+                "num_samples": self.num_samples,
                 "summary": {"basis": summary.basis, "singular_values": summary.singular_values,
                             "num_samples": summary.num_samples,
                             "discarded": (summary.discarded.spectral, summary.discarded.trace)}}
@@ -88,6 +86,7 @@ class FedRANStrategy(AnalyticStrategy):
         self.summary_state = LowRankSummary(saved["basis"], saved["singular_values"], saved["num_samples"],
                                             TailEnergy(*saved["discarded"]))
         self.label_corr, self.server_rank = state["label_corr"], state["server_rank"]
+        self.num_samples = int(state["num_samples"])
 
     # ---------------------------------------------------------------- rank
     def upload_rank(self, task: int) -> int:
@@ -102,70 +101,36 @@ class FedRANStrategy(AnalyticStrategy):
 
     # ---------------------------------------------------------------- schedule
     def plan_stage(self, task: int) -> list[RoundPlan]:
-        self._stage = {"formula": {}, "pseudo": dict.fromkeys(PSEUDO_METRICS, 0), "client_ranks": {}}
+        self._stage = {"formula": {}, "pseudo": dict.fromkeys(PSEUDO_FIELDS, 0), "client_ranks": {}}
         return super().plan_stage(task)
 
-    def round_config(self, plan: RoundPlan) -> dict[str, Any]:
-        return {RANK_KEY: self.upload_rank(plan.task)} if plan.phase == self.stats_phase else {}
+    def customise(self, plan: RoundPlan, ins: Instruction) -> Instruction:
+        if isinstance(ins, StatsIns):
+            return dataclasses.replace(ins, rank=self.upload_rank(plan.task))
+        return ins
 
     # ---------------------------------------------------------------- replies
-    def parse_reply(self, plan: RoundPlan, content: RecordDict) -> Any:
-        payload = super().parse_reply(plan, content)
-        if plan.phase == self.stats_phase:
-            metrics = content.metric_records["metrics"]  # present: base._identify checked it
-            counts = {}
-            for key in PSEUDO_METRICS:
-                value = metrics.get(key)
-                if not isinstance(value, int) or value < 0:
-                    raise UploadError(f"metric '{key}' is {value!r}, expected a non-negative int")
-                counts[key] = value
-            payload["pseudo"] = counts
-        return payload
-
-    def parse_stats(self, plan: RoundPlan, record: Any) -> dict[str, Any]:
-        """Shapes, finiteness, descending σ ≥ 0 and orthonormal U; nothing but (U, σ, B)."""
-        extra_keys = sorted(set(record.keys()) - set(UPLOAD_KEYS))
-        if extra_keys:
-            raise UploadError(f"unexpected array(s) {', '.join(extra_keys)}")
-        dim, classes, rank = self.rf_dim, self.num_seen(plan.task), self.upload_rank(plan.task)
-        basis = read_tensor(record, "basis", ndim=2, floating=True)
-        if basis.shape[0] != dim or basis.shape[1] > rank:
-            raise UploadError(f"basis has shape {tuple(basis.shape)}, expected ({dim}, r_k <= {rank})")
-        r_k = int(basis.shape[1])
-        sigma = read_tensor(record, "singular-values", shape=(r_k,), floating=True, nonnegative=True)
-        if r_k > 1 and bool((sigma[1:] > sigma[:-1]).any()):
-            raise UploadError("singular values are not in descending order")
-        label_corr = read_tensor(record, "label-corr", shape=(dim, classes), floating=True)
-        u = basis.to(torch.float64)
-        tolerance = 1e3 * torch.finfo(basis.dtype).eps * dim**0.5
-        drift = float((u.T @ u - torch.eye(r_k, dtype=torch.float64)).abs().max()) if r_k else 0.0
-        if drift > tolerance:
-            raise UploadError(f"basis columns are not orthonormal (max |UᵀU − I| = {drift:.2e})")
-        return {"basis": u, "sigma": sigma.to(torch.float64), "label-corr": label_corr.to(torch.float64),
-                "wire-rank": r_k}
-
-    def validate_reply(self, plan: RoundPlan, reply: Reply) -> None:
-        """r_k ≤ min(r, ñ, M); ñ = labelled + accepted; correct ≤ accepted ≤ unlabelled."""
-        if plan.phase != self.stats_phase:
-            return
-        payload, n = reply.payload, reply.num_examples
-        r_k = payload["wire-rank"]
-        if r_k > min(self.upload_rank(plan.task), n, self.rf_dim):
-            raise UploadError(f"rank {r_k} exceeds min(r, n={n}, M)")
-        counts = payload["pseudo"]
-        if counts["num-labelled"] + counts["pseudo-accepted"] != n + payload["withheld"]:
+    def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
+        """(U, σ, B) checked (fcl_flower/protocol/payloads.py), then r_k ≤ min(r, ñ, M),
+        ñ = labelled + accepted − withheld, correct ≤ accepted ≤ unlabelled."""
+        if reply.fedran is None:
+            raise UploadError("FedRAN reply without its pseudo-label counts")
+        rank = self.upload_rank(plan.task)
+        stats = FedranStats.read(reply.arrays, dim=self.rf_dim, classes=self.num_seen(plan.task), max_rank=rank)
+        n, counts = reply.num_examples, reply.fedran
+        if stats.rank > min(rank, n, self.rf_dim):
+            raise UploadError(f"rank {stats.rank} exceeds min(r, n={n}, M)")
+        if counts.num_labelled + counts.pseudo_accepted != n + reply.withheld:
             raise UploadError("num-examples differs from labelled + accepted pseudo-labelled - withheld samples")
-        if not counts["pseudo-correct"] <= counts["pseudo-accepted"] <= counts["pseudo-unlabelled"]:
+        if not counts.pseudo_correct <= counts.pseudo_accepted <= counts.pseudo_unlabelled:
             raise UploadError("pseudo-label counts are inconsistent (correct <= accepted <= unlabelled)")
         try:
-            payload["summary"] = LowRankSummary(payload["basis"], payload["sigma"], n)
+            summary = LowRankSummary(stats.basis, stats.singular_values, n)
         except LowRankError as err:
             raise UploadError(f"bad summary: {err}") from None
+        return {"stats": stats, "summary": summary, "pseudo": counts}
 
-    def aggregate_round(self, plan: RoundPlan, replies: list[Reply]) -> None:
-        if plan.phase != self.stats_phase:
-            super().aggregate_round(plan, replies)
-            return
+    def aggregate_stats(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
         ordered = sorted(replies, key=lambda r: int(r.client.rsplit("-", 1)[1]))  # ascending client id
         upload_rank = self.upload_rank(plan.task)
         self.server_rank = max(self.server_rank, upload_rank)
@@ -173,34 +138,30 @@ class FedRANStrategy(AnalyticStrategy):
             [r.payload["summary"] for r in ordered], self.summary_state, self.server_rank
         )
         classes = self.num_seen(plan.task)
-        stage_corr = sum((r.payload["label-corr"] for r in ordered),
+        stage_corr = sum((r.payload["stats"].label_corr for r in ordered),
                          torch.zeros(self.rf_dim, classes, dtype=torch.float64))
         self.label_corr = pad_label_corr(self.label_corr, classes) + stage_corr
         self.num_samples += sum(r.num_examples for r in ordered)
-        self.note_withheld(ordered)
         for r in ordered:
-            r_k = r.payload["wire-rank"]
+            r_k = r.payload["stats"].rank
             self._stage["client_ranks"][r.client] = r_k
             self._stage["formula"][r.client] = (
                 fedran_upload_numbers(self.rf_dim, r_k, classes) * self.bytes_per_number
             )
-            for key in PSEUDO_METRICS:
-                self._stage["pseudo"][key] += r.payload["pseudo"][key]
+            for key in PSEUDO_FIELDS:
+                self._stage["pseudo"][key] += getattr(r.payload["pseudo"], key)
 
     # ---------------------------------------------------------------- solve
-    def end_stage(self, task: int) -> dict[str, Any]:
-        self.model.eval()  # frozen from here on, as in AnalyticStrategy
+    def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
         label_corr = pad_label_corr(self.label_corr, self.num_seen(task))
         summary = self.summary_state
-        extra: dict[str, Any] = {"num_samples": self.num_samples}
         gamma = self.cfg.ridge_value()
+        table = []
         if gamma is None:
             gamma, table = select_subspace_ridge_gcv(summary, label_corr, self.num_samples, float(self.num_samples))
-            extra["gcv"] = {"grid_min": table[0].gamma, "grid_max": table[-1].gamma}
-        extra["ridge"] = gamma
-        self.weights = solve_subspace_ridge(summary, label_corr, gamma)
+        weights = solve_subspace_ridge(summary, label_corr, gamma)
         pseudo = self._stage["pseudo"]
-        extra.update(self.pop_withheld())
+        extra = ridge_extras(self.num_samples, gamma, table)
         extra.update({
             "rank": {"upload": self.upload_rank(task), "server": self.server_rank, "retained": summary.rank,
                      "clients": dict(sorted(self._stage["client_ranks"].items()))},
@@ -208,10 +169,13 @@ class FedRANStrategy(AnalyticStrategy):
             "merge_discarded_energy": {"spectral": summary.discarded.spectral, "trace": summary.discarded.trace},
             "upload_formula_bytes_per_client": dict(sorted(self._stage["formula"].items())),
             "pseudo_labels": {
-                "labelled": pseudo["num-labelled"],
-                "unlabelled": pseudo["pseudo-unlabelled"],
-                "accepted": pseudo["pseudo-accepted"],
-                "correct": pseudo["pseudo-correct"],
+                "labelled": pseudo["num_labelled"],
+                "unlabelled": pseudo["pseudo_unlabelled"],
+                "accepted": pseudo["pseudo_accepted"],
+                "correct": pseudo["pseudo_correct"],
             },
         })
-        return extra
+        return weights, extra
+
+
+PSEUDO_FIELDS = tuple(f.name for f in dataclasses.fields(FedranReport))

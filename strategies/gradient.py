@@ -1,8 +1,9 @@
-"""Gradient-trained strategies: FedAvg on task 1, then one method-specific phase per later task.
+"""The small base of the gradient-trained methods: local SGD every task, FedAvg-style aggregation.
 
-``finetune`` is the lower bound: later tasks are learned by plain FedAvg fine-tuning of the
-whole model on the new classes only, so forgetting shows. ``lwf`` and ``ewc`` differ only in the
-client loss (the phase name routes to it); the server side is the same weighted average.
+Task 1 runs ``stage1-rounds`` rounds of ``first_phase``, every later task ``rounds-per-task``
+rounds of ``later_phase`` (per-round cosine learning rate, ``local-epochs`` local epochs). The
+global model is evaluated by its own logits over the seen classes. Siblings: finetune, lwf, ewc,
+joint-gradient, lga, stamp.
 """
 
 from __future__ import annotations
@@ -10,55 +11,43 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import numpy as np
-from flwr.app import RecordDict
 
-from fcl_flower.averaging import average_states
-from fcl_flower.models import load_trainable_state, trainable_state
+from fcl_flower.config import RunConfig
+from fcl_flower.data import FederatedSplit
+from fcl_flower.protocol import Reply
+from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import predict_logits
-from fcl_flower.wire import UploadError, from_record, read_tensor
-from strategies.base import Reply, RoundPlan, StagedStrategy
+from strategies.base import Accepted, RoundPlan, StagedStrategy
+from strategies.fedavg import FedAvg
 
 
-class FedAvgStrategy(StagedStrategy):
-    """Local SGD + sample-weighted FedAvg of the trainable state, task after task."""
+class GradientStrategy(StagedStrategy):
+    first_phase: ClassVar[str] = "fedavg"
+    later_phase: ClassVar[str] = "fedavg"
 
-    name: ClassVar[str] = "finetune"
-    later_phase: ClassVar[str] = "fedavg"  # client handler used after task 1
+    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+        super().__init__(cfg, split, recorder)
+        self.fedavg = FedAvg(self.model, cfg.weighted_fedavg)
+
+    def stage_rounds(self, task: int) -> int:
+        return self.cfg.stage1_rounds if task == 0 else self.cfg.rounds_per_task
 
     def plan_stage(self, task: int) -> list[RoundPlan]:
-        if task == 0:
-            return self.train_plans(task, "fedavg", self.cfg.stage1_rounds)
-        return self.train_plans(task, self.later_phase, self.cfg.rounds_per_task)
+        phase = self.first_phase if task == 0 else self.later_phase
+        return self.train_plans(task, phase, self.stage_rounds(task))
 
-    def parse_reply(self, plan: RoundPlan, content: RecordDict) -> dict:
-        if "arrays" not in content.array_records:
-            raise UploadError("reply has no 'arrays' record")
-        expected = trainable_state(self.model)
-        received = from_record(content.array_records["arrays"])
-        if set(received) != set(expected):
-            raise UploadError("model state keys differ from the global model's")
-        record = content.array_records["arrays"]
-        return {
-            key: read_tensor(record, key, shape=tuple(value.shape))
-            for key, value in expected.items()
-        }
+    def read_reply(self, plan: RoundPlan, reply: Reply) -> Any:
+        return self.fedavg.read(reply)
 
-    def aggregate_round(self, plan: RoundPlan, replies: list[Reply]) -> None:
-        weights = [r.num_examples if self.cfg.weighted_fedavg else 1.0 for r in replies]
-        if sum(weights) == 0:
-            weights = [1.0] * len(replies)
-        load_trainable_state(self.model, average_states([r.payload for r in replies], weights))
+    def aggregate_round(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
+        self.fedavg.aggregate([r.payload for r in replies], [r.num_examples for r in replies])
 
     def predict_seen(self, task: int) -> tuple[np.ndarray, np.ndarray]:
-        preds, labels = predict_logits(self.model, self.split.seen_test(task), self.cfg,
-                                       self.device, self.num_seen(task))
+        preds, labels = predict_logits(self.model, self.split.seen_test(task), self.cfg, self.device,
+                                       self.num_seen(task))
         return preds.numpy(), labels.numpy()
 
     def end_stage(self, task: int) -> dict[str, Any]:
         if task == 0 and self.cfg.stage1_rounds == 0:
             return {"note": "stage1-rounds = 0: the seeded backbone was not trained"}
         return {}
-
-
-class FinetuneStrategy(FedAvgStrategy):
-    name = "finetune"

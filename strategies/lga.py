@@ -24,34 +24,42 @@ server's task id (hits / misses / false alarms).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, RecordDict
 
-from clients.lga import OLD_MODEL_RECORD, PROTO_RECORD, gradient_encoder
-from fcl_flower.averaging import average_states
-from fcl_flower.config import ConfigError
-from fcl_flower.fcl.lga_proxy import (BestOldModelTracker, class_feature_variance, infer_label, invert_gradients,
-                                      score_old_model, update_omega)
-from fcl_flower.models import load_trainable_state, trainable_state
-from fcl_flower.wire import UploadError, read_tensor, to_record
-from strategies.base import Reply, RoundPlan
-from strategies.gradient import FedAvgStrategy
+from fcl_flower.config import ConfigError, RunConfig
+from fcl_flower.data import FederatedSplit
+from fcl_flower.fcl.lga_proxy import (
+    BestOldModelTracker,
+    class_feature_variance,
+    gradient_encoder,
+    infer_label,
+    invert_gradients,
+    score_old_model,
+    update_omega,
+)
+from fcl_flower.models import trainable_state
+from fcl_flower.protocol import Instruction, Reply, TrainIns, TrainRes, UploadError, to_record
+from fcl_flower.protocol.payloads import read_prototypes
+from fcl_flower.results import ResultsRecorder
+from strategies.base import Accepted, RoundPlan
+from strategies.gradient import GradientStrategy
 
 XI, NUM_AUG = 0.1, 5  # Eq. 11 radius and augmentations per image (paper)
 
 
-class LGAStrategy(FedAvgStrategy):
+class LGAStrategy(GradientStrategy):
     """FedAvg of LGA-trained clients + the proxy's best-old-model selection."""
 
-    name: ClassVar[str] = "lga"
-    later_phase: ClassVar[str] = "lga"
+    first_phase = "lga"
+    later_phase = "lga"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+        super().__init__(cfg, split, recorder)
         if self.cfg.proxy_iterations < 0:
             raise ConfigError(f"proxy-iterations must be >= 0 (got {self.cfg.proxy_iterations})")
         bundle = self.split.bundle
@@ -64,48 +72,29 @@ class LGAStrategy(FedAvgStrategy):
         self.omega = 0.0
         self._stage_log: dict[str, Any] = {}
 
-    # ---------------------------------------------------------------- schedule and messages
-    def plan_stage(self, task: int) -> list[RoundPlan]:
-        rounds = self.cfg.stage1_rounds if task == 0 else self.cfg.rounds_per_task
-        return self.train_plans(task, self.later_phase, rounds)
-
-    def extra_arrays(self, plan: RoundPlan) -> dict[str, ArrayRecord]:
+    # ---------------------------------------------------------------- messages
+    def customise(self, plan: RoundPlan, ins: Instruction) -> Instruction:
         if plan.task == 0:
-            return {}
+            return ins
         if self.teacher is None:
             raise RuntimeError("LGA round of a later task planned before any task ended: no old model")
-        return {OLD_MODEL_RECORD: to_record(self.teacher)}
+        assert isinstance(ins, TrainIns)
+        return dataclasses.replace(ins, old_model=to_record(self.teacher))
 
     # ---------------------------------------------------------------- replies
-    def parse_reply(self, plan: RoundPlan, content: RecordDict) -> dict[str, Any]:
-        state = super().parse_reply(plan, content)
-        metrics = content.metric_records["metrics"]
+    def read_reply(self, plan: RoundPlan, reply: Reply) -> dict[str, Any]:
+        state = super().read_reply(plan, reply)
+        assert isinstance(reply, TrainRes)
+        report = reply.lga
+        if report is None:
+            raise UploadError("LGA reply without its report")
         protos: dict[int, list[torch.Tensor]] = {}
-        if PROTO_RECORD in content.array_records:
-            record = content.array_records[PROTO_RECORD]
-            classes = self.split.tasks[plan.task]
-            by_class: dict[int, set[int]] = {}
-            for key in record:
-                try:
-                    cls, idx = (int(part) for part in key.split("/"))
-                except ValueError:
-                    raise UploadError(f"prototype gradient key '{key}' is not '<class>/<index>'") from None
-                if cls not in classes:
-                    raise UploadError(f"prototype gradient for class {cls}, not a class of task {plan.task + 1}")
-                by_class.setdefault(cls, set()).add(idx)
-            for cls, idxs in by_class.items():
-                if idxs != set(range(len(self.encoder_shapes))):
-                    raise UploadError(f"prototype gradient of class {cls} lacks some encoder parameters")
-                protos[cls] = [read_tensor(record, f"{cls}/{i}", shape=s, floating=True).float()
-                               for i, s in enumerate(self.encoder_shapes)]
-        return {"state": state, "protos": protos,
-                "detected": int(metrics.get("lga-detected", 0)), "new-task": int(metrics.get("lga-new-task", 0))}
+        if report.prototypes is not None:
+            protos = read_prototypes(report.prototypes, self.split.tasks[plan.task], self.encoder_shapes)
+        return {"state": state, "protos": protos, "detected": int(report.detected), "new-task": int(report.new_task)}
 
-    def aggregate_round(self, plan: RoundPlan, replies: list[Reply]) -> None:
-        weights = [r.num_examples if self.cfg.weighted_fedavg else 1.0 for r in replies]
-        if sum(weights) == 0:
-            weights = [1.0] * len(replies)
-        load_trainable_state(self.model, average_states([r.payload["state"] for r in replies], weights))
+    def aggregate_round(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
+        self.fedavg.aggregate([r.payload["state"] for r in replies], [r.num_examples for r in replies])
         log = self._stage_log
         for r in replies:  # Eq. 8 detector vs the server's task id
             d, n = r.payload["detected"], r.payload["new-task"]
@@ -122,7 +111,7 @@ class LGAStrategy(FedAvgStrategy):
                 log["selected_round"], log["selected_score"] = plan.index + 1, score
             log.setdefault("scores", []).append(score)
 
-    def _reconstruct(self, plan: RoundPlan, replies: list[Reply]) -> None:
+    def _reconstruct(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
         """Eqs. 9-10 per (class, client) with iDLG labels; Eq. 12's ω from the new classes."""
         log = self._stage_log
         images, labels, losses, label_ok = [], [], [], 0

@@ -11,40 +11,36 @@ weighted mean. With ``gm-c = 0`` the server is exactly FedAvg.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from fcl_flower.averaging import average_states
-from fcl_flower.config import ConfigError
+from fcl_flower.config import ConfigError, RunConfig
+from fcl_flower.data import FederatedSplit
 from fcl_flower.fcl.stamp import gradient_match_result
 from fcl_flower.models import load_trainable_state, trainable_state
-from strategies.base import Reply, RoundPlan
-from strategies.gradient import FedAvgStrategy
+from fcl_flower.results import ResultsRecorder
+from strategies.base import Accepted, RoundPlan
+from strategies.fedavg import fedavg_weights
+from strategies.gradient import GradientStrategy
 
 
-class STAMPStrategy(FedAvgStrategy):
-    name: ClassVar[str] = "stamp"
-    later_phase: ClassVar[str] = "stamp"
+class STAMPStrategy(GradientStrategy):
+    first_phase = "stamp"
+    later_phase = "stamp"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if not self.cfg.gm_c >= 0:
-            raise ConfigError(f"gm-c must be >= 0 (got {self.cfg.gm_c})")
+    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+        super().__init__(cfg, split, recorder)
+        if not cfg.gm_c >= 0:
+            raise ConfigError(f"gm-c must be >= 0 (got {cfg.gm_c})")
         self._gaps: list[float] = []
-
-    def plan_stage(self, task: int) -> list[RoundPlan]:
-        rounds = self.cfg.stage1_rounds if task == 0 else self.cfg.rounds_per_task
-        return self.train_plans(task, self.later_phase, rounds)
 
     def parameter_keys(self) -> list[str]:
         return [name for name, p in self.model.named_parameters() if p.requires_grad]
 
-    def aggregate_round(self, plan: RoundPlan, replies: list[Reply]) -> None:
-        weights = [float(r.num_examples) if self.cfg.weighted_fedavg else 1.0 for r in replies]
-        if sum(weights) == 0:
-            weights = [1.0] * len(replies)
-        merged = average_states([r.payload for r in replies], weights)  # buffers: FedAvg
+    def aggregate_round(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
+        weights = fedavg_weights([r.num_examples for r in replies], self.cfg.weighted_fedavg)
+        merged = self.fedavg.average([r.payload for r in replies], [r.num_examples for r in replies])  # buffers
         glob = trainable_state(self.model)
         keys = self.parameter_keys()
         base = torch.cat([glob[k].reshape(-1).to(torch.float64) for k in keys])

@@ -1,28 +1,29 @@
-"""Shared fixtures: a small digits RunConfig, and an in-process Flower grid that drives a
-strategy's real ``start`` loop through the real ClientApp dispatch, without Ray.
+"""Shared fixtures: a small digits RunConfig, and in-process runs of a strategy's real ``start``
+loop through the real ClientApp (``fcl_flower.local_grid.LocalGrid``), without Ray.
 
-The grid builds each client's reply exactly as Flower would (``Message(content, reply_to=...)``
-from the real handler, or an error reply when the handler raises), so the strategies see the
-same objects they see in a simulation; ``tamper`` lets a test corrupt replies in flight.
+The grid builds each client's reply exactly as Flower would (the real handler's reply, or an
+error reply when the handler raises), so the strategies see the same objects they see in a
+simulation; a ``tamper`` hook lets a test corrupt replies in flight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Message
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from fcl_flower.client_app import _dispatch
+from clients.app import app as client_app
 from fcl_flower.config import RunConfig
+from fcl_flower.local_grid import LocalGrid
+from fcl_flower.protocol.messages import HEADER, Header
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import federated_split
-from strategies import STRATEGIES
+from strategies import build_strategy
 from strategies.base import StagedStrategy
 
 NODE_BASE = 1000  # node ids differ from partition ids, as on a real SuperLink
@@ -65,36 +66,19 @@ def cfg(out_dir: Path) -> RunConfig:
 Tamper = Callable[[int, str, list[Message]], list[Message]]
 
 
-@dataclass
-class InProcessGrid:
-    """Just enough of flwr's Grid for StagedStrategy.start: node ids and send_and_receive."""
+def sent_header(message: Message) -> Header:
+    """The header of a message the server sent (its task, phase, round, attempt)."""
+    return Header.from_record(message.content.config_records[HEADER])
 
-    num_clients: int
-    tamper: Tamper | None = None
-    states: dict[int, RecordDict] = field(default_factory=dict)
-    sent: list[Message] = field(default_factory=list)
 
-    def get_node_ids(self) -> list[int]:
-        return [NODE_BASE + k for k in range(self.num_clients)]
+def in_process_grid(num_clients: int, tamper: Tamper | None = None) -> LocalGrid:
+    """A LocalGrid with node ids NODE_BASE.. whose replies pass through ``tamper(task, phase, replies)``."""
 
-    def context(self, node_id: int) -> Context:
-        state = self.states.setdefault(node_id, RecordDict())
-        return Context(run_id=1, node_id=node_id, state=state, run_config={},
-                       node_config={"partition-id": node_id - NODE_BASE,
-                                    "num-partitions": self.num_clients})
+    def hook(sent: Sequence[Message], replies: list[Message]) -> list[Message]:
+        header = sent_header(sent[0])
+        return tamper(header.task, header.phase, replies) if tamper is not None else replies
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        replies = []
-        for message in messages:
-            self.sent.append(message)
-            try:
-                replies.append(_dispatch(message, self.context(message.metadata.dst_node_id)))
-            except Exception as exc:  # what Flower turns a raising ClientApp into
-                replies.append(Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=message))
-        if self.tamper is not None and messages:
-            config = messages[0].content.config_records["config"]
-            replies = self.tamper(int(config["task"]), str(config["phase"]), replies)
-        return replies
+    return LocalGrid(client_app, num_clients, first_node_id=NODE_BASE, tamper=hook)
 
 
 def server_identity() -> None:
@@ -107,7 +91,7 @@ def server_identity() -> None:
 def build(cfg: RunConfig) -> StagedStrategy:
     """The strategy of ``cfg.strategy`` with its split and a recorder in ``cfg.output_dir``."""
     recorder = ResultsRecorder(cfg.output_dir, cfg.strategy, cfg.to_mapping())
-    return STRATEGIES[cfg.strategy](cfg, federated_split(cfg), recorder)
+    return build_strategy(cfg, federated_split(cfg), recorder)
 
 
 def run_in_process(cfg: RunConfig, tamper: Tamper | None = None) -> StagedStrategy:
@@ -127,8 +111,8 @@ def run_in_process(cfg: RunConfig, tamper: Tamper | None = None) -> StagedStrate
         strategy.stage_weights.append(None if weights is None else weights.clone())
         return extra
 
-    strategy.end_stage = recording_end_stage
-    strategy.start(InProcessGrid(cfg.num_clients, tamper))
+    strategy.end_stage = recording_end_stage  # type: ignore[method-assign]
+    strategy.start(in_process_grid(cfg.num_clients, tamper))
     return strategy
 
 
@@ -141,9 +125,7 @@ def run_locally(configs: dict[str, RunConfig]) -> dict[str, tuple[RunConfig, obj
     (one torch thread, so the numbers match a Ray actor's); name -> (cfg, grid, results.json)."""
     import json
 
-    from fcl_flower.client_app import app as client_app
-    from fcl_flower.local_grid import LocalGrid
-    from fcl_flower.server_app import run_experiment
+    from strategies.app import run_experiment
 
     torch.set_num_threads(1)
     results = {}

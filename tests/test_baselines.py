@@ -8,17 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import RecordDict
+from flwr.app import ArrayRecord
 from torch import nn
 
-from clients.regularised import (
-    ANCHOR_RECORD,
-    FISHER_RECORD,
-    TEACHER_RECORD,
-    ewc_extra_loss,
-    frozen_teacher,
-    lwf_extra_loss,
-)
+from clients.ewc import ewc_extra_loss
+from clients.lwf import lwf_extra_loss
+from fcl_flower.fcl.distill import frozen_teacher
 from fcl_flower.fcl.errors import FCLInputError
 from fcl_flower.fcl.ewc import (
     aggregate_fishers,
@@ -29,10 +24,13 @@ from fcl_flower.fcl.ewc import (
     trainable_parameters,
 )
 from fcl_flower.models import trainable_state
+from fcl_flower.methods import Kind
+from fcl_flower.protocol import Header, StatsRes, TrainIns, UploadError, to_record
+from fcl_flower.protocol.messages import EWC_ANCHOR, EWC_FISHER, TEACHER
 from fcl_flower.runtime import build_model, federated_split, make_loader
-from fcl_flower.wire import UploadError, to_record
+from fcl_flower.local_grid import LocalGrid
 from strategies.base import RoundPlan
-from tests.conftest import InProcessGrid, build, server_identity, small_config
+from tests.conftest import build, in_process_grid, sent_header, server_identity, small_config
 
 
 @pytest.fixture(autouse=True)
@@ -209,7 +207,7 @@ def test_frozen_teacher_is_an_independent_frozen_copy(out_dir) -> None:
 
 
 # ------------------------------------------------------------------------------ strategies
-def _run(cfg) -> tuple[object, InProcessGrid, list[dict[str, torch.Tensor]]]:
+def _run(cfg) -> tuple[object, LocalGrid, list[dict[str, torch.Tensor]]]:
     """Run every stage through the real loop; also return the trainable state at each stage end."""
     server_identity()
     strategy = build(cfg)
@@ -222,14 +220,14 @@ def _run(cfg) -> tuple[object, InProcessGrid, list[dict[str, torch.Tensor]]]:
         return extra
 
     strategy.end_stage = recording
-    grid = InProcessGrid(cfg.num_clients)
+    grid = in_process_grid(cfg.num_clients)
     strategy.start(grid)
     return strategy, grid, ends
 
 
 def _task_and_phase(message) -> tuple[int, str]:
-    config = message.content.config_records["config"]
-    return int(config["task"]), str(config["phase"])
+    header = sent_header(message)
+    return header.task, header.phase
 
 
 def test_ewc_run_aggregates_the_pooled_fisher_and_sends_it_with_the_anchor(out_dir) -> None:
@@ -255,7 +253,7 @@ def test_ewc_run_aggregates_the_pooled_fisher_and_sends_it_with_the_anchor(out_d
     assert sorted(set(phases)) == [(0, "ewc-stats"), (1, "ewc")]  # no Fisher round after the last task
     for message in grid.sent:
         task, _ = _task_and_phase(message)
-        has = {FISHER_RECORD, ANCHOR_RECORD} <= set(message.content.array_records)
+        has = {EWC_FISHER, EWC_ANCHOR} <= set(message.content.array_records)
         assert has == (task == 1)
     # the Fisher upload is accounted: one float64 per trainable parameter, per client
     numel = sum(p.numel() for p in trainable_parameters(initial).values())
@@ -266,15 +264,20 @@ def test_ewc_run_aggregates_the_pooled_fisher_and_sends_it_with_the_anchor(out_d
 
 def test_ewc_rejects_malformed_fisher_uploads(out_dir) -> None:
     strategy = build(small_config(out_dir, strategy="ewc"))
-    plan = RoundPlan(0, "ewc-stats")
+    plan = RoundPlan(0, "ewc-stats", Kind.STATS)
+    header = Header("run", "ewc-stats", 0, 1, 1)
+
+    def reply(arrays: dict[str, torch.Tensor]) -> StatsRes:
+        return StatsRes(header, 0, 10, arrays=to_record(arrays))
+
     good = {k: torch.zeros_like(p) for k, p in trainable_parameters(strategy.model).items()}
-    strategy.parse_reply(plan, RecordDict({"arrays": to_record(good)}))
+    strategy.read_reply(plan, reply(good))
     key = next(iter(good))
     bad_sign = {**good, key: good[key] - 1.0}
     with pytest.raises(UploadError, match="negative"):
-        strategy.parse_reply(plan, RecordDict({"arrays": to_record(bad_sign)}))
+        strategy.read_reply(plan, reply(bad_sign))
     with pytest.raises(UploadError, match="unknown"):
-        strategy.parse_reply(plan, RecordDict({"arrays": to_record({**good, "extra": torch.zeros(1)})}))
+        strategy.read_reply(plan, reply({**good, "extra": torch.zeros(1)}))
 
 
 def test_lwf_run_sends_the_previous_task_model_as_teacher(out_dir) -> None:
@@ -293,10 +296,10 @@ def test_lwf_run_sends_the_previous_task_model_as_teacher(out_dir) -> None:
         task, phase = _task_and_phase(message)
         records = message.content.array_records
         if task == 0:
-            assert phase == "fedavg" and TEACHER_RECORD not in records
+            assert phase == "fedavg" and TEACHER not in records
             continue
         assert phase == "lwf"
-        teacher = records[TEACHER_RECORD].to_torch_state_dict()
+        teacher = records[TEACHER].to_torch_state_dict()
         assert list(teacher) == list(ends[task - 1])
         for key, value in ends[task - 1].items():
             assert torch.equal(teacher[key], value)
@@ -334,5 +337,7 @@ def test_checkpoint_state_keeps_teacher_fisher_and_anchor(out_dir) -> None:
     again.load_state_dict(ewc.state_dict())
     for key in ewc.fisher:
         assert torch.equal(again.fisher[key], ewc.fisher[key]) and torch.equal(again.anchor[key], ewc.anchor[key])
-    assert again.extra_arrays(RoundPlan(1, "ewc"))[FISHER_RECORD] is not None
-    assert again.extra_arrays(RoundPlan(0, "fedavg")) == {}
+    base = TrainIns(Header("run", "ewc", 1, 2, 1), again.cfg, lr=0.1, num_seen=4, model=ArrayRecord())
+    later = again.customise(RoundPlan(1, "ewc"), base)
+    assert isinstance(later, TrainIns) and later.ewc_fisher is not None and later.ewc_anchor is not None
+    assert again.customise(RoundPlan(0, "fedavg"), base) is base

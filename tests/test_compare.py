@@ -12,18 +12,15 @@ from __future__ import annotations
 import csv
 import json
 import math
-import sys
+
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
-sys.path.insert(0, str(EXPERIMENTS))
-
-import compare  # noqa: E402
-from expconfig import ExperimentConfigError, config_paths, load_experiment  # noqa: E402
-from fcl_flower.config import RunConfig  # noqa: E402
+from experiments import compare
+from experiments.expconfig import ExperimentConfigError, config_paths, load_experiment
+from fcl_flower.config import RunConfig
 
 EXPECTED = {
     "stsa_table1_cifar100", "stsa_table1_tiny_imagenet", "stsa_table2_cifar100_vit", "stsa_table2_imagenet_r_vit",

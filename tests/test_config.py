@@ -4,7 +4,6 @@ values ending in one-line errors (in Python and on the command line)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 import tomllib
@@ -19,16 +18,11 @@ SIM = ROOT / "experiments" / "sim.py"
 KNOBS = {RunConfig.key(f.name): f for f in RunConfig.knobs()}
 
 
-def _load_sim():
-    spec = importlib.util.spec_from_file_location("fcl_flower_sim_under_test", SIM)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def sim():
-    return _load_sim()
+    from experiments import sim
+
+    return sim
 
 
 # --------------------------------------------------------------------------- one name, one default
@@ -56,7 +50,7 @@ def test_every_knob_is_a_sim_flag_with_the_same_default_help_and_choices(sim) ->
             assert f"--no-{key}" in action.option_strings
         else:
             assert action.type is type(knob.default)
-            assert tuple(action.choices or ()) == tuple(knob.metadata.get("choices") or ())
+            assert tuple(action.choices or ()) == tuple(RunConfig.choices(knob) or ())
     # no stray flags: only the knobs plus the simulation's own resources/logging
     extra = {a.dest for a in parser._actions} - {f.name for f in RunConfig.knobs()}
     assert extra == {"help", "num_cpus", "num_gpus", "ray_verbose"}

@@ -42,11 +42,10 @@ from clients.node_data import NodeConfigError, OwnSplit, load_folder, node_data
 from fcl_flower.config import RunConfig
 from fcl_flower.runtime import federated_split
 
+from experiments.export_partitions import export_partitions
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-sys.path.insert(0, str(ROOT / "experiments"))
-
-from export_partitions import export_partitions  # noqa: E402
 
 
 def _load_federation_module():

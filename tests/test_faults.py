@@ -21,16 +21,18 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 
-from clients.analytic import BACKFILL_KEY, BackfillError, backfill_tasks, decode_backfill, encode_backfill
+import strategies.loop
+from clients.app import app as client_app
+from clients.statistics import backfill_tasks
 from fcl_flower.analytic import random_features, random_projection
-from fcl_flower.client_app import app as client_app
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.local_grid import LocalGrid
-from fcl_flower.results import ResultsRecorder
+from fcl_flower.protocol import Header, ProtocolError, StatsIns
+from fcl_flower.protocol.messages import decode_backfill, encode_backfill
 from fcl_flower.runtime import build_model, federated_split
-from strategies import STRATEGIES
-from strategies.analytic import AnalyticStrategy
-from strategies.base import RoundPlan, StagedStrategy
+from strategies.base import StagedStrategy
+from strategies.stsa import STSAStrategy
+from tests.conftest import build, reply_partition, sent_header
 
 GAMMA = 100.0
 NEVER = 10**9  # attempts a node misses when it never comes back
@@ -63,7 +65,7 @@ class FaultyGrid(LocalGrid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         delivered = []
         for message in messages:
-            task, node = int(message.content.config_records["config"]["task"]), message.metadata.dst_node_id
+            task, node = sent_header(message).task, message.metadata.dst_node_id
             self.attempts[task, node] = self.attempts.get((task, node), 0) + 1
             misses = self.down.get(task, {})
             if misses.get(node, 0) > 0:
@@ -72,7 +74,7 @@ class FaultyGrid(LocalGrid):
             delivered.append(message)
         replies = list(super().send_and_receive(delivered, timeout=timeout))
         if self.tamper is not None and delivered:
-            task = int(delivered[0].content.config_records["config"]["task"])
+            task = sent_header(delivered[0]).task
             for reply in replies:
                 self.tamper(task, reply)
         return replies
@@ -81,8 +83,7 @@ class FaultyGrid(LocalGrid):
 def run(cfg: RunConfig, grid: LocalGrid | None = None) -> StagedStrategy:
     """The strategy's own ``start`` loop over ``grid``; ``stage_weights`` holds W after each stage."""
     grid = grid or FaultyGrid(cfg.num_clients)
-    recorder = ResultsRecorder(cfg.output_dir, cfg.strategy, cfg.to_mapping())
-    strategy = STRATEGIES[cfg.strategy](cfg, federated_split(cfg), recorder)
+    strategy = build(cfg)
     strategy.stage_weights = []
     end_stage = strategy.end_stage
 
@@ -91,7 +92,7 @@ def run(cfg: RunConfig, grid: LocalGrid | None = None) -> StagedStrategy:
         strategy.stage_weights.append(strategy.weights.clone())
         return extra
 
-    strategy.end_stage = recording
+    strategy.end_stage = recording  # type: ignore[method-assign]
     strategy.start(grid)
     return strategy
 
@@ -150,15 +151,18 @@ def runs(out: Path):
 # --------------------------------------------------------------------------- the wire format
 def test_backfill_request_round_trip_and_errors() -> None:
     owed = {3: [2, 1], 0: [1]}
-    assert decode_backfill(encode_backfill(owed)) == {0: [1], 3: [1, 2]}
+    assert decode_backfill(encode_backfill(owed)) == {0: (1,), 3: (1, 2)}
     assert encode_backfill({}) == "" and decode_backfill("") == {}
-    with pytest.raises(BackfillError, match="cannot read backfill entry 'x'"):
+    with pytest.raises(ProtocolError, match="cannot read backfill entry 'x'"):
         decode_backfill("0:1;x")
-    job = SimpleNamespace(partition=1, task=2, round_config={BACKFILL_KEY: "0:1;1:0,1"})
-    assert backfill_tasks(job) == [0, 1]
-    job.round_config = {BACKFILL_KEY: "1:2"}  # the current task is not owed, it is due
-    with pytest.raises(BackfillError, match="only tasks 0..1 are past"):
-        backfill_tasks(job)
+    cfg = RunConfig()
+
+    def job(owed: dict[int, tuple[int, ...]]) -> SimpleNamespace:
+        return SimpleNamespace(partition=1, task=2, ins=StatsIns(Header("r", "stsa-stats", 2, 3, 1), cfg, backfill=owed))
+
+    assert backfill_tasks(job({0: (1,), 1: (0, 1)})) == (0, 1)
+    with pytest.raises(ProtocolError, match="only tasks 0..1 are past"):
+        backfill_tasks(job({1: (2,)}))  # the current task is not owed, it is due
 
 
 # --------------------------------------------------------------------------- a node killed mid-round
@@ -205,10 +209,11 @@ def test_late_client_backfills_and_the_classifier_equals_the_fault_free_one(runs
     assert rel_err(late.stage_weights[1], full.stage_weights[1]) > 1e-6  # stage 2 lacked client-1
     for w, w_full in zip(late.stage_weights[2:], full.stage_weights[2:], strict=True):
         assert rel_err(w, w_full) <= 1e-8
-    assert rel_err(late.gram, full.gram) <= 1e-10 and rel_err(late.class_sums, full.class_sums) <= 1e-10
-    assert late.num_samples == full.num_samples
+    assert rel_err(late.ridge.gram, full.ridge.gram) <= 1e-10
+    assert rel_err(late.ridge.class_sums, full.ridge.class_sums) <= 1e-10
+    assert late.ridge.num_samples == full.ridge.num_samples
     assert [s.accuracy for s in late.recorder.stages[2:]] == [s.accuracy for s in full.recorder.stages[2:]]
-    assert late.missing == {} and getattr(late, "held", {}) == {}  # STSA-E dropped the kept uploads
+    assert late.backfill.missing == {} and getattr(late, "held", {}) == {}  # STSA-E dropped the kept uploads
 
     # results.json tells the story: missing from stage 2, backfilled in stage 3
     stages = json.loads(late.recorder.path.read_text())["stages"]
@@ -243,14 +248,14 @@ class ServerKilled(Exception):
 
 
 def crash_after(monkeypatch, stage: int) -> None:
-    save = StagedStrategy._save_checkpoint
+    save = strategies.loop.save
 
-    def save_then_die(self, task: int) -> None:
-        save(self, task)
+    def save_then_die(strategy: StagedStrategy, task: int) -> None:
+        save(strategy, task)
         if task + 1 == stage:
             raise ServerKilled(f"killed after stage {stage}")
 
-    monkeypatch.setattr(StagedStrategy, "_save_checkpoint", save_then_die)
+    monkeypatch.setattr(strategies.loop, "save", save_then_die)
 
 
 def test_resume_after_a_server_crash_ends_like_an_uninterrupted_run(runs, out: Path, monkeypatch) -> None:
@@ -301,9 +306,9 @@ def test_a_failing_checkpoint_write_leaves_the_previous_checkpoint_intact(runs, 
         raise OSError("No space left on device")
 
     monkeypatch.setattr(torch, "save", torn_write)
-    strategy = STRATEGIES["stsa"](cfg, federated_split(cfg), ResultsRecorder(cfg.output_dir, "stsa", {}))
+    strategy = build(cfg)
     with pytest.raises(OSError, match="No space left"):
-        strategy._save_checkpoint(4)
+        strategies.loop.save(strategy, 4)
     monkeypatch.undo()
     assert path.read_bytes() == before
     assert sorted(p.name for p in cfg.output_dir.iterdir()) == ["checkpoint.pt", "results.json"]  # no temp left
@@ -359,15 +364,17 @@ def after_stage_2(out: Path) -> RunConfig:
     return cfg
 
 
-def replay_stage_3(cfg: RunConfig, drop: int | None = None) -> tuple[AnalyticStrategy, list[Message]]:
+def replay_stage_3(cfg: RunConfig, drop: int | None = None) -> tuple[STSAStrategy, list[Message]]:
     """The stage-2 server restored from its checkpoint, and the replies to its stage-3
     statistics request (without partition ``drop``'s); nothing aggregated yet."""
-    strategy = STRATEGIES["stsa"](cfg, federated_split(cfg), ResultsRecorder(cfg.output_dir, "stsa", {}))
-    assert strategy._restore_checkpoint() == 2 and strategy.missing == {"client-1": [1]}
-    strategy._plan = RoundPlan(2, strategy.stats_phase)
+    strategy = build(cfg)
+    assert isinstance(strategy, STSAStrategy)
+    assert strategies.loop.restore(strategy) == 2 and strategy.backfill.missing == {"client-1": [1]}
+    strategy.begin_round(strategy.round_plan(2, "stsa-stats"))
     grid = FaultyGrid(3)
-    replies = list(grid.send_and_receive(strategy.configure_train(3, strategy.global_arrays(), ConfigRecord(), grid)))
-    return strategy, [r for r in replies if r.content.metric_records["metrics"]["partition-id"] != drop]
+    messages = strategy.configure_train(strategy.server_round, strategy.global_arrays(), ConfigRecord(), grid)
+    replies = list(grid.send_and_receive(messages))
+    return strategy, [r for r in replies if reply_partition(r) != drop]
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_BACKFILL))
@@ -377,25 +384,26 @@ def test_malformed_backfill_is_rejected_and_never_corrupts_the_aggregate(after_s
     partition, corrupt, reason = BAD_BACKFILL[kind]
     bad, replies = replay_stage_3(after_stage_2)
     for reply in replies:
-        if reply.content.metric_records["metrics"]["partition-id"] == partition:
+        if reply_partition(reply) == partition:
             corrupt(reply)
-    bad.aggregate_train(3, replies)
+    bad.aggregate_train(bad.server_round, replies)
     dropped, replies = replay_stage_3(after_stage_2, drop=partition)
-    dropped.aggregate_train(3, replies)
-    assert torch.equal(bad.gram, dropped.gram) and torch.equal(bad.class_sums, dropped.class_sums)
-    assert bad.num_samples == dropped.num_samples
-    assert bad.missing == dropped.missing
-    assert bad.missing[f"client-{partition}"][-1] == 2  # it owes stage 3 now, too
-    assert reason in bad._left_out[f"client-{partition}"]
-    assert bad._clients == dropped._clients == {f"client-{k}" for k in range(3)} - {f"client-{partition}"}
+    dropped.aggregate_train(dropped.server_round, replies)
+    assert torch.equal(bad.ridge.gram, dropped.ridge.gram) and torch.equal(bad.ridge.class_sums, dropped.ridge.class_sums)
+    assert bad.ridge.num_samples == dropped.ridge.num_samples
+    assert bad.backfill.missing == dropped.backfill.missing
+    assert bad.backfill.missing[f"client-{partition}"][-1] == 2  # it owes stage 3 now, too
+    assert reason in bad.accounting.rejected[f"client-{partition}"]
+    assert bad.accounting.clients == dropped.accounting.clients == {f"client-{k}" for k in range(3)} - {
+        f"client-{partition}"}
 
 
 def test_replayed_stage_3_round_backfills_when_nothing_is_wrong(after_stage_2: RunConfig, runs) -> None:
     """The replay itself is faithful: untouched, it gives the fault-free run's statistics."""
     good, replies = replay_stage_3(after_stage_2)
-    good.aggregate_train(3, replies)
+    good.aggregate_train(good.server_round, replies)
     full = runs("fault-free")
-    assert good.missing == {} and good._backfilled == {"client-1": [1]}
+    assert good.backfill.missing == {} and good.backfill.arrived == {"client-1": [1]}
     good.end_stage(2)
     assert rel_err(good.weights, full.stage_weights[2]) <= 1e-8
 
@@ -403,16 +411,15 @@ def test_replayed_stage_3_round_backfills_when_nothing_is_wrong(after_stage_2: R
 def test_only_the_first_round_waits_the_whole_timeout_for_missing_nodes(tmp_path, monkeypatch) -> None:
     """A node that went away costs the first round up to round-timeout (nodes still connecting),
     and every later round at most the reconnect grace, not the whole timeout again."""
-    import strategies.base as base
+    from strategies.nodes import RECONNECT_GRACE_S, NodeDirectory
 
     cfg = RunConfig(dataset="digits", num_clients=3, out=str(tmp_path), round_timeout=1000.0).validated()
-    strategy = STRATEGIES["stsa"](cfg, federated_split(cfg), ResultsRecorder(cfg.output_dir, "stsa", cfg.to_mapping()))
     clock = {"now": 0.0}
-    monkeypatch.setattr(base.time, "monotonic", lambda: clock["now"])
-    monkeypatch.setattr(base.time, "sleep", lambda seconds: clock.__setitem__("now", clock["now"] + seconds))
+    nodes = NodeDirectory(cfg, federated_split(cfg), clock=lambda: clock["now"],
+                          sleep=lambda seconds: clock.__setitem__("now", clock["now"] + seconds))
     grid = SimpleNamespace(get_node_ids=lambda: [11, 12])  # the third node is gone
-    assert strategy.select_nodes(grid) == [11, 12]
+    assert nodes.connected(grid) == [11, 12]
     first = clock["now"]
     assert 1000.0 <= first <= 1001.0
-    assert strategy.select_nodes(grid) == [11, 12]
-    assert clock["now"] - first <= base.RECONNECT_GRACE_S + 1.0
+    assert nodes.connected(grid) == [11, 12]
+    assert clock["now"] - first <= RECONNECT_GRACE_S + 1.0

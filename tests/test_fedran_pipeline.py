@@ -15,21 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import MetricRecord, RecordDict
+
 
 from clients.fedran import fedran_client_update, labelled_mask, random_feature_statistics
 from fcl_flower.analytic import random_projection, select_ridge_gcv
 from fcl_flower.analytic.subspace import select_subspace_ridge_gcv
-from fcl_flower.client_app import app as client_app
+from clients.app import app as client_app
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.local_grid import LocalGrid
 from fcl_flower.models import trainable_state
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import federated_split, iter_features
-from fcl_flower.wire import UploadError, to_record
-from strategies import STRATEGIES
+from fcl_flower.protocol import UploadError, to_record
+from fcl_flower import methods
+from fcl_flower.protocol import FedranReport, Header, StatsRes
+from strategies import strategy_class
 from strategies.analytic import AnalyticStrategy
-from strategies.base import Reply, RoundPlan
 from strategies.fedran import FedRANStrategy
 
 F64 = torch.float64
@@ -70,7 +71,7 @@ def base_config(tmp: Path, **changes) -> RunConfig:
 
 
 def run_inprocess(cfg: RunConfig):
-    cls = recording(STRATEGIES[cfg.strategy])
+    cls = recording(strategy_class(cfg.strategy))
     split = federated_split(cfg)
     recorder = ResultsRecorder(cfg.output_dir, cfg.strategy, cfg.to_mapping())
     strategy = cls(cfg, split, recorder)
@@ -327,10 +328,8 @@ def test_ssl_run_after_stage1_fedavg_reports_pseudo_label_counts_per_stage(tmp_p
 
 def _reply(basis, sigma, corr, *, n, labelled=None, extra_arrays=None, accepted=0, unlabelled=0, correct=0):
     arrays = {"basis": basis, "singular-values": sigma, "label-corr": corr, **(extra_arrays or {})}
-    metrics = {"partition-id": 0, "num-examples": n, "num-labelled": n - accepted if labelled is None else labelled,
-               "pseudo-unlabelled": unlabelled, "pseudo-accepted": accepted, "pseudo-correct": correct}
-    return RecordDict({"arrays": to_record(arrays),
-                       "metrics": MetricRecord(metrics)})
+    report = FedranReport(n - accepted if labelled is None else labelled, unlabelled, accepted, correct)
+    return StatsRes(Header("run", "fedran-stats", 0, 1, 1), 0, n, arrays=to_record(arrays), fedran=report)
 
 
 @pytest.mark.parametrize("case", ["ok", "float32-ok", "not-orthonormal", "rank-above-r", "rank-above-n",
@@ -338,7 +337,7 @@ def _reply(basis, sigma, corr, *, n, labelled=None, extra_arrays=None, accepted=
 def test_server_rejects_malformed_uploads(tmp_path, case):
     cfg = base_config(tmp_path, strategy="fedran", rank=4)
     strategy = FedRANStrategy(cfg, federated_split(cfg), ResultsRecorder(tmp_path, "fedran", {}))
-    plan = RoundPlan(0, strategy.stats_phase)
+    plan = strategy.round_plan(0, "fedran-stats")
     classes = int(strategy.split.tasks[0].stop)
     columns = 5 if case == "rank-above-r" else 4
     basis, _ = torch.linalg.qr(torch.randn(RF_DIM, columns, generator=torch.Generator().manual_seed(0), dtype=F64))
@@ -366,9 +365,7 @@ def test_server_rejects_malformed_uploads(tmp_path, case):
     content = _reply(basis, sigma, corr, **kwargs)
 
     def parse_and_validate():
-        payload = strategy.parse_reply(plan, content)
-        strategy.validate_reply(plan, Reply("client-0", kwargs["n"], payload))
-        return payload
+        return strategy.read_reply(plan, content)
 
     if case.endswith("ok"):
         assert parse_and_validate()["summary"].rank == 4
@@ -378,10 +375,12 @@ def test_server_rejects_malformed_uploads(tmp_path, case):
 
 
 def test_fedran_is_registered_and_reuses_the_analytic_strategy():
-    assert STRATEGIES["fedran"] is FedRANStrategy and issubclass(FedRANStrategy, AnalyticStrategy)
-    from clients import HANDLERS
+    assert strategy_class("fedran") is FedRANStrategy and issubclass(FedRANStrategy, AnalyticStrategy)
+    phase = methods.get("fedran").phase("fedran-stats")
+    assert FedRANStrategy.stats_phase == "fedran-stats"
+    from clients.fedran import handle_stats
 
-    assert "fedran-stats" in HANDLERS and FedRANStrategy.stats_phase == "fedran-stats"
+    assert methods.load(phase.handler) is handle_stats
 
 
 def test_subspace_gcv_residual_and_df_match_the_truncated_sketch():

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import sent_header
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import DatasetError, FederatedSplit, load_dataset
 from fcl_flower.data.paper_partitions import join_tasks, old_only_clients, old_only_count, sample_clients
@@ -137,9 +138,9 @@ def test_lga_run_samples_joined_clients_and_only_sampled_can_be_missing(tmp_path
     must learn the mapping, send each round exactly to the sampled clients' nodes, get replies
     from exactly those (minus the dead one) and report only the dead client, and only in the
     stages where it was sampled."""
-    from fcl_flower.client_app import app as client_app
+    from clients.app import app as client_app
     from fcl_flower.local_grid import LocalGrid
-    from fcl_flower.server_app import run_experiment
+    from strategies.app import run_experiment
 
     torch.set_num_threads(1)
     cfg = RunConfig(strategy="lga", dataset="digits", num_tasks=3, first_task_classes=4, num_clients=5, partition="class-subsets",
@@ -164,7 +165,7 @@ def test_lga_run_samples_joined_clients_and_only_sampled_can_be_missing(tmp_path
     train_sent: dict[int, set[int]] = {}
     for m in grid.sent:
         if m.metadata.message_type == "train":
-            rnd = int(m.content.config_records["config"]["server-round"])
+            rnd = sent_header(m).server_round
             train_sent.setdefault(rnd, set()).add(partition_of_node[m.metadata.dst_node_id])
     dead_sampled_somewhere = False
     for t, stage in enumerate(result["stages"]):
@@ -194,7 +195,7 @@ def test_lga_run_samples_joined_clients_and_only_sampled_can_be_missing(tmp_path
     for m, reply in zip(grid.sent, grid.replies):
         if m.metadata.message_type != "train" or reply.has_error():
             continue
-        task = int(m.content.config_records["config"]["task"])
+        task = sent_header(m).task
         metrics = reply.content.metric_records["metrics"]
         if int(metrics["partition-id"]) in split.old_only[task].tolist():
             assert int(metrics["num-examples"]) > 0 and int(metrics["lga-proto-classes"]) == 0
@@ -204,9 +205,9 @@ def test_require_all_clients_waits_only_for_the_sampled(tmp_path):
     """With require-all-clients and no retries, a round fails as soon as an expected client is
     missing: the run completes only because unsampled clients are not expected, and because a
     sampled Z_o client (no data, finetune has no memory) answers with 0 examples instead of failing."""
-    from fcl_flower.client_app import app as client_app
+    from clients.app import app as client_app
     from fcl_flower.local_grid import LocalGrid
-    from fcl_flower.server_app import run_experiment
+    from strategies.app import run_experiment
 
     torch.set_num_threads(1)
     cfg = RunConfig(strategy="finetune", dataset="digits", num_tasks=2, num_clients=4, clients_per_round=2,
@@ -225,5 +226,5 @@ def test_require_all_clients_waits_only_for_the_sampled(tmp_path):
     assert len(zo) == 1
     zo_replies = [int(r.content.metric_records["metrics"]["num-examples"]) for m, r in train
                   if f"client-{int(r.content.metric_records['metrics']['partition-id'])}" in zo
-                  and int(m.content.config_records["config"]["task"]) == 1]
+                  and sent_header(m).task == 1]
     assert zo_replies and all(n == 0 for n in zo_replies)

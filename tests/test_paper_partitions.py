@@ -114,9 +114,9 @@ def test_config_validation():
 def test_lga_class_subsets_with_joining_client_runs(tmp_path):
     """LGA on class subsets, client 2 joining at task 1: the run completes, and the late client
     answers task 0 with zero examples (so FedAvg gives it weight 0)."""
-    from fcl_flower.client_app import app as client_app
+    from clients.app import app as client_app
     from fcl_flower.local_grid import LocalGrid
-    from fcl_flower.server_app import run_experiment
+    from strategies.app import run_experiment
 
     torch.set_num_threads(1)
     cfg = RunConfig(strategy="lga", dataset="digits", num_tasks=2, num_clients=3, partition="class-subsets",

@@ -157,7 +157,8 @@ def test_metrics_are_aggregate_scalars_only(captured, name) -> None:
     for task, _, replies in rounds:
         for message in replies:
             content = message.content
-            assert not content.config_records  # nothing free-form
+            assert set(content.config_records) == {"header"}  # nothing free-form: the round it answers
+            assert all(isinstance(v, (int, str)) for v in content.config_records["header"].values())
             assert set(content.array_records) == {"arrays"}
             assert set(content.metric_records) == {"metrics"}
             metrics: MetricRecord = content.metric_records["metrics"]

@@ -65,7 +65,7 @@ def test_secure_stsa_equals_plain_stsa_within_the_rounding_bound(plain, tmp_path
         assert relative(w_secure, w_plain) < 1e-6
     assert [s.accuracy for s in secure.recorder.stages] == [s.accuracy for s in plain.recorder.stages]
     # G itself: within clients * 2^-(f+1) of the plain float64 sum, entry by entry
-    assert float((secure.gram - plain.gram).abs().max()) <= 3 * 2.0 ** -(secure.cfg.secagg_fraction_bits + 1) * 5
+    assert float((secure.ridge.gram - plain.ridge.gram).abs().max()) <= 3 * 2.0 ** -(secure.cfg.secagg_fraction_bits + 1) * 5
     assert len(seen) == 3 * 5
     for message in seen:
         for array in message.content.array_records["arrays"].values():

@@ -7,7 +7,6 @@ the results file.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -27,9 +26,8 @@ SIM = ROOT / "experiments" / "sim.py"
 
 def _config_of(argv: list[str]) -> RunConfig:
     """The RunConfig sim.py builds from ``argv``, via its own parser."""
-    spec = importlib.util.spec_from_file_location("fcl_flower_sim_for_simulation_test", SIM)
-    sim = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sim)
+    from experiments import sim
+
     return sim.config_from_args(sim.build_parser().parse_args(argv))
 
 

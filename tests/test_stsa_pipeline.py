@@ -18,7 +18,6 @@ import pytest
 import torch
 from flwr.app import Array, Message
 
-import clients
 from fcl_flower.analytic import (
     bytes_for,
     default_ridge_grid,
@@ -142,8 +141,8 @@ def test_federated_stsa_equals_centralised_ridge(out_dir: Path, beta: float, num
         assert record.clients == sorted(f"client-{k}" for k in range(num_clients))
         assert record.left_out == {}
         assert record.extra["ridge"] == GAMMA
-    assert rel_err(strategy.gram, gram) <= 1e-12
-    assert rel_err(strategy.class_sums[:, :sums.shape[1]], sums) <= 1e-12
+    assert rel_err(strategy.ridge.gram, gram) <= 1e-12
+    assert rel_err(strategy.ridge.class_sums[:, :sums.shape[1]], sums) <= 1e-12
 
 
 def test_temporal_aggregation_equals_one_shot_joint(out_dir: Path) -> None:
@@ -153,9 +152,9 @@ def test_temporal_aggregation_equals_one_shot_joint(out_dir: Path) -> None:
     stsa = run_in_process(cfg)
     joint = run_in_process(cfg.replace(strategy="joint", run_name="joint"))
     gram_all, sums_all, w_all = pooled_solve(cfg, len(stsa.split.tasks) - 1)
-    assert rel_err(stsa.gram, gram_all) <= 1e-12
-    assert rel_err(stsa.class_sums, sums_all) <= 1e-12
-    assert stsa.num_samples == len(federated_split(cfg).bundle.train)
+    assert rel_err(stsa.ridge.gram, gram_all) <= 1e-12
+    assert rel_err(stsa.ridge.class_sums, sums_all) <= 1e-12
+    assert stsa.ridge.num_samples == len(federated_split(cfg).bundle.train)
     assert rel_err(stsa.weights, w_all) <= 1e-8
     for w_fed, w_joint in zip(stsa.stage_weights, joint.stage_weights):
         assert rel_err(w_fed, w_joint) <= 1e-8
@@ -273,14 +272,21 @@ def test_bad_upload_is_rejected_and_the_rest_aggregated(out_dir: Path, kind: str
     strategy_name, partition, corrupt, key, reason = BAD_UPLOADS[kind]
     cfg = _bad_cfg(out_dir, strategy_name, kind)
     if kind == "error-reply":  # the client's handler raises: Flower sends an error reply
-        handler = clients.HANDLERS["stsa-stats"]
+        from clients import app as client_app_module
 
-        def failing(message, job):
-            if job.task == BAD_TASK and job.partition == partition:
-                raise RuntimeError("disk full")
-            return handler(message, job)
+        original = client_app_module.handler_for
 
-        monkeypatch.setitem(clients.HANDLERS, "stsa-stats", failing)
+        def patched(strategy: str, phase: str):
+            handler = original(strategy, phase)
+
+            def failing(job):
+                if job.task == BAD_TASK and job.partition == partition:
+                    raise RuntimeError("disk full")
+                return handler(job)
+
+            return failing if phase == "stsa-stats" else handler
+
+        monkeypatch.setattr(client_app_module, "handler_for", patched)
         tamper = None
     else:
         tamper = _tamper_one(partition, corrupt)
@@ -318,8 +324,8 @@ def test_bad_upload_is_rejected_and_the_rest_aggregated(out_dir: Path, kind: str
     assert "statistics_missing" not in after.extra
     for other in bad.recorder.stages[:BAD_TASK] + bad.recorder.stages[BAD_TASK + 1:]:
         assert other.left_out == {} and len(other.clients) == 3
-    assert bad.num_samples == fault_free.num_samples == len(federated_split(cfg).bundle.train)
-    assert rel_err(bad.gram, fault_free.gram) <= 1e-12
+    assert bad.ridge.num_samples == fault_free.ridge.num_samples == len(federated_split(cfg).bundle.train)
+    assert rel_err(bad.ridge.gram, fault_free.ridge.gram) <= 1e-12
     assert rel_err(bad.weights, fault_free.weights) <= 1e-8
     assert [s.accuracy for s in bad.recorder.stages[BAD_TASK + 1:]] == \
         [s.accuracy for s in fault_free.recorder.stages[BAD_TASK + 1:]]
@@ -349,9 +355,9 @@ def test_stsa_e_with_many_dummy_clients_approaches_stsa(out_dir: Path, k_mode: s
     base = small_config(out_dir, num_clients=5)
     exact = run_in_process(base)
     est = run_in_process(base.replace(strategy="stsa-e", dummy_clients=10, k_mode=k_mode, run_name=k_mode))
-    assert torch.allclose(est.class_sums, exact.class_sums, rtol=1e-10, atol=1e-8)
-    assert est.num_samples == exact.num_samples
-    assert rel_err(est.gram, exact.gram) < 0.05
+    assert torch.allclose(est.ridge.class_sums, exact.ridge.class_sums, rtol=1e-10, atol=1e-8)
+    assert est.ridge.num_samples == exact.ridge.num_samples
+    assert rel_err(est.ridge.gram, exact.ridge.gram) < 0.05
     for e, s in zip(est.recorder.stages, exact.recorder.stages):
         assert e.accuracy > 100.0 / est.num_seen(e.stage - 1)  # above chance
         assert abs(e.accuracy - s.accuracy) <= 3.0, (e.stage, e.accuracy, s.accuracy)

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from fcl_flower.config import TASK_POOL_STRATEGIES, ConfigError, RunConfig
+from fcl_flower import methods
+from fcl_flower.config import ConfigError, RunConfig
+from fcl_flower.protocol import parse_instruction
 from fcl_flower.data import DatasetError, FederatedSplit, load_dataset
 from fcl_flower.data.task_pool import client_task_classes, resolve_classes_per_task, task_pool_classes
 from fcl_flower.metrics import forgetting, summarise_clients, task_pool_accuracy
@@ -130,7 +132,7 @@ def test_shared_stream_strategies_are_refused(strategy):
         RunConfig(strategy=strategy, partition="task-pool").validated()
     message = str(err.value)
     assert "\n" not in message and strategy in message
-    assert all(name in message for name in TASK_POOL_STRATEGIES)
+    assert all(name in message for name in methods.with_capability("task_pool"))
     with pytest.raises(ConfigError, match="first-task-classes"):
         RunConfig(strategy="stamp", partition="task-pool", first_task_classes=4).validated()
 
@@ -169,7 +171,7 @@ def test_run_records_per_client_results(runs, strategy):
     assert (result["A_avg"], result["A_T"], result["F_T"]) == pytest.approx((mean.A_avg, mean.A_T, mean.F_T))
     assert result["per_client"]["client-1"]["F_T"] == pytest.approx(each[1].F_T)
     # every training message offers the whole head
-    assert {int(m.content.config_records["config"]["num-seen-classes"]) for m in grid.sent} == {10}
+    assert {parse_instruction(m).num_seen for m in grid.sent} == {10}
 
 
 def test_final_scores_equal_a_direct_evaluation(runs):
@@ -192,7 +194,7 @@ def test_finetune_forgets(runs):
 
 
 def test_stamp_coreset_holds_the_clients_own_earlier_tasks(runs):
-    from clients.lga import load_memory
+    from clients.memory import load_memory
     from clients.stamp import CORESET_STATE
     from fcl_flower.runtime import federated_split
 
@@ -209,12 +211,12 @@ def test_stamp_coreset_holds_the_clients_own_earlier_tasks(runs):
 
 
 def test_stamp_on_a_tiled_pool_keeps_a_returning_class_once(tmp_path):
-    from clients.lga import load_memory
+    from clients.memory import load_memory
     from clients.stamp import CORESET_STATE
-    from fcl_flower.client_app import app as client_app
+    from clients.app import app as client_app
     from fcl_flower.local_grid import LocalGrid
     from fcl_flower.runtime import federated_split
-    from fcl_flower.server_app import run_experiment
+    from strategies.app import run_experiment
 
     cfg = _config("stamp", tmp_path).replace(num_tasks=6, stage1_rounds=1, rounds_per_task=1, num_clients=2)
     grid = LocalGrid(client_app, 2)

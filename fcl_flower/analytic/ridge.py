@@ -22,6 +22,7 @@ from .errors import AnalyticInputError, NotPositiveDefiniteError
 
 __all__ = [
     "GCVRow",
+    "RidgeState",
     "default_ridge_grid",
     "gcv_from_spectrum",
     "ridge_residual",
@@ -158,3 +159,37 @@ def gcv_from_spectrum(
         table.append(GCVRow(gamma=gamma, rss=rss, df=df, gcv=gcv))
     best = min(table, key=lambda row: row.gcv)
     return best.gamma, table
+
+
+@dataclass
+class RidgeState:
+    """The server's running statistics of every stage so far (temporal aggregation, Eq. 4).
+
+    ``gram`` G_{1:t} (M × M), ``class_sums`` C_{1:t} (M × all classes, global class columns) and
+    ``num_samples`` n, all sums over samples: a stage's statistics (or a late client's) just add.
+    """
+
+    gram: Tensor
+    class_sums: Tensor
+    num_samples: int = 0
+
+    @classmethod
+    def empty(cls, dim: int, num_classes: int) -> RidgeState:
+        return cls(torch.zeros(dim, dim, dtype=torch.float64), torch.zeros(dim, num_classes, dtype=torch.float64))
+
+    def add(self, classes: range, gram: Tensor, class_sums: Tensor, num_samples: int) -> None:
+        """G grows by G_t; the columns of ``classes`` receive C_t."""
+        if tuple(class_sums.shape) != (self.gram.shape[0], len(classes)):
+            raise AnalyticInputError(f"class_sums shape {tuple(class_sums.shape)} does not fit "
+                                     f"{self.gram.shape[0]} features and {len(classes)} classes")
+        self.gram += gram
+        self.class_sums[:, classes.start:classes.stop] += class_sums
+        self.num_samples += int(num_samples)
+
+    def solve(self, num_seen: int, ridge: float | None) -> tuple[Tensor, float, list[GCVRow]]:
+        """(W over the first ``num_seen`` classes, γ, GCV table): ``ridge`` None selects γ by GCV."""
+        sums = self.class_sums[:, :num_seen]
+        table: list[GCVRow] = []
+        if ridge is None:
+            ridge, table = select_ridge_gcv(self.gram, sums, self.num_samples, float(self.num_samples))
+        return solve_ridge(self.gram, sums, ridge), ridge, table

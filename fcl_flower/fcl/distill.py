@@ -14,12 +14,28 @@ Departures
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
+
+import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+
+from fcl_flower.models import load_trainable_state
 
 from .errors import FCLInputError
 
-__all__ = ["softmax_kl_per_sample", "kd_loss"]
+__all__ = ["frozen_teacher", "kd_loss", "softmax_kl_per_sample"]
+
+
+def frozen_teacher(model: nn.Module, state: Mapping[str, Tensor], device: torch.device) -> nn.Module:
+    """A frozen copy of ``model`` carrying the teacher's trainable state (eval mode, no grads)."""
+    teacher = copy.deepcopy(model)
+    load_trainable_state(teacher, state)
+    teacher.to(device).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
 
 
 def _check_logits_pair(new_logits: Tensor, old_logits: Tensor) -> None:

@@ -51,6 +51,7 @@ from .errors import FCLInputError
 
 __all__ = [
     "GradientEncoder",
+    "gradient_encoder",
     "encoder_gradients",
     "infer_label",
     "prototype_indices",
@@ -121,6 +122,14 @@ class GradientEncoder(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc(self.body(x).flatten(1))
+
+
+def gradient_encoder(image_shape: Sequence[int], num_classes: int, seed: int) -> GradientEncoder:
+    """Γ, built identically on clients and the proxy from the run seed (it never travels)."""
+    c, h, w = (int(s) for s in image_shape)
+    if h != w:
+        raise FCLInputError(f"the LGA gradient encoder needs square images, got {h}x{w}")
+    return GradientEncoder(in_channels=c, image_size=h, num_classes=num_classes, seed=seed)
 
 
 def encoder_gradients(encoder: nn.Module, x: Tensor, labels: Tensor | int) -> list[Tensor]:

@@ -1,4 +1,5 @@
-"""Local SGD on a client's own data: the inner loop of every gradient-trained method."""
+"""Local SGD on one dataset: the inner loop of every gradient-trained method (clients, and the
+server's pooled joint-gradient bound)."""
 
 from __future__ import annotations
 

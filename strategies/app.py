@@ -1,4 +1,5 @@
-"""ServerApp: builds the run from its configuration and hands it to the chosen strategy."""
+"""The ServerApp (``[tool.flwr.app.components] serverapp``): builds the run from its configuration
+and hands it to the strategy of the chosen method."""
 
 from __future__ import annotations
 
@@ -16,14 +17,13 @@ from fcl_flower.data import DatasetError
 from fcl_flower.models import ModelError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import federated_split
+from strategies import build_strategy
 
 USER_ERRORS = (ConfigError, DatasetError, ModelError)
 
 
 def run_experiment(grid: Grid, cfg: RunConfig) -> ResultsRecorder:
     """Everything a run does, given a grid of connected client nodes."""
-    from strategies import build_strategy  # the strategies package imports this module's siblings
-
     split = federated_split(cfg)
     recorder = ResultsRecorder(cfg.output_dir, cfg.strategy, cfg.to_mapping())
     strategy = build_strategy(cfg, split, recorder)

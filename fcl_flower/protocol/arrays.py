@@ -1,4 +1,4 @@
-"""What travels in Flower messages: tensors in, tensors out, and how many bytes that took.
+"""Arrays in Flower records: tensors in, tensors out, checked, and how many bytes that took.
 
 Clients are untrusted: everything the server reads from a reply goes through
 :func:`read_tensor`, which checks presence, shape and finiteness and raises
@@ -15,11 +15,9 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
+from fcl_flower.protocol.errors import UploadError
+
 WIRE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-class UploadError(ValueError):
-    """A client's reply that must not be aggregated."""
 
 
 def to_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:

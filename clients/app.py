@@ -1,0 +1,77 @@
+"""The ClientApp (``[tool.flwr.app.components] clientapp``): one entry per Flower message type.
+
+``train`` messages carry local-SGD rounds, ``query.stats`` the one-shot statistics of the
+analytic methods (and EWC's Fisher), ``query.keys`` asks for a fresh public key before a
+secure-aggregation statistics round, ``query.info`` which client this node serves. Every message
+is parsed into its typed instruction (fcl_flower/protocol); the handler of the instruction's
+phase comes from the method's registry entry and is imported only when first needed, so a
+process that answers a statistics message never imports the training code. Raw samples never
+leave this process: handlers reply with model weights or aggregate statistics only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from fcl_flower import methods
+from fcl_flower.protocol import InfoIns, InfoRes, KeysIns, ProtocolError, Reply, StatsIns, TrainIns, parse_instruction
+
+app = ClientApp()
+
+Handler = Callable[..., Reply]
+
+
+@cache
+def handler_for(strategy: str, phase: str) -> Handler:
+    """The client handler of ``strategy``'s ``phase`` (registry reference, imported on first use)."""
+    try:
+        return methods.load(methods.get(strategy).phase(phase).handler)  # type: ignore[no-any-return]
+    except methods.RegistryError as err:
+        raise ProtocolError(str(err)) from None
+
+
+def handle(message: Message, context: Context) -> Message:
+    """Parse, dispatch, reply. Any exception becomes Flower's error reply to the server."""
+    ins = parse_instruction(message)
+    if isinstance(ins, InfoIns):
+        from clients.node_data import node_data
+
+        reply: Reply = InfoRes(ins.header, node_data(context.node_config, ins.config).partition, 0)
+    elif isinstance(ins, KeysIns):
+        from clients.secure import handle_keys
+
+        reply = handle_keys(ins, context)
+    else:
+        assert isinstance(ins, (TrainIns, StatsIns))
+        from clients.job import make_job
+
+        reply = handler_for(ins.config.strategy, ins.header.phase)(make_job(ins, context))
+    return reply.reply_to(message)
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+    """Local training rounds (FedAvg stage 1, fine-tuning, LwF, EWC, LGA, STAMP)."""
+    return handle(message, context)
+
+
+@app.query("stats")
+def stats(message: Message, context: Context) -> Message:
+    """One-shot statistics upload (STSA, STSA-E, FedRAN; EWC's Fisher)."""
+    return handle(message, context)
+
+
+@app.query("info")
+def info(message: Message, context: Context) -> Message:
+    """Which client (partition) this node serves; the server samples clients per round by it."""
+    return handle(message, context)
+
+
+@app.query("keys")
+def keys(message: Message, context: Context) -> Message:
+    """A fresh public key before a secure statistics round (clients/secure.py)."""
+    return handle(message, context)

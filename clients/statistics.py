@@ -1,0 +1,100 @@
+"""What every statistics client shares: W_rand, local random features, and the backfill reply.
+
+Features come from the frozen backbone in eval mode with test-time transforms (docs/methods/
+stsa.md §2.4). Backfill: a client that missed the statistics round of an earlier task (crashed,
+timed out, rejected) is asked for it again in a later statistics round
+(:attr:`StatsIns.backfill`); the client recomputes those tasks' statistics and returns them as
+:class:`~fcl_flower.protocol.Backfill` entries. Statistics are sums over samples, so once every
+late upload is in, the aggregate -- and the ridge classifier -- equals the fault-free run's.
+Recomputing rather than caching is correct because the backbone is frozen after stage 1 (the
+features of old data do not change) and a client that crashed before uploading never had the
+statistics to cache. It requires the client to still hold its old task's data, which the
+papers' protocol (data of task t only during stage t) does not promise: a deployment that must
+delete old data cannot backfill, and its missing stages stay recorded as missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from flwr.app import ArrayRecord
+
+from clients.job import ClientJob
+from fcl_flower.analytic import random_features, random_projection
+from fcl_flower.data import LabelledDataset
+from fcl_flower.protocol import Backfill, ProtocolError, StatsRes
+from fcl_flower.runtime import iter_features
+
+
+class Statistics(NamedTuple):
+    """One task's upload: the payload (fcl_flower/protocol/payloads.py), samples in it, samples
+    withheld under min-class-count."""
+
+    payload: Any  # a payload with .to_record(wire_dtype)
+    num_samples: int
+    withheld: int = 0
+
+
+#: encode({task: statistics}) -> {task: (record, number of examples)}: what the reply carries
+Encode = Callable[[dict[int, Statistics]], dict[int, tuple[ArrayRecord, int]]]
+
+
+def projection_for(job: ClientJob) -> torch.Tensor | None:
+    """W_rand regenerated from the run seed; it never travels."""
+    return random_projection(job.model.backbone.feature_dim, job.cfg.rf_dim, seed=job.cfg.seed)
+
+
+def effective_rf_dim(feature_dim: int, rf_dim: int) -> int:
+    return feature_dim if rf_dim in (0, feature_dim) else rf_dim
+
+
+def task_data(job: ClientJob, task: int) -> LabelledDataset:
+    """This client's own partition of ``task`` (the current one, or an owed earlier one)."""
+    return job.split.client_train(task, job.partition, eval_transform=True)
+
+
+def local_task_features(job: ClientJob, task: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Φ of the local samples (n × M) of ``task`` (default: the current one) and their labels
+    relative to the task's first class.
+
+    Only for STSA-E, whose upload needs per-sample grouping; STSA streams instead.
+    """
+    task = job.task if task is None else task
+    projection = projection_for(job)
+    phis, labels = [], []
+    for features, y in iter_features(job.model, task_data(job, task), job.cfg, job.device):
+        phis.append(random_features(features, projection))
+        labels.append(y - job.split.tasks[task].start)
+    dim = effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
+    if not phis:
+        return torch.zeros(0, dim, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
+    return torch.cat(phis), torch.cat(labels)
+
+
+def backfill_tasks(job: ClientJob) -> tuple[int, ...]:
+    """The earlier tasks whose statistics the server asks this client for (see module doc)."""
+    assert hasattr(job.ins, "owed_by")
+    owed = job.ins.owed_by(job.partition)
+    if any(not 0 <= task < job.task for task in owed):
+        raise ProtocolError(f"backfill asks for tasks {list(owed)}, but only tasks 0..{job.task - 1} are past")
+    return owed
+
+
+def reply_with_backfill(job: ClientJob, compute: Callable[[ClientJob, int], Statistics],
+                        encode: Encode | None = None) -> StatsRes:
+    """``compute(job, task)`` for the current task, plus every owed earlier one.
+
+    ``encode`` turns them into the reply's records (default: each payload at ``wire-dtype``);
+    a secure round's encoder also answers for every stage anybody owes, masked (clients/secure.py).
+    """
+    stats = {job.task: compute(job, job.task), **{task: compute(job, task) for task in backfill_tasks(job)}}
+    withheld = sum(s.withheld for s in stats.values())
+    if encode is None:
+        records = {t: (s.payload.to_record(job.cfg.wire_dtype), s.num_samples) for t, s in stats.items()}
+    else:
+        records = encode(stats)
+    arrays, num_samples = records.pop(job.task)
+    return job.stats_reply(num_samples, arrays=arrays, withheld=withheld,
+                           backfill={task: Backfill(*records[task]) for task in sorted(records)})

@@ -1,0 +1,71 @@
+"""The message protocol between the server (``strategies/``) and the clients (``clients/``).
+
+:mod:`.messages` defines every message kind as a typed dataclass, :mod:`.payloads` the arrays
+each method uploads, :mod:`.arrays` the checked tensor <-> record conversion, :mod:`.errors` the
+one-line errors. Both sides use only these types.
+"""
+
+from fcl_flower.methods import Kind
+from fcl_flower.protocol.arrays import (
+    WIRE_DTYPES,
+    cast_for_wire,
+    from_record,
+    message_bytes,
+    payload_bytes,
+    read_ring,
+    read_tensor,
+    to_record,
+)
+from fcl_flower.protocol.errors import ProtocolError, UploadError
+from fcl_flower.protocol.messages import (
+    Backfill,
+    FedranReport,
+    Header,
+    InfoIns,
+    InfoRes,
+    Instruction,
+    KeysIns,
+    KeysRes,
+    LGAReport,
+    Reply,
+    SecAggRound,
+    StampReport,
+    StatsIns,
+    StatsRes,
+    TrainIns,
+    TrainRes,
+    parse_instruction,
+    parse_reply,
+)
+
+__all__ = [
+    "WIRE_DTYPES",
+    "Backfill",
+    "FedranReport",
+    "Header",
+    "InfoIns",
+    "InfoRes",
+    "Instruction",
+    "KeysIns",
+    "KeysRes",
+    "Kind",
+    "LGAReport",
+    "ProtocolError",
+    "Reply",
+    "SecAggRound",
+    "StampReport",
+    "StatsIns",
+    "StatsRes",
+    "TrainIns",
+    "TrainRes",
+    "UploadError",
+    "cast_for_wire",
+    "from_record",
+    "message_bytes",
+    "parse_instruction",
+    "parse_reply",
+    "payload_bytes",
+    "read_ring",
+    "read_tensor",
+    "to_record",
+]

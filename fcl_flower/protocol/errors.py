@@ -1,0 +1,21 @@
+"""Errors of the message protocol: one line each, naming what is wrong."""
+
+from __future__ import annotations
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol (missing record, wrong type, wrong round).
+
+    ``claimed_client``: the client a rejected reply claimed to speak for, when it said so.
+    """
+
+    claimed_client: int | None = None
+
+
+class UploadError(ProtocolError):
+    """A client's reply that must not be aggregated; the server rejects it and names the client.
+
+    ``client`` is set by the server to the name the rejection is logged and recorded under.
+    """
+
+    client: str | None = None

@@ -1,0 +1,166 @@
+"""The arrays inside replies, typed: what each method uploads, built by clients, checked by the server.
+
+A client builds a payload and calls ``to_record(wire_dtype)``; the server calls ``read(record, ...)``
+with the shapes *its own state* implies (M, the task's classes, the rank it asked for), so a
+reply can never choose the shapes the server allocates. Every read checks presence, no extra
+arrays, numeric dtype, shape and finiteness, and raises :class:`UploadError` with one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+
+from fcl_flower.protocol.arrays import cast_for_wire, read_ring, read_tensor, to_record
+from fcl_flower.protocol.errors import UploadError
+
+Tensor = torch.Tensor
+
+
+def _exact_keys(record: ArrayRecord, keys: tuple[str, ...]) -> None:
+    extra = sorted(set(record.keys()) - set(keys))
+    if extra:
+        raise UploadError(f"unexpected array(s) {', '.join(extra)}")
+
+
+def read_state(record: ArrayRecord, expected: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A model state (or a Fisher) with exactly the keys and shapes of ``expected``."""
+    if set(record.keys()) != set(expected):
+        raise UploadError("model state keys differ from the global model's")
+    return {key: read_tensor(record, key, shape=tuple(value.shape)) for key, value in expected.items()}
+
+
+def read_fisher(record: ArrayRecord, expected: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A diagonal Fisher: one non-negative float array per trainable parameter, in float64."""
+    unexpected = sorted(set(record.keys()) - set(expected))
+    if unexpected:
+        raise UploadError(f"Fisher has unknown parameter(s): {', '.join(unexpected[:3])}")
+    return {
+        key: read_tensor(record, key, shape=tuple(p.shape), floating=True, nonnegative=True).to(torch.float64)
+        for key, p in expected.items()
+    }
+
+
+@dataclass(frozen=True)
+class StsaStats:
+    """STSA: the packed upper triangle of G = ΦᵀΦ (M(M+1)/2) and the class sums C = ΦᵀY (M × c_t)."""
+
+    gram_packed: Tensor
+    class_sums: Tensor
+    KEYS = ("gram-packed", "class-sums")
+
+    def to_record(self, wire_dtype: str) -> ArrayRecord:
+        return to_record({"gram-packed": cast_for_wire(self.gram_packed, wire_dtype),
+                          "class-sums": cast_for_wire(self.class_sums, wire_dtype)})
+
+    @classmethod
+    def read(cls, record: ArrayRecord, *, packed: int, dim: int, classes: int) -> StsaStats:
+        """G stays packed at wire precision until summed; C becomes float64."""
+        _exact_keys(record, cls.KEYS)
+        return cls(read_tensor(record, "gram-packed", shape=(packed,), floating=True),
+                   read_tensor(record, "class-sums", shape=(dim, classes), floating=True).to(torch.float64))
+
+
+@dataclass(frozen=True)
+class MaskedStsaStats:
+    """STSA under secure aggregation: the same arrays as uint64 ring elements, masked."""
+
+    gram_packed: np.ndarray
+    class_sums: np.ndarray
+
+    def to_record(self) -> ArrayRecord:
+        return ArrayRecord({"gram-packed": Array(self.gram_packed), "class-sums": Array(self.class_sums)})
+
+    @classmethod
+    def read(cls, record: ArrayRecord, *, packed: int, dim: int, classes: int) -> MaskedStsaStats:
+        _exact_keys(record, StsaStats.KEYS)
+        return cls(read_ring(record, "gram-packed", shape=(packed,)),
+                   read_ring(record, "class-sums", shape=(dim, classes)))
+
+
+@dataclass(frozen=True)
+class StsaEStats:
+    """STSA-E: class sums (K_D × M × c_t) and counts (K_D × c_t) of the client's dummy clients."""
+
+    class_sums: Tensor
+    counts: Tensor
+    KEYS = ("class-sums", "counts")
+
+    def to_record(self, wire_dtype: str) -> ArrayRecord:
+        return to_record({"class-sums": cast_for_wire(self.class_sums, wire_dtype),
+                          "counts": cast_for_wire(self.counts, wire_dtype)})
+
+    @classmethod
+    def read(cls, record: ArrayRecord, *, dummies: int, dim: int, classes: int) -> StsaEStats:
+        _exact_keys(record, cls.KEYS)
+        counts = read_tensor(record, "counts", shape=(dummies, classes), nonnegative=True).to(torch.float64)
+        if not torch.equal(counts, counts.round()):
+            raise UploadError("array 'counts' has non-integer entries")
+        sums = read_tensor(record, "class-sums", shape=(dummies, dim, classes), floating=True).to(torch.float64)
+        return cls(sums, counts)
+
+
+@dataclass(frozen=True)
+class FedranStats:
+    """FedRAN: rank-r_k basis U (M × r_k), singular values σ (r_k), B = HᵀY (M × C_t)."""
+
+    basis: Tensor
+    singular_values: Tensor
+    label_corr: Tensor
+    KEYS = ("basis", "singular-values", "label-corr")
+
+    def to_record(self, wire_dtype: str) -> ArrayRecord:
+        return to_record({"basis": cast_for_wire(self.basis, wire_dtype),
+                          "singular-values": cast_for_wire(self.singular_values, wire_dtype),
+                          "label-corr": cast_for_wire(self.label_corr, wire_dtype)})
+
+    @classmethod
+    def read(cls, record: ArrayRecord, *, dim: int, classes: int, max_rank: int) -> FedranStats:
+        """Shapes, finiteness, descending σ ≥ 0 and orthonormal U, all in float64."""
+        _exact_keys(record, cls.KEYS)
+        basis = read_tensor(record, "basis", ndim=2, floating=True)
+        if basis.shape[0] != dim or basis.shape[1] > max_rank:
+            raise UploadError(f"basis has shape {tuple(basis.shape)}, expected ({dim}, r_k <= {max_rank})")
+        r_k = int(basis.shape[1])
+        sigma = read_tensor(record, "singular-values", shape=(r_k,), floating=True, nonnegative=True)
+        if r_k > 1 and bool((sigma[1:] > sigma[:-1]).any()):
+            raise UploadError("singular values are not in descending order")
+        label_corr = read_tensor(record, "label-corr", shape=(dim, classes), floating=True)
+        u = basis.to(torch.float64)
+        tolerance = 1e3 * torch.finfo(basis.dtype).eps * dim**0.5
+        drift = float((u.T @ u - torch.eye(r_k, dtype=torch.float64)).abs().max()) if r_k else 0.0
+        if drift > tolerance:
+            raise UploadError(f"basis columns are not orthonormal (max |UᵀU − I| = {drift:.2e})")
+        return cls(u, sigma.to(torch.float64), label_corr.to(torch.float64))
+
+    @property
+    def rank(self) -> int:
+        return int(self.basis.shape[1])
+
+
+def prototype_record(gradients: Mapping[int, list[Tensor]]) -> ArrayRecord:
+    """LGA: per class, the encoder gradients on its perturbed prototype, keys ``<class>/<index>``."""
+    return to_record({f"{c}/{i}": g for c, gs in gradients.items() for i, g in enumerate(gs)})
+
+
+def read_prototypes(record: ArrayRecord, classes: range, shapes: list[tuple[int, ...]]) -> dict[int, list[Tensor]]:
+    """Inverse of :func:`prototype_record`, checked against the task's classes and the encoder's shapes."""
+    by_class: dict[int, set[int]] = {}
+    for key in record:
+        try:
+            cls, idx = (int(part) for part in key.split("/"))
+        except ValueError:
+            raise UploadError(f"prototype gradient key '{key}' is not '<class>/<index>'") from None
+        if cls not in classes:
+            raise UploadError(f"prototype gradient for class {cls}, not a class of this task")
+        by_class.setdefault(cls, set()).add(idx)
+    out: dict[int, list[Tensor]] = {}
+    for cls, idxs in by_class.items():
+        if idxs != set(range(len(shapes))):
+            raise UploadError(f"prototype gradient of class {cls} lacks some encoder parameters")
+        out[cls] = [read_tensor(record, f"{cls}/{i}", shape=s, floating=True).float() for i, s in enumerate(shapes)]
+    return out

@@ -1,0 +1,66 @@
+"""Cost and participation accounting of one stage: bytes per client, who contributed, who is missing.
+
+The stage loop resets it at the start of every stage; every accepted reply adds its bytes, every
+rejected one its reason; :meth:`StageAccounting.left_out` then says, for every client some round
+of the stage was sent to, why its data is not in the stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def client_name(client: int) -> str:
+    return f"client-{client}"
+
+
+def client_order(name: str) -> tuple[int, str]:
+    """``client-2`` before ``client-10``; other names (``node-*``) after."""
+    head, _, tail = name.partition("-")
+    return (int(tail), "") if head == "client" and tail.isdigit() else (1 << 30, name)
+
+
+class StageAccounting:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.upload: dict[str, int] = {}  # numeric payload per client (all rounds of the stage)
+        self.message: dict[str, int] = {}  # whole serialised replies per client
+        self.clients: set[str] = set()  # clients with an accepted reply in the stage
+        self.rejected: dict[str, str] = {}  # client (or node-<id>) -> why its reply was rejected
+        self.expected: set[str] = set()  # clients some round of the stage was sent to
+        self.sampling: dict[int, dict[str, Any]] = {}  # server round -> sampled / contributed clients
+
+    def expect(self, clients: set[str]) -> None:
+        self.expected |= clients
+
+    def accept(self, client: str, payload_bytes: int, message_bytes: int) -> None:
+        self.upload[client] = self.upload.get(client, 0) + payload_bytes
+        self.message[client] = self.message.get(client, 0) + message_bytes
+
+    def contributed(self, server_round: int, clients: list[str]) -> None:
+        self.clients.update(clients)
+        if server_round in self.sampling:
+            self.sampling[server_round]["contributed"] = sorted(clients, key=client_order)
+
+    def sampled(self, server_round: int, clients: list[str]) -> None:
+        self.sampling.setdefault(server_round, {"round": server_round, "sampled": clients, "contributed": []})
+
+    def reject(self, client: str, why: str) -> None:
+        self.rejected[client] = why
+
+    def left_out(self, num_clients: int, rounds: int) -> dict[str, str]:
+        """Client -> why its data is missing from the stage (a stage without rounds misses nobody)."""
+        left_out = {c: why for c, why in self.rejected.items() if c not in self.clients}
+        unattributed = any(c.startswith("node-") for c in left_out)  # rejected before we knew who
+        if rounds:
+            for i in range(num_clients):
+                client = client_name(i)
+                if client in self.expected and client not in self.clients and client not in left_out:
+                    left_out[client] = ("no reply within round-timeout" if not unattributed else
+                                        "no accepted reply (timed out, or one of the rejected node-* uploads)")
+        return left_out
+
+    def sampling_extra(self) -> dict[str, Any]:
+        return {"sampling": [self.sampling[r] for r in sorted(self.sampling)]} if self.sampling else {}

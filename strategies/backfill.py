@@ -1,0 +1,109 @@
+"""Backfill as a component: clients that missed a statistics round send those statistics later.
+
+A client whose statistics of task s did not arrive (node down, timed out, upload rejected) is
+recorded in ``missing`` and asked for them in every later statistics round
+(:attr:`fcl_flower.protocol.StatsIns.backfill`). Its late statistics are checked against task
+s's shapes and handed to the method to fold in; once every late upload is in, the classifier
+equals the fault-free run's. Stage extras record who still owes which stage
+(``statistics_missing``) and whose late statistics arrived (``backfilled``); ``missing`` is part
+of the checkpoint.
+
+Under secure aggregation every participant must send every record for the masks to cancel, so
+each one answers for every owed stage, with zeros for stages it does not owe itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from logging import INFO
+from typing import Any, Generic, TypeVar
+
+from flwr.app import ArrayRecord
+from flwr.common.logger import log
+
+from fcl_flower.protocol import StatsRes, UploadError
+from strategies.accounting import client_name
+from strategies.base import Accepted
+
+P = TypeVar("P")
+Late = dict[int, tuple[P, int]]  # task -> (payload, number of examples)
+
+
+class Backfill(Generic[P]):
+    def __init__(self, num_clients: int) -> None:
+        self.num_clients = num_clients
+        self.missing: dict[str, list[int]] = {}  # client -> tasks whose statistics are not in yet
+        self.arrived: dict[str, list[int]] = {}  # late statistics that arrived in this stage
+
+    def request(self) -> dict[int, tuple[int, ...]]:
+        """What a statistics round asks for: client id -> tasks it owes."""
+        return {int(c.rsplit("-", 1)[1]): tuple(tasks) for c, tasks in self.missing.items() if tasks}
+
+    def read(self, client: str, reply: StatsRes, read: Callable[[int, ArrayRecord], P], *, secure: bool) -> Late[P]:
+        """The late statistics in ``reply``, each read like an on-time upload of its task.
+
+        Only tasks this client owes are accepted: anything else would count its data twice, so
+        the whole reply is rejected (its on-time statistics included).
+        """
+        owed = self.missing.get(client, [])
+        asked = sorted({t for ts in self.missing.values() for t in ts}) if secure else owed
+        late: Late[P] = {}
+        for task, upload in reply.backfill.items():
+            name = f"backfill-{task}"
+            if task not in asked:
+                raise UploadError(f"record '{name}' was not asked for ({client} owes stages {[t + 1 for t in owed]})")
+            if task not in owed and upload.num_examples:
+                raise UploadError(f"record '{name}' carries {upload.num_examples} samples of a stage {client} "
+                                  "does not owe")
+            try:
+                late[task] = (read(task, upload.arrays), upload.num_examples)
+            except UploadError as err:
+                raise UploadError(f"record '{name}': {err}") from None
+        if secure and sorted(late) != asked:
+            raise UploadError(f"secure round: backfill records for stages {[t + 1 for t in sorted(late)]}, "
+                              f"expected {[t + 1 for t in asked]}")
+        return late
+
+    def fold(self, accepted: Iterable[Accepted[Any]], late_of: Callable[[Accepted[Any]], Late[P]],
+             add: Callable[[int, list[Accepted[P]]], None], release: Callable[[int], None]) -> None:
+        """Add the late statistics carried by this round's replies (``add(task, replies)``), strike
+        them off, and ``release(task)`` once nobody owes ``task`` any more."""
+        by_task: dict[int, list[Accepted[P]]] = {}
+        for reply in accepted:
+            for task, (payload, count) in late_of(reply).items():
+                by_task.setdefault(task, []).append(Accepted(reply.client, count, payload))
+        for task, replies in sorted(by_task.items()):
+            add(task, replies)
+            for reply in replies:
+                if task not in self.missing.get(reply.client, []):
+                    continue  # a secure round's zero record from a client that did not owe it
+                self.missing[reply.client].remove(task)
+                if not self.missing[reply.client]:
+                    del self.missing[reply.client]
+                self.arrived.setdefault(reply.client, []).append(task)
+                log(INFO, "%s backfilled its statistics of stage %d", reply.client, task + 1)
+            if not any(task in owed for owed in self.missing.values()):
+                release(task)
+
+    def note_missing(self, task: int, answered: set[str]) -> list[str]:
+        """Every client without an accepted upload in the task's statistics round owes ``task``."""
+        absent = [client_name(i) for i in range(self.num_clients) if client_name(i) not in answered]
+        for client in absent:
+            self.missing.setdefault(client, []).append(task)
+        return absent
+
+    def extras(self) -> dict[str, Any]:
+        """Stage extras: whose late statistics arrived in this stage, and who still owes what."""
+        extra: dict[str, Any] = {}
+        if self.arrived:
+            extra["backfilled"] = {c: [t + 1 for t in sorted(ts)] for c, ts in sorted(self.arrived.items())}
+            self.arrived = {}
+        if self.missing:
+            extra["statistics_missing"] = {c: [t + 1 for t in ts] for c, ts in sorted(self.missing.items())}
+        return extra
+
+    def state_dict(self) -> dict[str, list[int]]:
+        return {c: list(tasks) for c, tasks in self.missing.items()}
+
+    def load_state_dict(self, missing: dict[str, list[int]]) -> None:
+        self.missing = {c: list(tasks) for c, tasks in missing.items()}

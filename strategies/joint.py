@@ -1,0 +1,52 @@
+"""``joint``, the analytic upper bound: the same backbone and random features as STSA, but the
+ridge is solved on all seen data pooled on the server (no statistics round after stage 1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fcl_flower.analytic import StatisticsAccumulator, random_features
+from fcl_flower.analytic.ridge import RidgeState
+from fcl_flower.config import RunConfig
+from fcl_flower.data import FederatedSplit
+from fcl_flower.protocol import StatsRes, UploadError
+from fcl_flower.results import ResultsRecorder
+from fcl_flower.runtime import iter_features
+from strategies.analytic import AnalyticStrategy, ridge_extras
+from strategies.base import Accepted, RoundPlan
+
+
+class JointStrategy(AnalyticStrategy):
+    stats_phase = None
+
+    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+        super().__init__(cfg, split, recorder)
+        self.ridge = RidgeState.empty(self.rf_dim, split.bundle.num_classes)
+
+    def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
+        raise UploadError("joint has no statistics round")
+
+    def aggregate_stats(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
+        raise RuntimeError("joint has no statistics round")
+
+    def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        classes = self.split.tasks[task]
+        accumulator = StatisticsAccumulator(self.rf_dim, len(classes), with_gram=True)
+        pooled = self.split.task_train(task, eval_transform=True)
+        for features, y in iter_features(self.model, pooled, self.cfg, self.device):
+            accumulator.update(random_features(features, self.projection), y - classes.start)
+        stats = accumulator.result()
+        assert stats.gram is not None
+        self.ridge.add(classes, stats.gram, stats.class_sums, stats.num_samples)
+        weights, gamma, table = self.ridge.solve(self.num_seen(task), self.cfg.ridge_value())
+        return weights, {**ridge_extras(self.ridge.num_samples, gamma, table), "pooled": True}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "gram": self.ridge.gram, "class_sums": self.ridge.class_sums,
+                "num_samples": self.ridge.num_samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.ridge = RidgeState(state["gram"], state["class_sums"], int(state["num_samples"]))

@@ -1,0 +1,101 @@
+"""STSA-E: clients upload class sums and counts only; the server estimates G (Eq. 9).
+
+Each client splits its data of the task into ``dummy-clients`` K_D random chunks and uploads the
+chunks' class sums and counts ((M + 1)·c_t·K_D numbers). The server streams the uploads into
+the Eq. 9 estimate Ĝ (:class:`~fcl_flower.analytic.estimator.GramEstimator`; ``k-mode`` global is
+the paper's, per-class the unbiased variant), adds Ĝ and the class sums to the same
+:class:`~fcl_flower.analytic.ridge.RidgeState` as STSA, and solves the same ridge.
+
+Eq. 9 is not a sum over clients (its coefficients depend on the totals of every upload of the
+stage), so a stage with missing clients keeps its uploads (class sums and counts) until the last
+late client is in, and then swaps the stage's Ĝ for the estimate from all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord
+
+from fcl_flower.analytic import estimate_gram
+from fcl_flower.analytic.estimator import GramEstimator
+from fcl_flower.analytic.ridge import RidgeState
+from fcl_flower.config import RunConfig
+from fcl_flower.data import FederatedSplit
+from fcl_flower.protocol import Instruction, StatsIns, StatsRes, UploadError
+from fcl_flower.protocol.payloads import StsaEStats
+from fcl_flower.results import ResultsRecorder
+from strategies.analytic import AnalyticStrategy, ridge_extras
+from strategies.backfill import Backfill
+from strategies.base import Accepted, RoundPlan
+
+
+class STSAEStrategy(AnalyticStrategy):
+    stats_phase = "stsa-e-stats"
+
+    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+        super().__init__(cfg, split, recorder)
+        self.ridge = RidgeState.empty(self.rf_dim, split.bundle.num_classes)
+        self.backfill: Backfill[StsaEStats] = Backfill(cfg.num_clients)
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # task -> (sums, counts) so far
+
+    def customise(self, plan: RoundPlan, ins: Instruction) -> Instruction:
+        if isinstance(ins, StatsIns):
+            return dataclasses.replace(ins, backfill=self.backfill.request())
+        return ins
+
+    # ---------------------------------------------------------------- replies
+    def read_payload(self, task: int, record: ArrayRecord) -> StsaEStats:
+        return StsaEStats.read(record, dummies=self.cfg.dummy_clients, dim=self.rf_dim,
+                               classes=len(self.split.tasks[task]))
+
+    def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
+        stats = self.read_payload(plan.task, reply.arrays)
+        late = self.backfill.read(client, reply, self.read_payload, secure=False)
+        if int(stats.counts.sum()) != reply.num_examples:
+            raise UploadError("counts do not add up to num-examples")
+        for task, (payload, count) in late.items():
+            if int(payload.counts.sum()) != count:
+                raise UploadError(f"backfilled counts of stage {task + 1} do not add up to their num-examples")
+        return {"stats": stats, "late": late}
+
+    def aggregate_stats(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
+        on_time = [Accepted(r.client, r.num_examples, r.payload["stats"]) for r in replies]
+        # Streaming Eq. 9: no (K·K_D, M, c_t) stack of all uploads on the server.
+        estimator = GramEstimator(self.rf_dim, len(self.split.tasks[plan.task]), k_mode=self.cfg.k_mode)
+        for r in on_time:
+            estimator.add(r.payload.class_sums, r.payload.counts)
+        self.ridge.add(self.split.tasks[plan.task], estimator.result(), estimator.class_sums,
+                       int(estimator.counts.sum()))
+        self.backfill.fold(replies, lambda r: r.payload["late"], self.add_late, lambda task: self.held.pop(task, None))
+        if self.backfill.note_missing(plan.task, {r.client for r in replies}):
+            self.held[plan.task] = (torch.cat([r.payload.class_sums for r in on_time]),
+                                    torch.cat([r.payload.counts for r in on_time]))
+
+    def add_late(self, task: int, replies: list[Accepted[StsaEStats]]) -> None:
+        """Swap the stage's Ĝ for the estimate from all its uploads; sums and counts just add."""
+        old_sums, old_counts = self.held[task]
+        late_sums = torch.cat([r.payload.class_sums for r in replies])
+        late_counts = torch.cat([r.payload.counts for r in replies])
+        sums, counts = torch.cat([old_sums, late_sums]), torch.cat([old_counts, late_counts])
+        k_mode = self.cfg.k_mode
+        delta = estimate_gram(sums, counts, k_mode=k_mode) - estimate_gram(old_sums, old_counts, k_mode=k_mode)
+        self.ridge.add(self.split.tasks[task], delta, late_sums.sum(dim=0), int(late_counts.sum()))
+        self.held[task] = (sums, counts)
+
+    # ---------------------------------------------------------------- solve
+    def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        weights, gamma, table = self.ridge.solve(self.num_seen(task), self.cfg.ridge_value())
+        return weights, {**ridge_extras(self.ridge.num_samples, gamma, table), **self.backfill.extras()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "gram": self.ridge.gram, "class_sums": self.ridge.class_sums,
+                "num_samples": self.ridge.num_samples, "missing": self.backfill.state_dict(), "held": dict(self.held)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.ridge = RidgeState(state["gram"], state["class_sums"], int(state["num_samples"]))
+        self.backfill.load_state_dict(state.get("missing", {}))
+        self.held = dict(state.get("held", {}))
