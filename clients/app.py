@@ -29,9 +29,10 @@ Handler = Callable[..., Reply]
 def handler_for(strategy: str, phase: str) -> Handler:
     """The client handler of ``strategy``'s ``phase`` (registry reference, imported on first use)."""
     try:
-        return methods.load(methods.get(strategy).phase(phase).handler)  # type: ignore[no-any-return]
+        handler: Handler = methods.load(methods.get(strategy).phase(phase).handler)
     except methods.RegistryError as err:
         raise ProtocolError(str(err)) from None
+    return handler
 
 
 def handle(message: Message, context: Context) -> Message:

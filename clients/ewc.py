@@ -23,14 +23,16 @@ from fcl_flower.protocol import StatsRes, TrainRes, cast_for_wire, to_record
 from fcl_flower.runtime import make_loader
 
 
-def ewc_extra_loss(fisher: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor], lam: float,
-                   device: torch.device) -> ExtraLoss:
+def ewc_extra_loss(
+    fisher: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor], lam: float, device: torch.device
+) -> ExtraLoss:
     """``λ/2 Σ F (θ − θ*)²`` over the model's trainable parameters (a constant w.r.t. the batch)."""
     fisher = {k: v.to(device=device, dtype=torch.float32) for k, v in fisher.items()}
     anchor = {k: v.to(device=device, dtype=torch.float32) for k, v in anchor.items()}
 
-    def loss(model: IncrementalClassifier, images: torch.Tensor, labels: torch.Tensor,
-             logits_seen: torch.Tensor) -> torch.Tensor:
+    def loss(
+        model: IncrementalClassifier, images: torch.Tensor, labels: torch.Tensor, logits_seen: torch.Tensor
+    ) -> torch.Tensor:
         return ewc_penalty(trainable_parameters(model), fisher, anchor, lam)
 
     return loss

@@ -86,9 +86,9 @@ def random_feature_statistics(
         return client_summary(h, rank, method="svd"), label_corr
     gram = torch.zeros(dim, dim, dtype=torch.float64)
     for start in range(0, n, chunk_size):
-        h = random_features(features[start:start + chunk_size], projection)
+        h = random_features(features[start : start + chunk_size], projection)
         gram += h.T @ h
-        label_corr.index_add_(1, labels[start:start + chunk_size], h.T)
+        label_corr.index_add_(1, labels[start : start + chunk_size], h.T)
     return client_summary_from_gram(gram, n, rank), label_corr
 
 
@@ -116,8 +116,9 @@ def fedran_client_update(
     hidden = labels[~labelled]
     kept = pseudo_label_client(features[labelled], labels[labelled], features[~labelled], num_classes, threshold)
     disclosed = disclosable(kept.labels, num_classes, min_count)
-    summary, label_corr = random_feature_statistics(kept.features[disclosed], kept.labels[disclosed], projection,
-                                                    num_classes, rank)
+    summary, label_corr = random_feature_statistics(
+        kept.features[disclosed], kept.labels[disclosed], projection, num_classes, rank
+    )
     report = pseudo_label_report(kept.accepted, kept.predicted, hidden)
     return FedRANClientStats(summary, label_corr, kept.num_labelled, report, int((~disclosed).sum()))
 
@@ -141,13 +142,23 @@ def handle_stats(job: ClientJob) -> StatsRes:
     features, labels = local_backbone_features(job)
     mask = labelled_mask(job.cfg.seed, job.task, job.partition, int(labels.shape[0]), job.cfg.label_ratio)
     stats = fedran_client_update(
-        features, labels, mask, projection_for(job),
-        num_classes=job.num_seen, rank=job.ins.rank, threshold=job.cfg.pseudo_threshold,
+        features,
+        labels,
+        mask,
+        projection_for(job),
+        num_classes=job.num_seen,
+        rank=job.ins.rank,
+        threshold=job.cfg.pseudo_threshold,
         min_count=job.cfg.min_class_count,
     )
     assert stats.summary.dim == effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
     arrays = FedranStats(stats.summary.basis, stats.summary.singular_values, stats.label_corr)
-    report = FedranReport(num_labelled=stats.num_labelled, pseudo_unlabelled=int(stats.pseudo["total"]),
-                          pseudo_accepted=int(stats.pseudo["accepted"]), pseudo_correct=int(stats.pseudo["correct"]))
-    return job.stats_reply(stats.num_samples, arrays=arrays.to_record(job.cfg.wire_dtype), withheld=stats.withheld,
-                           fedran=report)
+    report = FedranReport(
+        num_labelled=stats.num_labelled,
+        pseudo_unlabelled=int(stats.pseudo["total"]),
+        pseudo_accepted=int(stats.pseudo["accepted"]),
+        pseudo_correct=int(stats.pseudo["correct"]),
+    )
+    return job.stats_reply(
+        stats.num_samples, arrays=arrays.to_record(job.cfg.wire_dtype), withheld=stats.withheld, fedran=report
+    )

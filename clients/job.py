@@ -77,8 +77,14 @@ class ClientJob:
 
     def train_reply(self, num_examples: int, loss: float, **reports: Any) -> TrainRes:
         """The trained model's trainable state, back to the server."""
-        return TrainRes(self.ins.header, self.partition, int(num_examples),
-                        model=to_record(trainable_state(self.model)), loss=float(loss), **reports)
+        return TrainRes(
+            self.ins.header,
+            self.partition,
+            int(num_examples),
+            model=to_record(trainable_state(self.model)),
+            loss=float(loss),
+            **reports,
+        )
 
     def stats_reply(self, num_examples: int, **fields: Any) -> StatsRes:
         return StatsRes(self.ins.header, self.partition, int(num_examples), **fields)

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord
 
 from clients.job import ClientJob
-from clients.memory import load_memory, save_memory, train_loader
+from clients.memory import load_memory, load_meta, save_memory, save_meta, train_loader
 from fcl_flower.data import LabelledDataset
 from fcl_flower.fcl.distill import frozen_teacher
 from fcl_flower.fcl.exemplars import ExemplarMemory
@@ -66,8 +65,7 @@ def memory_task_of(job: ClientJob, cls: int) -> int:
     raise ValueError(f"class {cls} belongs to no task")
 
 
-def herd_finished_tasks(job: ClientJob, memory: ExemplarMemory, first: int, last: int, *,
-                        normalize: bool) -> None:
+def herd_finished_tasks(job: ClientJob, memory: ExemplarMemory, first: int, last: int, *, normalize: bool) -> None:
     """Add the classes of this client's tasks ``first..last-1`` to ``memory`` by herding on the
     received model's features (eval transforms); indices are positions in the task's data."""
     for task in range(first, last):
@@ -84,15 +82,18 @@ def exemplar_datasets(job: ClientJob, memory: ExemplarMemory, *, eval_transform:
     by_task: dict[int, list[int]] = {}
     for cls in memory.classes:
         by_task.setdefault(memory_task_of(job, cls), []).extend(memory.class_indices(cls).tolist())
-    return {t: job.data.train(t, eval_transform=eval_transform).subset(np.asarray(idx, dtype=np.int64))
-            for t, idx in sorted(by_task.items()) if idx}
+    return {
+        t: job.data.train(t, eval_transform=eval_transform).subset(np.asarray(idx, dtype=np.int64))
+        for t, idx in sorted(by_task.items())
+        if idx
+    }
 
 
 # ------------------------------------------------------------------------------ the handler
 def handle_lga(job: ClientJob) -> TrainRes:
     cfg, state, task = job.cfg, job.context.state, job.task
     memory = load_memory(state, MEMORY_STATE, cfg.memory_size)
-    meta = dict(state.config_records[META_STATE]) if META_STATE in state.config_records else {}
+    meta = load_meta(state, META_STATE)
     detector = TaskTransitionDetector.from_state(meta) if "threshold" in meta else TaskTransitionDetector()
     last_task = int(meta.get("task", -1))
     new_task = task > last_task
@@ -107,8 +108,12 @@ def handle_lga(job: ClientJob) -> TrainRes:
     # Eq. 8 on the received global model
     detected = 0
     if len(current_eval):
-        logits = torch.cat([job.model.head(f.to(job.device, torch.float32))[:, :job.num_seen].cpu()
-                            for f, _ in iter_features(job.model, current_eval, cfg, job.device)])
+        logits = torch.cat(
+            [
+                job.model.head(f.to(job.device, torch.float32))[:, : job.num_seen].cpu()
+                for f, _ in iter_features(job.model, current_eval, cfg, job.device)
+            ]
+        )
         detected = int(detector.update(mean_prediction_entropy(logits)))
     if new_task:  # exemplars of the tasks just finished, herded with the end-of-task model
         herd_finished_tasks(job, memory, int(meta.get("memory-through", 0)), task, normalize=True)
@@ -126,7 +131,7 @@ def handle_lga(job: ClientJob) -> TrainRes:
     num_examples = sum(len(d) for d in datasets)
     own_new = len(set(np.asarray(current.targets).tolist()))
     exponent = sharpening_exponent(memory.num_classes, own_new) if memory.num_classes + own_new else 0.0
-    task_ends = [r.stop for r in job.data.tasks[:task + 1]]
+    task_ends = [r.stop for r in job.data.tasks[: task + 1]]
     model, device = job.model.to(job.device), job.device
     losses = {"total": 0.0, "cb": 0.0, "sd": 0.0}
     count = 0
@@ -137,7 +142,7 @@ def handle_lga(job: ClientJob) -> TrainRes:
         for epoch in range(cfg.local_epochs):
             for images, labels in train_loader(datasets, job, job.round_seed() * 1000 + epoch):
                 images, labels = images.to(device), labels.to(device)
-                logits = model(images)[:, :job.num_seen]
+                logits = model(images)[:, : job.num_seen]
                 old_logits = None
                 if teacher is not None:
                     with torch.no_grad():
@@ -159,11 +164,17 @@ def handle_lga(job: ClientJob) -> TrainRes:
 
     meta.update(detector.to_state())
     meta["task"] = task
-    state.config_records[META_STATE] = ConfigRecord(meta)
+    save_meta(state, META_STATE, meta)
     save_memory(state, MEMORY_STATE, memory)
-    report = LGAReport(cb=losses["cb"] / max(count, 1), sd=losses["sd"] / max(count, 1), detected=bool(detected),
-                       new_task=new_task, memory=len(memory), proto_classes=len(grads),
-                       prototypes=prototype_record(grads) if grads else None)
+    report = LGAReport(
+        cb=losses["cb"] / max(count, 1),
+        sd=losses["sd"] / max(count, 1),
+        detected=bool(detected),
+        new_task=new_task,
+        memory=len(memory),
+        proto_classes=len(grads),
+        prototypes=prototype_record(grads) if grads else None,
+    )
     return job.train_reply(num_examples, losses["total"] / max(count, 1), lga=report)
 
 
@@ -180,8 +191,17 @@ def prototype_gradients(job: ClientJob, data: LabelledDataset) -> dict[int, list
     for cls, row in sorted(protos.items()):
         image = data[row][0].to(device)
         with torch.enable_grad():
-            grads = perturbed_prototype_gradient(model, encoder, image, cls, feature_var=variances[cls],
-                                                 eps=PERTURB_EPS, steps=PERTURB_STEPS, lr=PERTURB_LR,
-                                                 num_seen=job.num_seen, generator=gen)
+            grads = perturbed_prototype_gradient(
+                model,
+                encoder,
+                image,
+                cls,
+                feature_var=variances[cls],
+                eps=PERTURB_EPS,
+                steps=PERTURB_STEPS,
+                lr=PERTURB_LR,
+                num_seen=job.num_seen,
+                generator=gen,
+            )
         out[cls] = [g.cpu().float() for g in grads]
     return out

@@ -56,8 +56,9 @@ def lwf_extra_loss(teacher: torch.nn.Module, num_old: int, alpha: float, tempera
     if num_old < 1:
         raise ValueError("LwF needs at least one old class (it starts at the second task)")
 
-    def loss(model: IncrementalClassifier, images: torch.Tensor, labels: torch.Tensor,
-             logits_seen: torch.Tensor) -> torch.Tensor:
+    def loss(
+        model: IncrementalClassifier, images: torch.Tensor, labels: torch.Tensor, logits_seen: torch.Tensor
+    ) -> torch.Tensor:
         with torch.no_grad():
             old_logits = teacher(images)[:, :num_old]
         return alpha * kd_loss(logits_seen, old_logits, temperature)
@@ -67,9 +68,17 @@ def lwf_extra_loss(teacher: torch.nn.Module, num_old: int, alpha: float, tempera
 
 def regularised_sgd(job: ClientJob, extra: ExtraLoss) -> TrainRes:
     """``local_sgd`` with the new-task cross-entropy plus ``extra`` (shared by LwF and EWC)."""
-    stats = local_sgd(job.model, job.local_data(eval_transform=False), job.cfg, lr=job.lr,
-                      num_seen=job.num_seen, device=job.device, seed=job.round_seed(), extra_loss=extra,
-                      ce_from=new_task_ce_from(job))
+    stats = local_sgd(
+        job.model,
+        job.local_data(eval_transform=False),
+        job.cfg,
+        lr=job.lr,
+        num_seen=job.num_seen,
+        device=job.device,
+        seed=job.round_seed(),
+        extra_loss=extra,
+        ce_from=new_task_ce_from(job),
+    )
     return job.train_reply(stats.num_examples, stats.mean_loss)
 
 

@@ -6,8 +6,11 @@ as an ArrayRecord of dataset indices into this client's *own* data of past tasks
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-from flwr.app import RecordDict
+from flwr.app import ConfigRecord, RecordDict
+from flwr.app.typing import ConfigRecordValues
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from clients.job import ClientJob
@@ -29,7 +32,20 @@ def save_memory(state: RecordDict, key: str, memory: ExemplarMemory) -> None:
     state.array_records[key] = to_record({k: torch.from_numpy(v) for k, v in memory.to_state().items()})
 
 
-def train_loader(datasets: list[Dataset], job: ClientJob, seed: int) -> DataLoader:
+def load_meta(state: RecordDict, key: str) -> dict[str, float]:
+    """A handler's numeric bookkeeping between rounds (task ids, detector state)."""
+    record = state.config_records.get(key)
+    if record is None:
+        return {}
+    return {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def save_meta(state: RecordDict, key: str, meta: dict[str, float]) -> None:
+    state.config_records[key] = ConfigRecord(dict[str, ConfigRecordValues](meta))
+
+
+def train_loader(datasets: Sequence[Dataset], job: ClientJob, seed: int) -> DataLoader:
     data = datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
-    return DataLoader(data, batch_size=job.cfg.batch_size, shuffle=True,
-                      generator=torch.Generator().manual_seed(seed), num_workers=0)
+    return DataLoader(
+        data, batch_size=job.cfg.batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed), num_workers=0
+    )

@@ -35,8 +35,16 @@ FORMAT = "fcl-flower-client-data/1"
 META_FILE = "meta.json"
 # Run-config keys that decide which samples a client holds and what their labels mean. A client
 # folder exported under other values would silently train on a different split.
-SPLIT_KEYS = ("dataset", "seed", "num-tasks", "first-task-classes", "num-clients", "beta", "image-size",
-              *(RunConfig.key(arg) for arg in PROTOCOL_ARGS))
+SPLIT_KEYS = (
+    "dataset",
+    "seed",
+    "num-tasks",
+    "first-task-classes",
+    "num-clients",
+    "beta",
+    "image-size",
+    *(RunConfig.key(arg) for arg in PROTOCOL_ARGS),
+)
 
 
 class NodeConfigError(ValueError):
@@ -55,9 +63,14 @@ class DatasetShape:
 class NodeData(Protocol):
     """One client's view of the federated data: its own training samples and nothing else."""
 
-    partition: int
-    tasks: list[range]
-    shape: DatasetShape
+    @property
+    def partition(self) -> int: ...
+
+    @property
+    def tasks(self) -> list[range]: ...
+
+    @property
+    def shape(self) -> DatasetShape: ...
 
     def train(self, task: int, *, eval_transform: bool) -> LabelledDataset:
         """This client's training samples of ``task`` (eval transforms for statistics)."""
@@ -79,7 +92,8 @@ class PartitionData:
     @property
     def shape(self) -> DatasetShape:
         bundle = self.split.bundle
-        return DatasetShape(bundle.name, bundle.num_classes, tuple(bundle.image_shape))
+        c, h, w = bundle.image_shape
+        return DatasetShape(bundle.name, bundle.num_classes, (c, h, w))
 
     def train(self, task: int, *, eval_transform: bool) -> LabelledDataset:
         return self.split.client_train(task, self.partition, eval_transform=eval_transform)
@@ -91,7 +105,7 @@ def partition_of(node_config: Mapping[str, Any], num_clients: int) -> int:
     if "partition-id" not in node_config:
         raise NodeConfigError(
             "node config names no data: start the SuperNode with --node-config "
-            "\"data-dir='<client folder>'\" or \"partition-id=<k> num-partitions=<K>\""
+            '"data-dir=\'<client folder>\'" or "partition-id=<k> num-partitions=<K>"'
         )
     partition = _as_int(node_config["partition-id"], "partition-id")
     declared = node_config.get("num-partitions")
@@ -145,15 +159,17 @@ class OwnSplit:
 
     def client_train(self, task: int, client: int, *, eval_transform: bool = False) -> LabelledDataset:
         if client != self._data.partition:
-            raise NodeConfigError(f"client {client}'s data is not on this node (it holds partition "
-                                  f"{self._data.partition} only)")
+            raise NodeConfigError(
+                f"client {client}'s data is not on this node (it holds partition {self._data.partition} only)"
+            )
         return self._data.train(task, eval_transform=eval_transform)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # copy/pickle probes, and _data before __init__ ran
             raise AttributeError(name)
-        raise NodeConfigError(f"split.{name} needs the whole dataset, but this node holds only its own "
-                              f"folder {self._data.folder}")
+        raise NodeConfigError(
+            f"split.{name} needs the whole dataset, but this node holds only its own folder {self._data.folder}"
+        )
 
 
 def load_folder(folder: str | Path) -> FolderData:
@@ -175,12 +191,14 @@ def _load_folder(path: str, _mtime: int) -> FolderData:
     if meta.get("format") != FORMAT:
         raise NodeConfigError(f"{folder / META_FILE} is not a client folder of format {FORMAT}")
     try:
-        shape = DatasetShape(str(meta["dataset"]), int(meta["num-classes"]),
-                             tuple(int(v) for v in meta["image-shape"]))
+        c, h, w = (int(v) for v in meta["image-shape"])
+        shape = DatasetShape(str(meta["dataset"]), int(meta["num-classes"]), (c, h, w))
         tasks = [range(int(a), int(b)) for a, b in meta["tasks"]]
         partition, image_size, storage = int(meta["partition-id"]), int(meta["image-size"]), meta["storage"]
     except (KeyError, TypeError, ValueError) as exc:
-        raise NodeConfigError(f"{folder / META_FILE} is incomplete or malformed ({type(exc).__name__}: {exc})") from None
+        raise NodeConfigError(
+            f"{folder / META_FILE} is incomplete or malformed ({type(exc).__name__}: {exc})"
+        ) from None
     train_tf, eval_tf = transforms_for(shape.name, image_size or None)
     per_task = []
     for t, r in enumerate(tasks):

@@ -31,11 +31,19 @@ def mask(job: ClientJob, arrays: Mapping[str, torch.Tensor]) -> dict[str, np.nda
     """Encode and mask every named array for this round's participants (same names, uint64)."""
     assert isinstance(job.ins, StatsIns) and job.ins.secagg is not None
     state = job.context.state.config_records.get(STATE_RECORD)
-    if state is None or "private-key" not in state:
+    private = None if state is None else state.get("private-key")
+    if not isinstance(private, bytes):
         raise SecureAggregationError("no secure-aggregation key on this node (it restarted after the key round)")
     peers = dict(job.ins.secagg.participants)
     header = job.ins.header
     context = round_context(job.cfg.seed, header.server_round, header.attempt, peers)
     flat = {name: tensor.detach().cpu().double().numpy() for name, tensor in arrays.items()}
-    return mask_arrays(flat, int(job.context.node_id), bytes(state["private-key"]), peers, context,
-                       job.cfg.secagg_fraction_bits, job.cfg.secagg_min_clients)
+    return mask_arrays(
+        flat,
+        int(job.context.node_id),
+        private,
+        peers,
+        context,
+        job.cfg.secagg_fraction_bits,
+        job.cfg.secagg_min_clients,
+    )

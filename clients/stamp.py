@@ -30,14 +30,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import ConfigRecord
 
 from clients.job import ClientJob
-from clients.memory import load_memory, save_memory, train_loader
+from clients.memory import load_memory, load_meta, save_memory, save_meta, train_loader
 from fcl_flower.data import LabelledDataset
 from fcl_flower.fcl.exemplars import ExemplarMemory
-from fcl_flower.fcl.stamp import (assign_flat_params, flatten_params, protonet_loss, task_gradient,
-                                  temporal_match)
+from fcl_flower.fcl.stamp import assign_flat_params, flatten_params, protonet_loss, task_gradient, temporal_match
 from fcl_flower.protocol import StampReport, TrainRes
 from fcl_flower.runtime import iter_features
 
@@ -77,14 +75,17 @@ def coreset_by_task(job: ClientJob, coreset: ExemplarMemory) -> dict[int, Labell
     by_task: dict[int, list[int]] = {}
     for cls in coreset.classes:
         by_task.setdefault(owner[cls], []).extend(coreset.class_indices(cls).tolist())
-    return {t: job.data.train(t, eval_transform=True).subset(np.asarray(idx, dtype=np.int64))
-            for t, idx in sorted(by_task.items()) if idx}
+    return {
+        t: job.data.train(t, eval_transform=True).subset(np.asarray(idx, dtype=np.int64))
+        for t, idx in sorted(by_task.items())
+        if idx
+    }
 
 
 def handle_stamp(job: ClientJob) -> TrainRes:
     cfg, state, task = job.cfg, job.context.state, job.task
     coreset = load_memory(state, CORESET_STATE, cfg.memory_size)
-    meta = dict(state.config_records[META_STATE]) if META_STATE in state.config_records else {}
+    meta = load_meta(state, META_STATE)
     if task > int(meta.get("task", -1)):  # Eq. 6 on the end-of-task global model
         herd_new_classes(job, coreset, int(meta.get("memory-through", 0)), task)
         meta["memory-through"] = task
@@ -101,7 +102,7 @@ def handle_stamp(job: ClientJob) -> TrainRes:
             for images, labels in train_loader([current], job, job.round_seed() * 1000 + epoch):
                 images, labels = images.to(device), labels.to(device)
                 emb = model.features(images)
-                logits = model.head(emb)[:, :job.num_seen]
+                logits = model.head(emb)[:, : job.num_seen]
                 proto = protonet_loss(emb, labels)
                 loss = F.cross_entropy(logits, labels) + PROTO_WEIGHT * proto
                 opt.zero_grad(set_to_none=True)
@@ -125,10 +126,10 @@ def handle_stamp(job: ClientJob) -> TrainRes:
         matched = len(old_grads)
 
     meta["task"] = task
-    state.config_records[META_STATE] = ConfigRecord(meta)
+    save_meta(state, META_STATE, meta)
     save_memory(state, CORESET_STATE, coreset)
     report = StampReport(proto=proto_total / max(count, 1), old_tasks=matched, coreset=len(coreset))
     return job.train_reply(len(current), total / max(count, 1), stamp=report)
 
 
-__all__ = ["handle_stamp", "CORESET_STATE", "META_STATE"]
+__all__ = ["CORESET_STATE", "META_STATE", "handle_stamp"]

@@ -82,8 +82,9 @@ def backfill_tasks(job: ClientJob) -> tuple[int, ...]:
     return owed
 
 
-def reply_with_backfill(job: ClientJob, compute: Callable[[ClientJob, int], Statistics],
-                        encode: Encode | None = None) -> StatsRes:
+def reply_with_backfill(
+    job: ClientJob, compute: Callable[[ClientJob, int], Statistics], encode: Encode | None = None
+) -> StatsRes:
     """``compute(job, task)`` for the current task, plus every owed earlier one.
 
     ``encode`` turns them into the reply's records (default: each payload at ``wire-dtype``);
@@ -96,5 +97,9 @@ def reply_with_backfill(job: ClientJob, compute: Callable[[ClientJob, int], Stat
     else:
         records = encode(stats)
     arrays, num_samples = records.pop(job.task)
-    return job.stats_reply(num_samples, arrays=arrays, withheld=withheld,
-                           backfill={task: Backfill(*records[task]) for task in sorted(records)})
+    return job.stats_reply(
+        num_samples,
+        arrays=arrays,
+        withheld=withheld,
+        backfill={task: Backfill(*records[task]) for task in sorted(records)},
+    )

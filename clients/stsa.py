@@ -43,15 +43,21 @@ def stsa_statistics(job: ClientJob, task: int) -> Statistics:
         accumulator.update(random_features(features[keep], projection), y[keep] - classes.start)
     stats = accumulator.result()
     assert stats.gram is not None
-    return Statistics(StsaStats(pack_upper(stats.gram), stats.class_sums), stats.num_samples,
-                      int(counts[~disclosed].sum()))
+    return Statistics(
+        StsaStats(pack_upper(stats.gram), stats.class_sums), stats.num_samples, int(counts[~disclosed].sum())
+    )
 
 
 def zero_statistics(job: ClientJob, task: int) -> Statistics:
     """What a secure participant sends for a stage it does not owe: zeros, masked like the rest."""
     dim = effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
-    return Statistics(StsaStats(torch.zeros(packed_length(dim), dtype=torch.float64),
-                                torch.zeros(dim, len(job.split.tasks[task]), dtype=torch.float64)), 0)
+    return Statistics(
+        StsaStats(
+            torch.zeros(packed_length(dim), dtype=torch.float64),
+            torch.zeros(dim, len(job.split.tasks[task]), dtype=torch.float64),
+        ),
+        0,
+    )
 
 
 def handle_stats(job: ClientJob) -> StatsRes:
@@ -63,10 +69,15 @@ def handle_stats(job: ClientJob) -> StatsRes:
 
     def masked(stats: dict[int, Statistics]) -> dict[int, tuple[object, int]]:
         every = {**stats, **{t: zero_statistics(job, t) for t in asked if t not in stats}}
-        flat = {f"{t}/{key}": tensor for t, s in every.items()
-                for key, tensor in (("gram-packed", s.payload.gram_packed), ("class-sums", s.payload.class_sums))}
+        flat = {
+            f"{t}/{key}": tensor
+            for t, s in every.items()
+            for key, tensor in (("gram-packed", s.payload.gram_packed), ("class-sums", s.payload.class_sums))
+        }
         ring = mask(job, flat)
-        return {t: (MaskedStsaStats(ring[f"{t}/gram-packed"], ring[f"{t}/class-sums"]).to_record(), s.num_samples)
-                for t, s in every.items()}
+        return {
+            t: (MaskedStsaStats(ring[f"{t}/gram-packed"], ring[f"{t}/class-sums"]).to_record(), s.num_samples)
+            for t, s in every.items()
+        }
 
     return reply_with_backfill(job, stsa_statistics, masked)  # type: ignore[arg-type]

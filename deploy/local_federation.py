@@ -27,6 +27,7 @@ session; :meth:`LocalFederation.stop` terminates the sessions and every descenda
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -141,11 +142,18 @@ class LocalFederation:
 
     def flwr(self, *args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess:
         """Run the Flower CLI against this federation."""
-        result = subprocess.run([str(self.bin_dir / "flwr"), *args], env=self.env, capture_output=True,
-                                text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        result = subprocess.run(
+            [str(self.bin_dir / "flwr"), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
         if check and result.returncode != 0:
-            raise FederationError(f"flwr {' '.join(args)} failed ({result.returncode}): "
-                                  f"{(result.stdout + result.stderr).strip()[-800:]}")
+            raise FederationError(
+                f"flwr {' '.join(args)} failed ({result.returncode}): {(result.stdout + result.stderr).strip()[-800:]}"
+            )
         return result
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
@@ -153,8 +161,15 @@ class LocalFederation:
         log.parent.mkdir(parents=True, exist_ok=True)
         self.logs[name] = log
         with log.open("wb") as handle:
-            process = subprocess.Popen(argv, env=self.env, stdout=handle, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, cwd=self.workdir, start_new_session=True)
+            process = subprocess.Popen(
+                argv,
+                env=self.env,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.workdir,
+                start_new_session=True,
+            )
         self.processes.append(process)
         return process
 
@@ -167,24 +182,38 @@ class LocalFederation:
         """TLS certificates (deploy/make_certs.sh, or the same in Python without openssl) and one
         SuperNode key pair more than there are nodes (a spare, unregistered key for tests)."""
         if shutil.which("openssl"):
-            subprocess.run(["bash", str(HERE / "make_certs.sh"), str(self.certs)], check=True,
-                           capture_output=True, env=self.env)
+            subprocess.run(
+                ["bash", str(HERE / "make_certs.sh"), str(self.certs)], check=True, capture_output=True, env=self.env
+            )
         else:
             write_certificates(self.certs)
-        subprocess.run(["bash", str(HERE / "make_keys.sh"), str(self.keys), str(len(self.node_configs) + 1)],
-                       check=True, capture_output=True, env=self.env)
+        subprocess.run(
+            ["bash", str(HERE / "make_keys.sh"), str(self.keys), str(len(self.node_configs) + 1)],
+            check=True,
+            capture_output=True,
+            env=self.env,
+        )
 
     def start_superlink(self, timeout: float = 60.0) -> None:
         self.write_connection()
-        self._spawn("superlink", [
-            str(self.bin_dir / "flower-superlink"),
-            "--ssl-ca-certfile", str(self.certs / "ca.crt"),
-            "--ssl-certfile", str(self.certs / "server.pem"),
-            "--ssl-keyfile", str(self.certs / "server.key"),
-            "--enable-supernode-auth",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--disable-runtime-dependency-installation",
-        ])
+        self._spawn(
+            "superlink",
+            [
+                str(self.bin_dir / "flower-superlink"),
+                "--ssl-ca-certfile",
+                str(self.certs / "ca.crt"),
+                "--ssl-certfile",
+                str(self.certs / "server.pem"),
+                "--ssl-keyfile",
+                str(self.certs / "server.key"),
+                "--enable-supernode-auth",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--disable-runtime-dependency-installation",
+            ],
+        )
         self.core["superlink"] = self.processes[-1]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -198,16 +227,21 @@ class LocalFederation:
     def register(self, public_key: Path) -> int:
         """Admit a SuperNode's public key; returns its node id."""
         out = self.flwr("supernode", "register", str(public_key), CONNECTION, "--format", "json").stdout
-        return int(json.loads(out[out.index("{"):])["node-id"])
+        return int(json.loads(out[out.index("{") :])["node-id"])
 
-    def start_supernode(self, name: str, node_config: str, private_key: Path | None, *,
-                        give_up_after: float | None = None) -> subprocess.Popen:
+    def start_supernode(
+        self, name: str, node_config: str, private_key: Path | None, *, give_up_after: float | None = None
+    ) -> subprocess.Popen:
         argv = [
             str(self.bin_dir / "flower-supernode"),
-            "--superlink", self.address,
-            "--root-certificates", str(self.certs / "ca.crt"),
-            "--node-config", node_config,
-            "--port", str(free_port()),  # each SuperNode's own local Runtime API
+            "--superlink",
+            self.address,
+            "--root-certificates",
+            str(self.certs / "ca.crt"),
+            "--node-config",
+            node_config,
+            "--port",
+            str(free_port()),  # each SuperNode's own local Runtime API
         ]
         if private_key is not None:
             argv += ["--auth-supernode-private-key", str(private_key)]
@@ -217,7 +251,7 @@ class LocalFederation:
 
     def online_nodes(self) -> list[dict[str, Any]]:
         out = self.flwr("supernode", "ls", CONNECTION, "--format", "json", timeout=30).stdout
-        return [n for n in json.loads(out[out.index("{"):])["nodes"] if n["status"] == "online"]
+        return [n for n in json.loads(out[out.index("{") :])["nodes"] if n["status"] == "online"]
 
     def wait_online(self, count: int, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
@@ -243,13 +277,21 @@ class LocalFederation:
     # ------------------------------------------------------------------ runs
     def submit(self, run_config: Mapping[str, Any], app: Path = APP_DIR, timeout: float = 120.0) -> int:
         """``flwr run <app> <connection> --run-config ...``; returns the run id."""
-        out = self.flwr("run", str(app), CONNECTION, "--run-config", format_run_config(run_config),
-                        "--format", "json", timeout=timeout).stdout
-        return int(json.loads(out[out.index("{"):])["run-id"])
+        out = self.flwr(
+            "run",
+            str(app),
+            CONNECTION,
+            "--run-config",
+            format_run_config(run_config),
+            "--format",
+            "json",
+            timeout=timeout,
+        ).stdout
+        return int(json.loads(out[out.index("{") :])["run-id"])
 
     def run_status(self, run_id: int) -> str:
         out = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json", timeout=30).stdout
-        runs = json.loads(out[out.index("{"):])["runs"]
+        runs = json.loads(out[out.index("{") :])["runs"]
         return str(runs[0]["status"]) if runs else "unknown"
 
     def wait_run(self, run_id: int, timeout: float) -> str:
@@ -284,10 +326,8 @@ class LocalFederation:
             _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for process in self.processes:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         targets |= descendants(roots)
         time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
         for process in self.processes:
@@ -296,10 +336,8 @@ class LocalFederation:
             if _alive(pid):
                 _signal(pid, signal.SIGKILL)
         for process in self.processes:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
 
     def remember_descendants(self) -> None:
         """Note the current process tree (the SuperExec re-parents to init once its parent dies)."""
@@ -318,17 +356,13 @@ class LocalFederation:
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)  # each process leads its own session/group (start_new_session)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _alive(pid: int) -> bool:
@@ -354,33 +388,49 @@ def write_certificates(out: Path, hosts: Sequence[str] = ("localhost", "127.0.0.
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
 
     def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
+        return key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("fcl-flower local CA")).issuer_name(name("fcl-flower local CA"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("fcl-flower local CA"))
+        .issuer_name(name("fcl-flower local CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     alt_names: list[x509.GeneralName] = []
     for host in hosts:
         try:
             alt_names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             alt_names.append(x509.DNSName(host))
-    server = (x509.CertificateBuilder().subject_name(name("fcl-flower SuperLink")).issuer_name(ca.subject)
-              .public_key(server_key.public_key()).serial_number(x509.random_serial_number())
-              .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
-              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-              .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
-              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-              .sign(ca_key, hashes.SHA256()))
+    server = (
+        x509.CertificateBuilder()
+        .subject_name(name("fcl-flower SuperLink"))
+        .issuer_name(ca.subject)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     out.mkdir(parents=True, exist_ok=True)
-    for file, data, mode in (("ca.key", pem_key(ca_key), 0o600), ("server.key", pem_key(server_key), 0o600),
-                             ("ca.crt", ca.public_bytes(serialization.Encoding.PEM), 0o644),
-                             ("server.pem", server.public_bytes(serialization.Encoding.PEM), 0o644)):
+    for file, data, mode in (
+        ("ca.key", pem_key(ca_key), 0o600),
+        ("server.key", pem_key(server_key), 0o600),
+        ("ca.crt", ca.public_bytes(serialization.Encoding.PEM), 0o644),
+        ("server.pem", server.public_bytes(serialization.Encoding.PEM), 0o644),
+    ):
         path = out / file
         path.write_bytes(data)
         path.chmod(mode)
@@ -398,8 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-nodes", type=int, default=3, help="SuperNodes to start (one per client).")
     parser.add_argument("--data", default=None, help="Output of experiments/export_partitions.py.")
     parser.add_argument("--port", type=int, default=0, help="SuperLink port (default: a free one).")
-    parser.add_argument("--run", default=None, metavar="RUN_CONFIG",
-                        help="Submit this run (flwr run --run-config syntax), wait for it, then stop.")
+    parser.add_argument(
+        "--run",
+        default=None,
+        metavar="RUN_CONFIG",
+        help="Submit this run (flwr run --run-config syntax), wait for it, then stop.",
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="Seconds to wait for --run.")
     args = parser.parse_args(argv)
     federation = LocalFederation(Path(args.workdir), node_configs_for(args.num_nodes, args.data), args.port)
@@ -413,18 +467,21 @@ def main(argv: list[str] | None = None) -> int:
         try:
             federation.start()
             env = f"FLWR_HOME={shlex.quote(str(federation.home))}"
-            print(f"SuperLink {federation.address} (TLS, SuperNode auth on); "
-                  f"{len(federation.node_configs)} SuperNodes online; logs in {federation.workdir / 'logs'}")
+            print(
+                f"SuperLink {federation.address} (TLS, SuperNode auth on); "
+                f"{len(federation.node_configs)} SuperNodes online; logs in {federation.workdir / 'logs'}"
+            )
             if args.run is None:
-                print(f"submit a run:  {env} flwr run {APP_DIR} {CONNECTION} --run-config \"...\" --stream")
+                print(f'submit a run:  {env} flwr run {APP_DIR} {CONNECTION} --run-config "..." --stream')
                 print("Ctrl-C stops the SuperLink and every SuperNode.")
                 while not stop["now"]:
                     time.sleep(0.5)
                     federation.remember_descendants()
                 return 0
-            run_id = federation.flwr("run", str(APP_DIR), CONNECTION, "--run-config", args.run,
-                                     "--format", "json").stdout
-            run_id = int(json.loads(run_id[run_id.index("{"):])["run-id"])
+            run_id = federation.flwr(
+                "run", str(APP_DIR), CONNECTION, "--run-config", args.run, "--format", "json"
+            ).stdout
+            run_id = int(json.loads(run_id[run_id.index("{") :])["run-id"])
             print(f"run {run_id} submitted; waiting (logs: {env} flwr log {run_id} {CONNECTION})")
             status = federation.wait_run(run_id, args.timeout)
             print(federation.run_log(run_id)[-3000:])

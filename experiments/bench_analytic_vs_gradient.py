@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 from experiments.benchlib import format_table, write_json
 from fcl_flower.config import RunConfig
 
@@ -50,8 +49,9 @@ def run_stage_times(cfg: RunConfig) -> tuple[list[float], float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", default="digits",
-                        help="Any registered dataset; e.g. cifar100 on a machine that has it.")
+    parser.add_argument(
+        "--dataset", default="digits", help="Any registered dataset; e.g. cifar100 on a machine that has it."
+    )
     parser.add_argument("--backbone", default="small-cnn", help="e.g. resnet18-cifar with --dataset cifar100.")
     parser.add_argument("--num-tasks", type=int, default=3)
     parser.add_argument("--first-task-classes", type=int, default=4, help="0: equal tasks.")
@@ -75,17 +75,38 @@ def main(argv: list[str] | None = None) -> int:
 
     console_handler.setLevel(logging.WARNING)
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"fcl-bench-avg-{os.getpid()}"
-    base = RunConfig(dataset=args.dataset, backbone=args.backbone, num_tasks=args.num_tasks,
-                     first_task_classes=args.first_task_classes, num_clients=args.num_clients, seed=0,
-                     stage1_rounds=args.stage1_rounds, rounds_per_task=args.rounds_per_task,
-                     local_epochs=args.local_epochs, rf_dim=args.rf_dim, rank=args.rank, data_root=args.data_root,
-                     dummy_clients=args.dummy_clients, ridge="100.0", device=args.device, out=str(tmp))
+    base = RunConfig(
+        dataset=args.dataset,
+        backbone=args.backbone,
+        num_tasks=args.num_tasks,
+        first_task_classes=args.first_task_classes,
+        num_clients=args.num_clients,
+        seed=0,
+        stage1_rounds=args.stage1_rounds,
+        rounds_per_task=args.rounds_per_task,
+        local_epochs=args.local_epochs,
+        rf_dim=args.rf_dim,
+        rank=args.rank,
+        data_root=args.data_root,
+        dummy_clients=args.dummy_clients,
+        ridge="100.0",
+        device=args.device,
+        out=str(tmp),
+    )
     rows: list[dict[str, Any]] = []
     for name in args.strategies:
         cfg = base.replace(strategy=name)
         stages, total = run_stage_times(cfg)
-        rows.append({"strategy": name, "kind": "analytic" if name in ANALYTIC else "gradient",
-                     "stage 1 s": stages[0], "stage 2 s": stages[1], "stage 3 s": stages[2], "total s": total})
+        rows.append(
+            {
+                "strategy": name,
+                "kind": "analytic" if name in ANALYTIC else "gradient",
+                "stage 1 s": stages[0],
+                "stage 2 s": stages[1],
+                "stage 3 s": stages[2],
+                "total s": total,
+            }
+        )
         print(f"  {name}: stage 2 took {stages[1]:.2f} s", flush=True)
     print(format_table(rows, ["strategy", "kind", "stage 1 s", "stage 2 s", "stage 3 s", "total s"], floats="{:.2f}"))
     ratios = []
@@ -93,22 +114,48 @@ def main(argv: list[str] | None = None) -> int:
     for a in (r for r in rows if r["kind"] == "analytic"):
         for g in (r for r in rows if r["kind"] == "gradient"):
             ratio = g["stage 2 s"] / a["stage 2 s"]
-            ratios.append({"analytic": a["strategy"], "gradient": g["strategy"], "ratio": ratio,
-                           "ratio_at_paper_schedule": ratio * scale})
+            ratios.append(
+                {
+                    "analytic": a["strategy"],
+                    "gradient": g["strategy"],
+                    "ratio": ratio,
+                    "ratio_at_paper_schedule": ratio * scale,
+                }
+            )
     print(format_table(ratios, ["analytic", "gradient", "ratio", "ratio_at_paper_schedule"], floats="{:.1f}"))
-    print(f"(gradient stage = {args.rounds_per_task} rounds x {args.local_epochs} epochs; the papers' 100 x 2 "
-          f"would multiply the gradient side by {scale:g})")
-    path = write_json("bench_analytic_vs_gradient", {
-        "load_average_at_start": load,
-        "settings": {k: getattr(args, k) for k in ("dataset", "backbone", "num_tasks", "first_task_classes",
-                                                    "num_clients", "rf_dim", "rank", "dummy_clients",
-                                                    "stage1_rounds", "rounds_per_task", "local_epochs", "device")}
-        | {"engine": "in-process LocalGrid", "timed_stage": 2},
-        "stages": rows,
-        "ratios": ratios,
-        "paper_claims": "STSA: > 80x faster than LANDER, 120x than PILoRA after stage 1; FedRAN: 190.3x mean "
-                        "over gradient baselines (96.9x / 246.9x / 227.2x)",
-    }, args.out)
+    print(
+        f"(gradient stage = {args.rounds_per_task} rounds x {args.local_epochs} epochs; the papers' 100 x 2 "
+        f"would multiply the gradient side by {scale:g})"
+    )
+    path = write_json(
+        "bench_analytic_vs_gradient",
+        {
+            "load_average_at_start": load,
+            "settings": {
+                k: getattr(args, k)
+                for k in (
+                    "dataset",
+                    "backbone",
+                    "num_tasks",
+                    "first_task_classes",
+                    "num_clients",
+                    "rf_dim",
+                    "rank",
+                    "dummy_clients",
+                    "stage1_rounds",
+                    "rounds_per_task",
+                    "local_epochs",
+                    "device",
+                )
+            }
+            | {"engine": "in-process LocalGrid", "timed_stage": 2},
+            "stages": rows,
+            "ratios": ratios,
+            "paper_claims": "STSA: > 80x faster than LANDER, 120x than PILoRA after stage 1; FedRAN: 190.3x mean "
+            "over gradient baselines (96.9x / 246.9x / 227.2x)",
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

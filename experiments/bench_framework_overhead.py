@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 import torch
 
 from experiments.benchlib import format_table, write_json
@@ -59,8 +58,8 @@ def direct_stage_times(cfg: RunConfig) -> list[float]:
                 acc.update(random_features(features, projection), y - classes.start)
             stats = acc.result()
             gram += stats.gram
-            sums[:, classes.start:classes.stop] += stats.class_sums
-        weights = solve_ridge(gram, sums[:, :classes.stop], cfg.ridge_value())
+            sums[:, classes.start : classes.stop] += stats.class_sums
+        weights = solve_ridge(gram, sums[:, : classes.stop], cfg.ridge_value())
         phis, labels = [], []
         for features, y in iter_features(model, split.seen_test(task), cfg, device):
             phis.append(random_features(features, projection))
@@ -104,9 +103,19 @@ def main(argv: list[str] | None = None) -> int:
 
     console_handler.setLevel(logging.WARNING)
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"fcl-bench-overhead-{os.getpid()}"
-    cfg = RunConfig(strategy="stsa", dataset="digits", num_tasks=args.num_tasks, num_clients=args.num_clients,
-                    seed=0, stage1_rounds=0, rf_dim=args.rf_dim, ridge="100.0", wire_dtype="float32",
-                    device="cpu", out=str(tmp))
+    cfg = RunConfig(
+        strategy="stsa",
+        dataset="digits",
+        num_tasks=args.num_tasks,
+        num_clients=args.num_clients,
+        seed=0,
+        stage1_rounds=0,
+        rf_dim=args.rf_dim,
+        ridge="100.0",
+        wire_dtype="float32",
+        device="cpu",
+        out=str(tmp),
+    )
     engines: dict[str, dict[str, Any]] = {}
     began = time.perf_counter()
     stages = direct_stage_times(cfg)
@@ -121,19 +130,42 @@ def main(argv: list[str] | None = None) -> int:
     base_later = sum(base["stages"][1:]) / len(base["stages"][1:])
     for name, result in engines.items():
         later = sum(result["stages"][1:]) / len(result["stages"][1:])
-        rows.append({"engine": name, "stage 1 s": result["stages"][0], "stages 2..T mean s": later,
-                     "ratio vs direct": later / base_later, "run total s": result["total"],
-                     "outside stages s": result["total"] - sum(result["stages"])})
-    print(format_table(rows, ["engine", "stage 1 s", "stages 2..T mean s", "ratio vs direct", "run total s",
-                              "outside stages s"], floats="{:.2f}"))
-    path = write_json("bench_framework_overhead", {
-        "load_average_at_start": load,
-        "settings": {"strategy": "stsa", "dataset": "digits", "num_tasks": args.num_tasks,
-                     "num_clients": args.num_clients, "rf_dim": args.rf_dim, "stage1_rounds": 0,
-                     "ray_num_cpus_per_client": args.num_cpus, "wire_dtype": "float32"},
-        "engines": engines,
-        "rows": rows,
-    }, args.out)
+        rows.append(
+            {
+                "engine": name,
+                "stage 1 s": result["stages"][0],
+                "stages 2..T mean s": later,
+                "ratio vs direct": later / base_later,
+                "run total s": result["total"],
+                "outside stages s": result["total"] - sum(result["stages"]),
+            }
+        )
+    print(
+        format_table(
+            rows,
+            ["engine", "stage 1 s", "stages 2..T mean s", "ratio vs direct", "run total s", "outside stages s"],
+            floats="{:.2f}",
+        )
+    )
+    path = write_json(
+        "bench_framework_overhead",
+        {
+            "load_average_at_start": load,
+            "settings": {
+                "strategy": "stsa",
+                "dataset": "digits",
+                "num_tasks": args.num_tasks,
+                "num_clients": args.num_clients,
+                "rf_dim": args.rf_dim,
+                "stage1_rounds": 0,
+                "ray_num_cpus_per_client": args.num_cpus,
+                "wire_dtype": "float32",
+            },
+            "engines": engines,
+            "rows": rows,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

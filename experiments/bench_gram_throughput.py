@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
-
 
 import torch
 
@@ -55,33 +53,36 @@ def gram_rates(rf_dim: int, batch: int, rows: int, repeats: int, feature_dim: in
     def kernel() -> None:
         gram = torch.zeros(rf_dim, rf_dim, dtype=torch.float64)
         for s in starts:
-            block = phi[s:s + batch]
+            block = phi[s : s + batch]
             gram.addmm_(block.T, block)
 
     def kernel32() -> None:
         gram = torch.zeros(rf_dim, rf_dim, dtype=torch.float32)
         phi32 = phi32_all
         for s in starts:
-            block = phi32[s:s + batch]
+            block = phi32[s : s + batch]
             gram.addmm_(block.T, block)
 
     def accumulator() -> None:
         acc = StatisticsAccumulator(rf_dim, 10, with_gram=True)
         for s in starts:
-            acc.update(phi[s:s + batch], labels[s:s + batch])
+            acc.update(phi[s : s + batch], labels[s : s + batch])
         acc.result()
 
     def client_path() -> None:
         acc = StatisticsAccumulator(rf_dim, 10, with_gram=True)
         for s in starts:
-            acc.update(random_features(features[s:s + batch], projection), labels[s:s + batch])
+            acc.update(random_features(features[s : s + batch], projection), labels[s : s + batch])
         acc.result()
 
     phi32_all = phi.float()
     out = {}
-    for name, fn, work in (("kernel64", kernel, flop), ("kernel32", kernel32, flop),
-                           ("accumulator", accumulator, flop),
-                           ("client_path", client_path, flop + 2.0 * rows * feature_dim * rf_dim)):
+    for name, fn, work in (
+        ("kernel64", kernel, flop),
+        ("kernel32", kernel32, flop),
+        ("accumulator", accumulator, flop),
+        ("client_path", client_path, flop + 2.0 * rows * feature_dim * rf_dim),
+    ):
         seconds = best_time(fn, repeats=repeats)
         out[name] = work / seconds / 1e9
         out[f"{name}_seconds"] = seconds
@@ -104,36 +105,54 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [1024, 2048] if args.quick else [1024, 2048, 4096]
     peak64 = matmul_peak(torch.float64, sizes, args.repeats)
     peak32 = matmul_peak(torch.float32, sizes, args.repeats)
-    print(f"matmul peak: float64 {peak64['gflops']:.1f} GFLOP/s (N={peak64['n']}), "
-          f"float32 {peak32['gflops']:.1f} GFLOP/s (N={peak32['n']}); {torch.get_num_threads()} threads, "
-          f"load average {load:.2f}")
+    print(
+        f"matmul peak: float64 {peak64['gflops']:.1f} GFLOP/s (N={peak64['n']}), "
+        f"float32 {peak32['gflops']:.1f} GFLOP/s (N={peak32['n']}); {torch.get_num_threads()} threads, "
+        f"load average {load:.2f}"
+    )
     rows = []
     for rf_dim in args.rf_dims:
         for batch in args.batches:
             rates = gram_rates(rf_dim, batch, args.rows, args.repeats)
-            rows.append({
-                "M": rf_dim, "batch": batch,
-                "kernel64 GFLOP/s": rates["kernel64"],
-                "% f64 peak": 100 * rates["kernel64"] / peak64["gflops"],
-                "accumulator GFLOP/s": rates["accumulator"],
-                "acc % f64 peak": 100 * rates["accumulator"] / peak64["gflops"],
-                "client path GFLOP/s": rates["client_path"],
-                "kernel32 GFLOP/s": rates["kernel32"],
-                "% f32 peak": 100 * rates["kernel32"] / peak32["gflops"],
-                **{k: v for k, v in rates.items() if k.endswith("_seconds")},
-            })
-    columns = ["M", "batch", "kernel64 GFLOP/s", "% f64 peak", "accumulator GFLOP/s", "acc % f64 peak",
-               "client path GFLOP/s", "kernel32 GFLOP/s", "% f32 peak"]
+            rows.append(
+                {
+                    "M": rf_dim,
+                    "batch": batch,
+                    "kernel64 GFLOP/s": rates["kernel64"],
+                    "% f64 peak": 100 * rates["kernel64"] / peak64["gflops"],
+                    "accumulator GFLOP/s": rates["accumulator"],
+                    "acc % f64 peak": 100 * rates["accumulator"] / peak64["gflops"],
+                    "client path GFLOP/s": rates["client_path"],
+                    "kernel32 GFLOP/s": rates["kernel32"],
+                    "% f32 peak": 100 * rates["kernel32"] / peak32["gflops"],
+                    **{k: v for k, v in rates.items() if k.endswith("_seconds")},
+                }
+            )
+    columns = [
+        "M",
+        "batch",
+        "kernel64 GFLOP/s",
+        "% f64 peak",
+        "accumulator GFLOP/s",
+        "acc % f64 peak",
+        "client path GFLOP/s",
+        "kernel32 GFLOP/s",
+        "% f32 peak",
+    ]
     print(format_table(rows, columns, floats="{:.1f}"))
     best = max(r["acc % f64 peak"] for r in rows)
     print(f"best accumulator efficiency: {best:.0f} % of the float64 matmul peak (goal >= 70 %)")
-    path = write_json("bench_gram_throughput", {
-        "load_average_at_start": load,
-        "settings": {"rows": args.rows, "repeats": args.repeats, "flop_count": "2 n M^2 per accumulation"},
-        "peak": {"float64": peak64, "float32": peak32},
-        "rows": rows,
-        "best_accumulator_percent_of_f64_peak": best,
-    }, args.out)
+    path = write_json(
+        "bench_gram_throughput",
+        {
+            "load_average_at_start": load,
+            "settings": {"rows": args.rows, "repeats": args.repeats, "flop_count": "2 n M^2 per accumulation"},
+            "peak": {"float64": peak64, "float32": peak32},
+            "rows": rows,
+            "best_accumulator_percent_of_f64_peak": best,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 from experiments.benchlib import format_table, peak_rss_mib, reset_peak_rss, write_json
 from fcl_flower.config import RunConfig
 
@@ -83,7 +82,7 @@ class MemorySampler(threading.Thread):
             if total > self.peak:
                 self.peak, self.peak_processes = total, count
             try:
-                for line in open("/proc/meminfo"):
+                for line in Path("/proc/meminfo").read_text().splitlines():
                     if line.startswith("MemAvailable"):
                         self.min_available = min(self.min_available, int(line.split()[1]) / 1024)
             except OSError:
@@ -112,10 +111,23 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"fcl-bench-scale-{os.getpid()}"
     rows: list[dict[str, Any]] = []
     for name in args.strategies:
-        cfg = RunConfig(strategy=name, dataset=args.dataset, num_clients=args.num_clients, num_tasks=args.num_tasks,
-                        beta=0.5, seed=0, stage1_rounds=args.stage1_rounds, local_epochs=1, rf_dim=args.rf_dim,
-                        rank=256, dummy_clients=2, ridge="auto", device="cpu", out=str(tmp),
-                        round_timeout=3600.0)
+        cfg = RunConfig(
+            strategy=name,
+            dataset=args.dataset,
+            num_clients=args.num_clients,
+            num_tasks=args.num_tasks,
+            beta=0.5,
+            seed=0,
+            stage1_rounds=args.stage1_rounds,
+            local_epochs=1,
+            rf_dim=args.rf_dim,
+            rank=256,
+            dummy_clients=2,
+            ridge="auto",
+            device="cpu",
+            out=str(tmp),
+            round_timeout=3600.0,
+        )
         sampler = MemorySampler()
         reset_peak_rss()
         sampler.start()
@@ -129,27 +141,64 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - began
         sampler.stop()
         stages = data.get("stages", [])
-        rows.append({
-            "strategy": name, "clients": args.num_clients, "M": args.rf_dim, "wall s": seconds,
-            "stage s": [round(s["seconds"], 1) for s in stages],
-            "clients per stage": [len(s["clients"]) for s in stages],
-            "A_T %": data.get("A_T", float("nan")),
-            "peak MiB (all processes, PSS)": sampler.peak, "processes": sampler.peak_processes,
-            "driver peak RSS MiB": peak_rss_mib(), "min MemAvailable MiB": sampler.min_available,
-            "error": error,
-        })
-        print(f"  {name}: {seconds:.0f} s, peak {sampler.peak:.0f} MiB over {sampler.peak_processes} processes"
-              + (f", FAILED: {error}" if error else ""), flush=True)
-    print(format_table(rows, ["strategy", "clients", "M", "wall s", "stage s", "clients per stage", "A_T %",
-                              "peak MiB (all processes, PSS)", "processes", "driver peak RSS MiB",
-                              "min MemAvailable MiB"], floats="{:.1f}"))
-    path = write_json("bench_scale", {
-        "load_average_at_start": load,
-        "settings": {"dataset": args.dataset, "num_clients": args.num_clients, "num_tasks": args.num_tasks,
-                     "rf_dim": args.rf_dim, "stage1_rounds": args.stage1_rounds, "local_epochs": 1,
-                     "ray_num_cpus_per_client": args.num_cpus, "engine": "Flower Ray simulation (experiments/sim.py)"},
-        "rows": rows,
-    }, args.out)
+        rows.append(
+            {
+                "strategy": name,
+                "clients": args.num_clients,
+                "M": args.rf_dim,
+                "wall s": seconds,
+                "stage s": [round(s["seconds"], 1) for s in stages],
+                "clients per stage": [len(s["clients"]) for s in stages],
+                "A_T %": data.get("A_T", float("nan")),
+                "peak MiB (all processes, PSS)": sampler.peak,
+                "processes": sampler.peak_processes,
+                "driver peak RSS MiB": peak_rss_mib(),
+                "min MemAvailable MiB": sampler.min_available,
+                "error": error,
+            }
+        )
+        print(
+            f"  {name}: {seconds:.0f} s, peak {sampler.peak:.0f} MiB over {sampler.peak_processes} processes"
+            + (f", FAILED: {error}" if error else ""),
+            flush=True,
+        )
+    print(
+        format_table(
+            rows,
+            [
+                "strategy",
+                "clients",
+                "M",
+                "wall s",
+                "stage s",
+                "clients per stage",
+                "A_T %",
+                "peak MiB (all processes, PSS)",
+                "processes",
+                "driver peak RSS MiB",
+                "min MemAvailable MiB",
+            ],
+            floats="{:.1f}",
+        )
+    )
+    path = write_json(
+        "bench_scale",
+        {
+            "load_average_at_start": load,
+            "settings": {
+                "dataset": args.dataset,
+                "num_clients": args.num_clients,
+                "num_tasks": args.num_tasks,
+                "rf_dim": args.rf_dim,
+                "stage1_rounds": args.stage1_rounds,
+                "local_epochs": 1,
+                "ray_num_cpus_per_client": args.num_cpus,
+                "engine": "Flower Ray simulation (experiments/sim.py)",
+            },
+            "rows": rows,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 1 if any(r["error"] for r in rows) else 0
 

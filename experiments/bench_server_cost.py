@@ -29,7 +29,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # large blocks via mmap: freed memory leaves the RSS
@@ -113,8 +112,11 @@ def versus_rf_dim(dims: list[int], gcv_max: int, rank: int, classes_seen: int = 
         row["fedran solve s"], _, _ = measure(lambda: solve_subspace_ridge(merged, sums, 1e-3))
         row["fedran r"] = r
         rows.append(row)
-        print(f"  M={m}: solve {row['solve s']:.2f} s, estimator {row['stsa-e est s']:.2f} s, "
-              f"fedran merge {row['fedran merge s']:.2f} s", flush=True)
+        print(
+            f"  M={m}: solve {row['solve s']:.2f} s, estimator {row['stsa-e est s']:.2f} s, "
+            f"fedran merge {row['fedran merge s']:.2f} s",
+            flush=True,
+        )
     return rows
 
 
@@ -159,9 +161,12 @@ def versus_clients(clients: list[int], rf_dim: int, dummies: int, rank: int, cla
         row["round buffer MiB (stsa, f32)"] = k_total * packed * 4 / MIB
         row["round buffer MiB (stsa-e, f32)"] = k_total * (rf_dim + 1) * classes * dummies * 4 / MIB
         rows.append(row)
-        print(f"  K={k_total}: stsa {row['stsa s']:.2f} s / {row['stsa MiB']:.0f} MiB, stsa-e "
-              f"{row['stsa-e s']:.2f} s / {row['stsa-e MiB']:.0f} MiB (batch {row['stsa-e batch MiB']:.0f} MiB), "
-              f"fedran {row['fedran s']:.2f} s / {row['fedran MiB']:.0f} MiB", flush=True)
+        print(
+            f"  K={k_total}: stsa {row['stsa s']:.2f} s / {row['stsa MiB']:.0f} MiB, stsa-e "
+            f"{row['stsa-e s']:.2f} s / {row['stsa-e MiB']:.0f} MiB (batch {row['stsa-e batch MiB']:.0f} MiB), "
+            f"fedran {row['fedran s']:.2f} s / {row['fedran MiB']:.0f} MiB",
+            flush=True,
+        )
     return rows
 
 
@@ -183,22 +188,64 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     print(f"part 1: versus M (load average {load:.2f}, {torch.get_num_threads()} threads)")
     by_m = versus_rf_dim(args.rf_dims, args.gcv_max, args.rank)
-    print(format_table(by_m, ["M", "solve s", "solve MiB", "gcv s", "gcv MiB", "stsa-e est s", "stsa-e est MiB",
-                              "fedran r", "fedran merge s", "fedran merge MiB", "fedran solve s"], floats="{:.3g}"))
+    print(
+        format_table(
+            by_m,
+            [
+                "M",
+                "solve s",
+                "solve MiB",
+                "gcv s",
+                "gcv MiB",
+                "stsa-e est s",
+                "stsa-e est MiB",
+                "fedran r",
+                "fedran merge s",
+                "fedran merge MiB",
+                "fedran solve s",
+            ],
+            floats="{:.3g}",
+        )
+    )
     print(f"part 2: versus clients (M = {args.clients_rf_dim}, K_D = {args.dummy_clients}, r = {args.clients_rank})")
     by_k = versus_clients(args.clients, args.clients_rf_dim, args.dummy_clients, args.clients_rank)
-    print(format_table(by_k, ["K", "stsa s", "stsa MiB", "stsa-e s", "stsa-e MiB", "stsa-e batch s",
-                              "stsa-e batch MiB", "fedran s", "fedran MiB", "round buffer MiB (stsa, f32)",
-                              "round buffer MiB (stsa-e, f32)"], floats="{:.3g}"))
-    path = write_json("bench_server_cost", {
-        "load_average_at_start": load,
-        "settings": {"classes_seen_for_solve": 100, "stsa_e_uploads_part1": "5 clients x K_D=10, c_t=10",
-                     "fedran_rank_part1": args.rank, "clients_rf_dim": args.clients_rf_dim,
-                     "dummy_clients": args.dummy_clients, "fedran_rank_part2": args.clients_rank,
-                     "memory": "peak RSS above the RSS before each step (VmHWM), MiB"},
-        "versus_rf_dim": by_m,
-        "versus_clients": by_k,
-    }, args.out)
+    print(
+        format_table(
+            by_k,
+            [
+                "K",
+                "stsa s",
+                "stsa MiB",
+                "stsa-e s",
+                "stsa-e MiB",
+                "stsa-e batch s",
+                "stsa-e batch MiB",
+                "fedran s",
+                "fedran MiB",
+                "round buffer MiB (stsa, f32)",
+                "round buffer MiB (stsa-e, f32)",
+            ],
+            floats="{:.3g}",
+        )
+    )
+    path = write_json(
+        "bench_server_cost",
+        {
+            "load_average_at_start": load,
+            "settings": {
+                "classes_seen_for_solve": 100,
+                "stsa_e_uploads_part1": "5 clients x K_D=10, c_t=10",
+                "fedran_rank_part1": args.rank,
+                "clients_rf_dim": args.clients_rf_dim,
+                "dummy_clients": args.dummy_clients,
+                "fedran_rank_part2": args.clients_rank,
+                "memory": "peak RSS above the RSS before each step (VmHWM), MiB",
+            },
+            "versus_rf_dim": by_m,
+            "versus_clients": by_k,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

@@ -35,8 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-from experiments.expconfig import PAPER_METRICS, Experiment, ExperimentConfigError, PlannedRun, load_experiment, point_label
+from experiments.expconfig import (
+    PAPER_METRICS,
+    Experiment,
+    ExperimentConfigError,
+    PlannedRun,
+    load_experiment,
+    point_label,
+)
 from fcl_flower.config import ConfigError, RunConfig
 
 MIB = 2**20
@@ -130,8 +136,16 @@ class RunOutcome:
     rounds_seen: int = 0
 
 
-def execute(runs: Sequence[PlannedRun], *, engine: str, num_cpus: float = 1.0, num_gpus: float | None = None,
-            verbose: bool = False, skip_existing: bool = False, show_progress: bool = True) -> list[RunOutcome]:
+def execute(
+    runs: Sequence[PlannedRun],
+    *,
+    engine: str,
+    num_cpus: float = 1.0,
+    num_gpus: float | None = None,
+    verbose: bool = False,
+    skip_existing: bool = False,
+    show_progress: bool = True,
+) -> list[RunOutcome]:
     """Run every planned run in turn; a failed run is recorded and the others still run."""
     from tqdm import tqdm
 
@@ -214,8 +228,16 @@ def run_row(run: PlannedRun, data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-SUMMARY_FIELDS = ("A_avg", "A_T", "F_T", "upload_mib_per_client", "upload_mib_per_client_stage_after1",
-                  "stage1_seconds", "seconds_per_stage_after1", "total_seconds")
+SUMMARY_FIELDS = (
+    "A_avg",
+    "A_T",
+    "F_T",
+    "upload_mib_per_client",
+    "upload_mib_per_client_stage_after1",
+    "stage1_seconds",
+    "seconds_per_stage_after1",
+    "total_seconds",
+)
 
 
 def group_rows(rows: Sequence[dict[str, Any]], sweep_keys: Sequence[str]) -> list[dict[str, Any]]:
@@ -225,8 +247,12 @@ def group_rows(rows: Sequence[dict[str, Any]], sweep_keys: Sequence[str]) -> lis
         groups.setdefault((row["strategy"], *(row[k] for k in sweep_keys)), []).append(row)
     out = []
     for key, members in groups.items():
-        summary: dict[str, Any] = {"strategy": key[0], **dict(zip(sweep_keys, key[1:])),
-                                   "seeds": " ".join(str(m["seed"]) for m in members), "runs": len(members)}
+        summary: dict[str, Any] = {
+            "strategy": key[0],
+            **dict(zip(sweep_keys, key[1:])),
+            "seeds": " ".join(str(m["seed"]) for m in members),
+            "runs": len(members),
+        }
         for name in SUMMARY_FIELDS:
             summary[f"{name}_mean"], summary[f"{name}_std"] = mean_std([m[name] for m in members])
         summary["stages"] = stage_curves(members)
@@ -240,8 +266,11 @@ def stage_curves(members: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
     curves = []
     for t in range(num):
         entry: dict[str, float] = {"stage": t + 1}
-        for name, column in (("accuracy", "stage_accuracy"), ("upload_bytes", "stage_upload_bytes"),
-                             ("seconds", "stage_seconds")):
+        for name, column in (
+            ("accuracy", "stage_accuracy"),
+            ("upload_bytes", "stage_upload_bytes"),
+            ("seconds", "stage_seconds"),
+        ):
             entry[f"{name}_mean"], entry[f"{name}_std"] = mean_std([m[column][t] for m in members])
         curves.append(entry)
     return curves
@@ -253,10 +282,14 @@ def paper_match(experiment: Experiment, summary: dict[str, Any]) -> dict[str, An
     for row in experiment.paper_rows():
         if row.get("strategy") != summary["strategy"]:
             continue
-        cfg = experiment.config_for(summary["strategy"], experiment.seeds[0],
-                                    tuple((k, summary[k]) for k in experiment.sweep_keys)).to_mapping()
-        if all(cfg.get(k) == _coerce_like(cfg.get(k), v) for k, v in row.items()
-               if k not in PAPER_METRICS and k not in ("method", "note", "strategy")):
+        cfg = experiment.config_for(
+            summary["strategy"], experiment.seeds[0], tuple((k, summary[k]) for k in experiment.sweep_keys)
+        ).to_mapping()
+        if all(
+            cfg.get(k) == _coerce_like(cfg.get(k), v)
+            for k, v in row.items()
+            if k not in PAPER_METRICS and k not in ("method", "note", "strategy")
+        ):
             return row
     return None
 
@@ -274,8 +307,14 @@ def fmt(mean: float, std: float, runs: int, digits: int = 2) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}" if runs > 1 else f"{mean:.{digits}f}"
 
 
-def write_tables(out: Path, experiment: Experiment, rows: list[dict[str, Any]], groups: list[dict[str, Any]],
-                 failures: Sequence[RunOutcome], engine: str) -> None:
+def write_tables(
+    out: Path,
+    experiment: Experiment,
+    rows: list[dict[str, Any]],
+    groups: list[dict[str, Any]],
+    failures: Sequence[RunOutcome],
+    engine: str,
+) -> None:
     sweep_keys = list(experiment.sweep_keys)
     with_paper = not experiment.offline and bool(experiment.paper_rows())
     # runs.csv: the raw per-run numbers
@@ -286,8 +325,17 @@ def write_tables(out: Path, experiment: Experiment, rows: list[dict[str, Any]], 
         writer.writerows(rows)
     # stages.csv: the curves behind the plots
     with open(out / "stages.csv", "w", newline="") as handle:
-        fields = ["strategy", *sweep_keys, "stage", "accuracy_mean", "accuracy_std", "upload_bytes_mean",
-                  "upload_bytes_std", "seconds_mean", "seconds_std"]
+        fields = [
+            "strategy",
+            *sweep_keys,
+            "stage",
+            "accuracy_mean",
+            "accuracy_std",
+            "upload_bytes_mean",
+            "upload_bytes_std",
+            "seconds_mean",
+            "seconds_std",
+        ]
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         for g in groups:
@@ -306,29 +354,50 @@ def write_tables(out: Path, experiment: Experiment, rows: list[dict[str, Any]], 
             paper = paper_match(experiment, g) if with_paper else None
             writer.writerow({**g, **{f"paper_{m}": (paper or {}).get(m, "") for m in PAPER_METRICS}})
     # summary.md
-    head = ["method", *sweep_keys, "seeds", "A_avg %", "A_T %", "F_T %", "upload/client MiB",
-            "upload/client/stage t≥2 MiB", "stage 1 s", "s/stage t≥2", "total s"]
+    head = [
+        "method",
+        *sweep_keys,
+        "seeds",
+        "A_avg %",
+        "A_T %",
+        "F_T %",
+        "upload/client MiB",
+        "upload/client/stage t≥2 MiB",
+        "stage 1 s",
+        "s/stage t≥2",
+        "total s",
+    ]
     if with_paper:
         head += ["paper A_avg", "paper A_T", "paper F_T", "paper MiB"]
-    lines = [f"# {experiment.name}{' (offline variant)' if experiment.offline else ''}", "",
-             experiment.description, "",
-             f"Engine: `{engine}`. Mean ± sample std over seeds. Upload: numeric payload per client, mean over "
-             "clients (all rounds; stage 1 includes its FedAvg rounds). Wall time per stage includes client work, "
-             "aggregation, solve and evaluation.", ""]
+    lines = [
+        f"# {experiment.name}{' (offline variant)' if experiment.offline else ''}",
+        "",
+        experiment.description,
+        "",
+        f"Engine: `{engine}`. Mean ± sample std over seeds. Upload: numeric payload per client, mean over "
+        "clients (all rounds; stage 1 includes its FedAvg rounds). Wall time per stage includes client work, "
+        "aggregation, solve and evaluation.",
+        "",
+    ]
     if with_paper:
         source = experiment.paper.get("source", "")
         lines += [f"Paper numbers: {source}.", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
         n = g["runs"]
-        cells = [g["strategy"], *(str(g[k]) for k in sweep_keys), g["seeds"],
-                 fmt(g["A_avg_mean"], g["A_avg_std"], n), fmt(g["A_T_mean"], g["A_T_std"], n),
-                 fmt(g["F_T_mean"], g["F_T_std"], n),
-                 fmt(g["upload_mib_per_client_mean"], g["upload_mib_per_client_std"], n, 3),
-                 fmt(g["upload_mib_per_client_stage_after1_mean"], g["upload_mib_per_client_stage_after1_std"], n, 3),
-                 fmt(g["stage1_seconds_mean"], g["stage1_seconds_std"], n, 1),
-                 fmt(g["seconds_per_stage_after1_mean"], g["seconds_per_stage_after1_std"], n, 2),
-                 fmt(g["total_seconds_mean"], g["total_seconds_std"], n, 1)]
+        cells = [
+            g["strategy"],
+            *(str(g[k]) for k in sweep_keys),
+            g["seeds"],
+            fmt(g["A_avg_mean"], g["A_avg_std"], n),
+            fmt(g["A_T_mean"], g["A_T_std"], n),
+            fmt(g["F_T_mean"], g["F_T_std"], n),
+            fmt(g["upload_mib_per_client_mean"], g["upload_mib_per_client_std"], n, 3),
+            fmt(g["upload_mib_per_client_stage_after1_mean"], g["upload_mib_per_client_stage_after1_std"], n, 3),
+            fmt(g["stage1_seconds_mean"], g["stage1_seconds_std"], n, 1),
+            fmt(g["seconds_per_stage_after1_mean"], g["seconds_per_stage_after1_std"], n, 2),
+            fmt(g["total_seconds_mean"], g["total_seconds_std"], n, 1),
+        ]
         if with_paper:
             paper = paper_match(experiment, g) or {}
             cells += [str(paper.get(m, "–")) for m in ("A_avg", "A_T", "F_T", "upload_mib")]
@@ -362,10 +431,15 @@ def write_plots(out: Path, experiment: Experiment, groups: list[dict[str, Any]])
                 x = [e["stage"] for e in g["stages"]]
                 y = [e[f"{column}_mean"] for e in g["stages"]]
                 s = [e[f"{column}_std"] for e in g["stages"]]
-                line, = ax.plot(x, y, marker="o", label=g["strategy"])
+                (line,) = ax.plot(x, y, marker="o", label=g["strategy"])
                 if g["runs"] > 1:
-                    ax.fill_between(x, [a - b for a, b in zip(y, s)], [a + b for a, b in zip(y, s)],
-                                    color=line.get_color(), alpha=0.15)
+                    ax.fill_between(
+                        x,
+                        [a - b for a, b in zip(y, s)],
+                        [a + b for a, b in zip(y, s)],
+                        color=line.get_color(),
+                        alpha=0.15,
+                    )
             if log:
                 ax.set_yscale("log")
             ax.set_xlabel("stage")
@@ -373,7 +447,7 @@ def write_plots(out: Path, experiment: Experiment, groups: list[dict[str, Any]])
             ax.set_title(label or experiment.name, fontsize=9)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        for ax in list(axes.flat)[len(points):]:
+        for ax in list(axes.flat)[len(points) :]:
             ax.axis("off")
         fig.suptitle(experiment.name + (" (offline)" if experiment.offline else ""), fontsize=10)
         fig.tight_layout()
@@ -383,11 +457,10 @@ def write_plots(out: Path, experiment: Experiment, groups: list[dict[str, Any]])
     return written
 
 
-def summarise_outcomes(out: Path, experiment: Experiment, outcomes: Sequence[RunOutcome], engine: str) -> list[dict[str, Any]]:
-    rows = []
-    for outcome in outcomes:
-        if outcome.path is not None:
-            rows.append(run_row(outcome.run, json.loads(outcome.path.read_text())))
+def summarise_outcomes(
+    out: Path, experiment: Experiment, outcomes: Sequence[RunOutcome], engine: str
+) -> list[dict[str, Any]]:
+    rows = [run_row(o.run, json.loads(o.path.read_text())) for o in outcomes if o.path is not None]
     groups = group_rows(rows, experiment.sweep_keys)
     failures = [o for o in outcomes if o.error]
     write_tables(out, experiment, rows, groups, failures, engine)
@@ -409,23 +482,37 @@ def parse_set(items: Sequence[str]) -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="experiments/configs/<name>.toml, or just <name>")
     parser.add_argument("--offline", action="store_true", help="Run the config's small [offline] variant (digits).")
     parser.add_argument("--seeds", type=int, nargs="+", help="Override the config's seeds.")
     parser.add_argument("--strategies", nargs="+", help="Override the config's strategies.")
     parser.add_argument("--out", help="Output folder (default ~/fcl-flower-results/compare/<config>[-offline]).")
-    parser.add_argument("--engine", choices=("ray", "local"), default="ray",
-                        help="ray: Flower's Ray simulation (sim.py); local: same apps in this process.")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="Extra run-config values for every run, e.g. data-root=/data device=cuda.")
+    parser.add_argument(
+        "--engine",
+        choices=("ray", "local"),
+        default="ray",
+        help="ray: Flower's Ray simulation (sim.py); local: same apps in this process.",
+    )
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Extra run-config values for every run, e.g. data-root=/data device=cuda.",
+    )
     parser.add_argument("--num-cpus", type=float, default=1.0, help="Ray: CPU cores per simulated client.")
-    parser.add_argument("--num-gpus", type=float, default=None,
-                        help="Ray: GPU share per simulated client (default: sim.py's, the visible GPUs shared "
-                             "evenly by the clients).")
-    parser.add_argument("--skip-existing", action="store_true",
-                        help="Reuse finished runs whose results.json has the same config.")
+    parser.add_argument(
+        "--num-gpus",
+        type=float,
+        default=None,
+        help="Ray: GPU share per simulated client (default: sim.py's, the visible GPUs shared evenly by the clients).",
+    )
+    parser.add_argument(
+        "--skip-existing", action="store_true", help="Reuse finished runs whose results.json has the same config."
+    )
     parser.add_argument("--dry-run", action="store_true", help="List the runs and exit.")
     parser.add_argument("--verbose", action="store_true", help="Show Flower's log lines.")
     parser.add_argument("--no-progress", action="store_true", help="No progress bars.")
@@ -437,14 +524,17 @@ def main(argv: list[str] | None = None, *, on_done: Callable[[Path], None] | Non
     try:
         experiment = load_experiment(args.config, offline=args.offline)
         suffix = "-offline" if args.offline else ""
-        out = Path(args.out or Path("~/fcl-flower-results/compare") / f"{experiment.name}{suffix}").expanduser().resolve()
+        out = (
+            Path(args.out or Path("~/fcl-flower-results/compare") / f"{experiment.name}{suffix}").expanduser().resolve()
+        )
         runs = experiment.runs(strategies=args.strategies, seeds=args.seeds, out=out, extra=parse_set(args.set))
         from fcl_flower import methods
 
         unavailable = sorted({r.strategy for r in runs} - set(methods.names()))
         if unavailable:
-            raise ExperimentConfigError(f"strategy not available yet: {', '.join(unavailable)}; "
-                                        f"available: {', '.join(sorted(methods.names()))}")
+            raise ExperimentConfigError(
+                f"strategy not available yet: {', '.join(unavailable)}; available: {', '.join(sorted(methods.names()))}"
+            )
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -454,8 +544,15 @@ def main(argv: list[str] | None = None, *, on_done: Callable[[Path], None] | Non
         return 0
     out.mkdir(parents=True, exist_ok=True)
     print(f"{experiment.name}: {len(runs)} run(s) -> {out}", file=sys.stderr)
-    outcomes = execute(runs, engine=args.engine, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                       verbose=args.verbose, skip_existing=args.skip_existing, show_progress=not args.no_progress)
+    outcomes = execute(
+        runs,
+        engine=args.engine,
+        num_cpus=args.num_cpus,
+        num_gpus=args.num_gpus,
+        verbose=args.verbose,
+        skip_existing=args.skip_existing,
+        show_progress=not args.no_progress,
+    )
     summarise_outcomes(out, experiment, outcomes, args.engine)
     print((out / "summary.md").read_text())
     if on_done is not None:

@@ -87,8 +87,15 @@ class Experiment:
         combos = zip(*values) if self.sweep_zip else itertools.product(*values)
         return [tuple(zip(keys, combo)) for combo in combos]
 
-    def config_for(self, strategy: str, seed: int, point: tuple[tuple[str, Any], ...] = (),
-                   *, out: str | Path | None = None, extra: Mapping[str, Any] | None = None) -> RunConfig:
+    def config_for(
+        self,
+        strategy: str,
+        seed: int,
+        point: tuple[tuple[str, Any], ...] = (),
+        *,
+        out: str | Path | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> RunConfig:
         """The RunConfig of one run: run → strategy overrides → extra → sweep point."""
         values: dict[str, Any] = dict(self.run)
         values.update(self.strategy_overrides.get(strategy, {}))
@@ -103,14 +110,22 @@ class Experiment:
         except ConfigError as err:
             raise ExperimentConfigError(f"{self.path.name}: {strategy} {point_label(point)}: {err}") from None
 
-    def runs(self, *, strategies: Sequence[str] | None = None, seeds: Sequence[int] | None = None,
-             out: str | Path | None = None, extra: Mapping[str, Any] | None = None) -> list[PlannedRun]:
+    def runs(
+        self,
+        *,
+        strategies: Sequence[str] | None = None,
+        seeds: Sequence[int] | None = None,
+        out: str | Path | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> list[PlannedRun]:
         """Every run, sweep point by sweep point, then strategy, then seed."""
         chosen = tuple(strategies) if strategies else self.strategies
         chosen_seeds = tuple(int(s) for s in seeds) if seeds else self.seeds
         return [
             PlannedRun(strategy, seed, point, self.config_for(strategy, seed, point, out=out, extra=extra))
-            for point in self.points() for strategy in chosen for seed in chosen_seeds
+            for point in self.points()
+            for strategy in chosen
+            for seed in chosen_seeds
         ]
 
     def paper_rows(self) -> list[dict[str, Any]]:
@@ -195,7 +210,9 @@ def load_experiment(path: str | Path, *, offline: bool = False) -> Experiment:
 def _only(table: Mapping[str, Any], allowed: set[str], where: str) -> None:
     unknown = sorted(set(table) - allowed)
     if unknown:
-        raise ExperimentConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+        raise ExperimentConfigError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}"
+        )
 
 
 def _run_table(table: Any, where: str) -> dict[str, Any]:
@@ -203,8 +220,9 @@ def _run_table(table: Any, where: str) -> dict[str, Any]:
         raise ExperimentConfigError(f"{where}: [run] must be a table of run-config keys")
     reserved = sorted(set(table) & RESERVED)
     if reserved:
-        raise ExperimentConfigError(f"{where}: {', '.join(reserved)} may not be set in [run] "
-                                    "(use 'strategies', 'seeds' and --out)")
+        raise ExperimentConfigError(
+            f"{where}: {', '.join(reserved)} may not be set in [run] (use 'strategies', 'seeds' and --out)"
+        )
     try:
         # unknown keys and bad values, with the key's name; the strategy comes from 'strategies', so
         # a placeholder that runs under every partition stands in (each run is validated in full)
@@ -249,8 +267,11 @@ def _string_list(values: Any, name: str, where: str) -> list[str]:
 
 
 def _int_list(values: Any, name: str, where: str) -> list[int]:
-    if not isinstance(values, list) or not values or not all(isinstance(v, int) and not isinstance(v, bool)
-                                                             for v in values):
+    if (
+        not isinstance(values, list)
+        or not values
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+    ):
         raise ExperimentConfigError(f"{where}: '{name}' must be a non-empty list of integers")
     return list(values)
 
@@ -268,15 +289,21 @@ def _paper(table: Any, where: str) -> dict[str, Any]:
         if extra:
             raise ExperimentConfigError(
                 f"{where}: [paper] rows[{i}] unknown key(s) {', '.join(extra)}; use run-config keys, "
-                f"'method', 'note' or {', '.join(PAPER_METRICS)}")
+                f"'method', 'note' or {', '.join(PAPER_METRICS)}"
+            )
     return dict(table)
 
 
 # ------------------------------------------------------------------------ README listing
 def _metric_cell(row: Mapping[str, Any]) -> str:
     parts = []
-    for name, label, unit in (("A_avg", "A_avg ", ""), ("A_T", "A_T ", ""), ("F_T", "F_T ", ""),
-                              ("upload_mib", "", " MiB"), ("seconds", "", " s")):
+    for name, label, unit in (
+        ("A_avg", "A_avg ", ""),
+        ("A_T", "A_T ", ""),
+        ("F_T", "F_T ", ""),
+        ("upload_mib", "", " MiB"),
+        ("seconds", "", " s"),
+    ):
         if name in row:
             value = row[name]
             parts.append(f"{label}{value:.2f}{unit}" if name in METRIC_PERCENT else f"{label}{value:g}{unit}")
@@ -295,9 +322,12 @@ def paper_table_markdown(experiment: Experiment) -> str:
         keys = [k for k in experiment.sweep_keys if any(k in r for r in rows)]
         head = ["method", "ours", *keys, "paper"]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in rows:
-            lines.append("| " + " | ".join([r["method"], r.get("strategy", "–"), *(str(r.get(k, "")) for k in keys),
-                                            _metric_cell(r)]) + " |")
+        lines += [
+            "| "
+            + " | ".join([r["method"], r.get("strategy", "–"), *(str(r.get(k, "")) for k in keys), _metric_cell(r)])
+            + " |"
+            for r in rows
+        ]
         return "\n".join(lines)
     values = list(dict.fromkeys(r[pivot] for r in rows))
     head = ["method", "ours", *(f"{pivot} = {_short(v)}" for v in values)]
@@ -322,8 +352,10 @@ def readme_markdown(directory: Path = CONFIG_DIR) -> str:
         out.append(f"### `{path.stem}`\n")
         out.append(full.description + "\n")
         out.append(f"- full ({len(full.runs())} runs): `python experiments/compare.py --config {rel}`")
-        out.append(f"- offline ({len(offline.runs())} runs, digits): "
-                   f"`python experiments/compare.py --config {rel} --offline --engine local`")
+        out.append(
+            f"- offline ({len(offline.runs())} runs, digits): "
+            f"`python experiments/compare.py --config {rel} --offline --engine local`"
+        )
         if full.paper.get("source"):
             out.append(f"- paper: {full.paper['source']}")
         if full.paper.get("setting"):

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 from clients.node_data import FORMAT, META_FILE, SPLIT_KEYS
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import DatasetError, FederatedSplit, LabelledDataset
@@ -41,7 +40,7 @@ def raw_items(dataset: LabelledDataset) -> np.ndarray | list[str]:
     Reads the view's shared storage: exporting must copy the bytes as stored, not the
     transformed tensors, so that the client applies the same transforms as the simulation.
     """
-    storage = dataset._storage  # noqa: SLF001 -- the data layer has no public raw accessor
+    storage = dataset._storage
     if storage.kind == "paths":
         return [storage.images[int(j)] for j in dataset.indices]
     return np.ascontiguousarray(np.asarray(storage.images)[dataset.indices])
@@ -96,8 +95,9 @@ def export_partitions(cfg: RunConfig, out: Path) -> list[Path]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="Folder that receives client-0, client-1, ...")
     wanted = set(SPLIT_KEYS) | {"data-root", "download"}
     for knob in RunConfig.knobs():

@@ -27,9 +27,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "stsa-mincount3": {"strategy": "stsa", "min_class_count": 3, "beta": 0.2},
     "stsa-e-dummies": {"strategy": "stsa-e", "dummy_clients": 4, "k_mode": "per-class"},
     "fedran-ssl": {"strategy": "fedran", "label_ratio": 0.5, "rank": 64},
-    "lga-sampled": {"strategy": "lga", "partition": "class-subsets", "initial_clients": 3, "joining_per_task": 1,
-                    "num_clients": 7, "clients_per_round": 3, "old_only_fraction": 0.2, "beta": 5.0,
-                    "proxy_iterations": 5},
+    "lga-sampled": {
+        "strategy": "lga",
+        "partition": "class-subsets",
+        "initial_clients": 3,
+        "joining_per_task": 1,
+        "num_clients": 7,
+        "clients_per_round": 3,
+        "old_only_fraction": 0.2,
+        "beta": 5.0,
+        "proxy_iterations": 5,
+    },
     "stamp-pool": {"strategy": "stamp", "partition": "task-pool", "classes_per_task": 2, "num_clients": 3},
     "ewc-pool": {"strategy": "ewc", "partition": "task-pool", "classes_per_task": 2, "num_clients": 3},
 }
@@ -82,8 +90,9 @@ def differences(before: Any, after: Any, path: str = "") -> tuple[list[str], lis
             found += sub
             framing += frame
         return found, framing
-    same = before == after or (isinstance(before, float) and isinstance(after, float)
-                               and math.isnan(before) and math.isnan(after))
+    same = before == after or (
+        isinstance(before, float) and isinstance(after, float) and math.isnan(before) and math.isnan(after)
+    )
     return ([] if same else [f"{path}: {before!r} -> {after!r}"]), []
 
 
@@ -97,11 +106,14 @@ def diff(before: Path, after: Path) -> int:
             print(f"{name:<18} missing after")
             failed += 1
             continue
-        found, framing = differences(json.loads((before / name / "results.json").read_text()),
-                                     json.loads(other.read_text()))
+        found, framing = differences(
+            json.loads((before / name / "results.json").read_text()), json.loads(other.read_text())
+        )
         deltas = sorted({_delta(line) for line in framing})
-        print(f"{name:<18} {'identical' if not found else f'{len(found)} differ':<16} "
-              f"{'unchanged' if not framing else ', '.join(deltas)}")
+        print(
+            f"{name:<18} {'identical' if not found else f'{len(found)} differ':<16} "
+            f"{'unchanged' if not framing else ', '.join(deltas)}"
+        )
         for line in found[:10]:
             print(f"    {line}")
         failed += bool(found)

@@ -44,9 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs["choices"] = RunConfig.choices(knob)
         parser.add_argument(flag, **kwargs)
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPU cores reserved per simulated client.")
-    parser.add_argument("--num-gpus", type=float, default=None,
-                        help="GPU share per simulated client (e.g. 0.2 lets 5 clients share one GPU); "
-                        "default: the visible GPUs shared evenly by the clients, 0 without a GPU.")
+    parser.add_argument(
+        "--num-gpus",
+        type=float,
+        default=None,
+        help="GPU share per simulated client (e.g. 0.2 lets 5 clients share one GPU); "
+        "default: the visible GPUs shared evenly by the clients, 0 without a GPU.",
+    )
     parser.add_argument("--ray-verbose", action="store_true", help="Show Ray/Flower logs of the clients.")
     return parser
 
@@ -73,8 +77,7 @@ def run_local(cfg: RunConfig) -> ResultsRecorder:
     return run_experiment(LocalGrid(client_app, cfg.num_clients), cfg)
 
 
-def simulate(cfg: RunConfig, *, num_cpus: float = 1.0, num_gpus: float | None = None,
-             verbose: bool = False) -> Path:
+def simulate(cfg: RunConfig, *, num_cpus: float = 1.0, num_gpus: float | None = None, verbose: bool = False) -> Path:
     """Run the simulation; returns the path of results.json."""
     from flwr.simulation import run_simulation
 

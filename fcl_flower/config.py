@@ -36,7 +36,8 @@ class RunConfig:
     # --- what to run -----------------------------------------------------------------------
     strategy: str = _knob("stsa", "FCIL method to run (fcl_flower/methods.py lists them).", methods.names)
     dataset: str = _knob(
-        "digits", "Dataset (digits is bundled with scikit-learn and works offline).",
+        "digits",
+        "Dataset (digits is bundled with scikit-learn and works offline).",
         ("digits", "synthetic", "cifar100", "tiny-imagenet", "imagenet-r"),
     )
     data_root: str = _knob("", "Folder for downloaded datasets (default ~/.cache/fcl-flower/data).")
@@ -56,8 +57,9 @@ class RunConfig:
     )
     class_fraction: float = _knob(0.6, "class-subsets: share of a task's classes each client holds (LGA: 0.6).")
     classes_per_task: int = _knob(
-        0, "task-pool: classes in each task of a client (0: classes / num-tasks; beyond, each client's "
-        "class permutation repeats)."
+        0,
+        "task-pool: classes in each task of a client (0: classes / num-tasks; beyond, each client's "
+        "class permutation repeats).",
     )
     initial_clients: int = _knob(
         0, "Clients holding data from task 0 (0: all); the others join later (LGA: 30 of 30 + 10/task)."
@@ -67,7 +69,8 @@ class RunConfig:
         0, "Clients sampled per local-training round among those joined (0: all; LGA: 10); statistics rounds reach all."
     )
     old_only_fraction: float = _knob(
-        0.0, "Share of the clients joined before a task that get none of its data and train on memory only (LGA Z_o: 0.1)."
+        0.0,
+        "Share of the clients joined before a task that get none of its data and train on memory only (LGA Z_o: 0.1).",
     )
     seed: int = _knob(0, "Seed for class order, partitions, initial weights and random features.")
     # --- backbone and gradient training ----------------------------------------------------
@@ -83,9 +86,7 @@ class RunConfig:
     momentum: float = _knob(0.9, "SGD momentum.")
     weight_decay: float = _knob(5e-4, "SGD weight decay.")
     batch_size: int = _knob(64, "Batch size for local training and feature extraction.")
-    weighted_fedavg: bool = _knob(
-        True, "Weight FedAvg by client sample counts (false: the STSA code's plain mean)."
-    )
+    weighted_fedavg: bool = _knob(True, "Weight FedAvg by client sample counts (false: the STSA code's plain mean).")
     train_head: str = _knob("cosine", "Head used while training the backbone.", ("cosine", "linear"))
     # --- analytic methods ------------------------------------------------------------------
     rf_dim: int = _knob(1000, "Random-feature dimension M (0: no projection, use raw features).")
@@ -102,24 +103,30 @@ class RunConfig:
     pseudo_threshold: float = _knob(0.5, "FedRAN-SSL: cosine threshold tau for prototype pseudo-labels.")
     # --- privacy of the statistics uploads (fcl_flower/privacy) -----------------------------
     secure_aggregation: bool = _knob(
-        False, "STSA: pairwise-masked uploads, the server sees only the sum over clients (on in the documented deployment)."
+        False,
+        "STSA: pairwise-masked uploads, the server sees only the sum over clients (on in the documented deployment).",
     )
-    secagg_fraction_bits: int = _knob(24, "Secure aggregation: fixed-point fraction bits (rounding error 2^-(f+1) per entry).")
+    secagg_fraction_bits: int = _knob(
+        24, "Secure aggregation: fixed-point fraction bits (rounding error 2^-(f+1) per entry)."
+    )
     secagg_min_clients: int = _knob(2, "Secure aggregation: fewest participants a client accepts in a masked round.")
     min_class_count: int = _knob(
-        1, "Clients upload statistics only of classes with at least this many samples (1: all; 3 makes single samples unidentifiable)."
+        1,
+        "Clients upload statistics only of classes with at least this many samples (1: all; 3 makes single samples unidentifiable).",
     )
     # --- gradient baselines ----------------------------------------------------------------
     lwf_alpha: float = _knob(3.0, "Fed-LwF: weight of the distillation loss (3 as in the TARGET/LANDER code).")
     lwf_temperature: float = _knob(2.0, "Fed-LwF: distillation temperature.")
     ewc_lambda: float = _knob(1000.0, "Fed-EWC: weight of the Fisher penalty.")
     ewc_fisher_max: float = _knob(
-        1e-4, "Fed-EWC: clamp each client's diagonal Fisher at this value (1e-4 as in the TARGET/LANDER code; 0: no clamp)."
+        1e-4,
+        "Fed-EWC: clamp each client's diagonal Fisher at this value (1e-4 as in the TARGET/LANDER code; 0: no clamp).",
     )
     memory_size: int = _knob(200, "LGA/STAMP: exemplar/coreset memory per client (samples).")
     gm_c: float = _knob(0.5, "STAMP: CAGrad search radius kappa of the temporal and spatial gradient matching (Eq. 2).")
     proxy_iterations: int = _knob(
-        50, "LGA: L-BFGS steps of the proxy's gradient inversion (paper/code 250; 0: no proxy, old model = last global model)."
+        50,
+        "LGA: L-BFGS steps of the proxy's gradient inversion (paper/code 250; 0: no proxy, old model = last global model).",
     )
     # --- infrastructure --------------------------------------------------------------------
     out: str = _knob("~/fcl-flower-results", "Output folder (made absolute); results.json goes in <out>/<run-name>.")
@@ -176,9 +183,7 @@ class RunConfig:
             choices = self.choices(f)
             value = getattr(self, f.name)
             if choices and value not in choices:
-                raise ConfigError(
-                    f"unknown {self.key(f.name)} '{value}'; choose one of: {', '.join(choices)}"
-                )
+                raise ConfigError(f"unknown {self.key(f.name)} '{value}'; choose one of: {', '.join(choices)}")
         if self.beta <= 0:
             raise ConfigError(f"beta must be > 0 (got {self.beta})")
         if not 0.0 < self.class_fraction <= 1.0:
@@ -194,17 +199,29 @@ class RunConfig:
         if not 0.0 <= self.old_only_fraction < 1.0:
             raise ConfigError(f"old-only-fraction must be in [0, 1) (got {self.old_only_fraction})")
         if self.partition == "task-pool" and not self.method.task_pool:
-            raise ConfigError(f"strategy '{self.strategy}' needs a shared task stream; partition task-pool "
-                              f"(STAMP's limitless task pool) runs with: {', '.join(methods.with_capability('task_pool'))}")
+            raise ConfigError(
+                f"strategy '{self.strategy}' needs a shared task stream; partition task-pool "
+                f"(STAMP's limitless task pool) runs with: {', '.join(methods.with_capability('task_pool'))}"
+            )
         if self.partition == "task-pool" and (self.first_task_classes or 0 < self.initial_clients < self.num_clients):
-            raise ConfigError("partition task-pool has no large first task and no joining clients: "
-                              "set first-task-classes and initial-clients to 0")
+            raise ConfigError(
+                "partition task-pool has no large first task and no joining clients: "
+                "set first-task-classes and initial-clients to 0"
+            )
         positive = ("num_tasks", "num_clients", "local_epochs", "batch_size", "dummy_clients", "rank")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.key(name)} must be >= 1 (got {getattr(self, name)})")
-        for name in ("stage1_rounds", "rounds_per_task", "rf_dim", "first_task_classes",
-                     "image_size", "rank_budget_bytes", "memory_size", "classes_per_task"):
+        for name in (
+            "stage1_rounds",
+            "rounds_per_task",
+            "rf_dim",
+            "first_task_classes",
+            "image_size",
+            "rank_budget_bytes",
+            "memory_size",
+            "classes_per_task",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.key(name)} must be >= 0 (got {getattr(self, name)})")
         if self.lr <= 0:
@@ -220,13 +237,15 @@ class RunConfig:
         if not 8 <= self.secagg_fraction_bits <= 48:
             raise ConfigError(f"secagg-fraction-bits must be in [8, 48] (got {self.secagg_fraction_bits})")
         if self.secagg_min_clients < 2:
-            raise ConfigError(f"secagg-min-clients must be >= 2: a sum over one client is its upload "
-                              f"(got {self.secagg_min_clients})")
+            raise ConfigError(
+                f"secagg-min-clients must be >= 2: a sum over one client is its upload (got {self.secagg_min_clients})"
+            )
         if self.secure_aggregation and not self.method.secure_aggregation:
             secure = ", ".join(methods.with_capability("secure_aggregation"))
             raise ConfigError(
                 f"secure-aggregation works with {secure} (sums over clients); "
-                f"{self.strategy} needs per-client uploads: use min-class-count instead")
+                f"{self.strategy} needs per-client uploads: use min-class-count instead"
+            )
         self.ridge_value()  # parses or raises
         return self
 
@@ -238,8 +257,11 @@ class RunConfig:
     def unused_knobs(self) -> list[str]:
         """Knobs set to a non-default value that this run's method never reads (a likely mistake)."""
         used, default = methods.knobs_of(self.method), RunConfig()
-        return [self.key(f.name) for f in self.knobs()
-                if self.key(f.name) not in used and getattr(self, f.name) != getattr(default, f.name)]
+        return [
+            self.key(f.name)
+            for f in self.knobs()
+            if self.key(f.name) not in used and getattr(self, f.name) != getattr(default, f.name)
+        ]
 
     def ridge_value(self) -> float | None:
         """The fixed ridge gamma, or None for 'auto' (generalised cross-validation)."""

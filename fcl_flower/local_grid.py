@@ -16,10 +16,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.supercore.run import Run
 from flwr.serverapp import Grid
+from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
-
 
 #: tamper(messages delivered, their replies) -> the replies the server receives
 Tamper = Callable[[Sequence[Message], list[Message]], list[Message]]
@@ -28,8 +27,15 @@ Tamper = Callable[[Sequence[Message], list[Message]], list[Message]]
 class LocalGrid(Grid):
     """``num_nodes`` in-process nodes with node ids ``first_node_id``.. and partition ids 0..K-1."""
 
-    def __init__(self, client_app: ClientApp | Callable[[Message, Context], Message], num_nodes: int,
-                 *, run_id: int = 1, first_node_id: int = 1, tamper: Tamper | None = None) -> None:
+    def __init__(
+        self,
+        client_app: ClientApp | Callable[[Message, Context], Message],
+        num_nodes: int,
+        *,
+        run_id: int = 1,
+        first_node_id: int = 1,
+        tamper: Tamper | None = None,
+    ) -> None:
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 0, run_id
         self.client_app = client_app
         self.tamper = tamper
@@ -37,9 +43,13 @@ class LocalGrid(Grid):
         self.sent: list[Message] = []  # every message delivered, for inspection in tests
         self.replies: list[Message] = []
         self.contexts = {
-            first_node_id + k: Context(run_id=run_id, node_id=first_node_id + k,
-                                       node_config={"partition-id": k, "num-partitions": num_nodes},
-                                       state=RecordDict(), run_config={})
+            first_node_id + k: Context(
+                run_id=run_id,
+                node_id=first_node_id + k,
+                node_config={"partition-id": k, "num-partitions": num_nodes},
+                state=RecordDict(),
+                run_config={},
+            )
             for k in range(num_nodes)
         }
         self._run: Run | None = None
@@ -77,8 +87,9 @@ class LocalGrid(Grid):
             raise RuntimeError("no run set")
         return self._run
 
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
+    def create_message(
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+    ) -> Message:
         return Message(content=content, message_type=message_type, dst_node_id=dst_node_id, group_id=group_id)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:

@@ -22,8 +22,9 @@ class CILSummary:
     F_T: float
 
 
-def accuracy_by_task(predictions: np.ndarray, labels: np.ndarray, task_of_label: np.ndarray,
-                     num_tasks_seen: int) -> tuple[float, list[float]]:
+def accuracy_by_task(
+    predictions: np.ndarray, labels: np.ndarray, task_of_label: np.ndarray, num_tasks_seen: int
+) -> tuple[float, list[float]]:
     """Return (stage accuracy over all samples, accuracy per task) in percent."""
     predictions = np.asarray(predictions)
     labels = np.asarray(labels)
@@ -74,8 +75,9 @@ def summarise(stage_accuracy: Sequence[float], per_task: Sequence[Sequence[float
 
 
 # --------------------------------------------------------------------------- STAMP's task pool
-def task_pool_accuracy(predictions: np.ndarray, labels: np.ndarray, client_classes: np.ndarray,
-                       stage: int) -> np.ndarray:
+def task_pool_accuracy(
+    predictions: np.ndarray, labels: np.ndarray, client_classes: np.ndarray, stage: int
+) -> np.ndarray:
     """``(clients, stage + 1)`` percent: ``a_u[stage][i]``, client ``u``'s accuracy on its task ``i``.
 
     In STAMP's limitless task pool every client has its own task sequence
@@ -89,8 +91,10 @@ def task_pool_accuracy(predictions: np.ndarray, labels: np.ndarray, client_class
         raise ValueError(f"predictions {predictions.shape} and labels {labels.shape} differ in shape")
     classes = np.asarray(client_classes)
     if classes.ndim != 3 or not 0 <= stage < classes.shape[1]:
-        raise ValueError(f"client_classes must be (clients, tasks, classes) with stage < tasks, got "
-                         f"{classes.shape} and stage {stage}")
+        raise ValueError(
+            f"client_classes must be (clients, tasks, classes) with stage < tasks, got "
+            f"{classes.shape} and stage {stage}"
+        )
     correct = predictions == labels
     out = np.full((classes.shape[0], stage + 1), np.nan)
     for u in range(classes.shape[0]):

@@ -99,7 +99,9 @@ def total_upload(stages: list[StageRecord]) -> dict[str, int]:
 
 def format_stage_table(stages: list[StageRecord]) -> str:
     """A plain-text table: one line per stage, then the summary metrics."""
-    header = f"{'stage':>5} {'classes':>7} {'acc %':>7} {'per-task acc %':<34} {'rounds':>6} {'s':>8} {'upload/client':>14}"
+    header = (
+        f"{'stage':>5} {'classes':>7} {'acc %':>7} {'per-task acc %':<34} {'rounds':>6} {'s':>8} {'upload/client':>14}"
+    )
     lines = [header, "-" * len(header)]
     for s in stages:
         per_task = " ".join(f"{a:5.1f}" for a in s.per_task_accuracy)

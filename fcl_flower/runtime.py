@@ -62,13 +62,15 @@ def build_model_for_shape(cfg: RunConfig, num_classes: int, image_shape: tuple[i
 
 def make_loader(dataset: LabelledDataset, cfg: RunConfig, *, shuffle: bool, seed: int = 0) -> DataLoader:
     generator = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, batch_size=cfg.batch_size, shuffle=shuffle, generator=generator,
-                      num_workers=0, drop_last=False)
+    return DataLoader(
+        dataset, batch_size=cfg.batch_size, shuffle=shuffle, generator=generator, num_workers=0, drop_last=False
+    )
 
 
 @torch.no_grad()
-def iter_features(model: IncrementalClassifier, dataset: LabelledDataset, cfg: RunConfig,
-                  device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def iter_features(
+    model: IncrementalClassifier, dataset: LabelledDataset, cfg: RunConfig, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Backbone features (eval mode, no augmentation) batch by batch, never all at once."""
     model.eval().to(device)
     for images, labels in make_loader(dataset, cfg, shuffle=False):
@@ -76,8 +78,9 @@ def iter_features(model: IncrementalClassifier, dataset: LabelledDataset, cfg: R
 
 
 @torch.no_grad()
-def predict_logits(model: IncrementalClassifier, dataset: LabelledDataset, cfg: RunConfig,
-                   device: torch.device, num_seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+def predict_logits(
+    model: IncrementalClassifier, dataset: LabelledDataset, cfg: RunConfig, device: torch.device, num_seen: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(predicted labels restricted to the seen classes, true labels)."""
     model.eval().to(device)
     preds, labels = [], []

@@ -58,8 +58,11 @@ class StageAccounting:
             for i in range(num_clients):
                 client = client_name(i)
                 if client in self.expected and client not in self.clients and client not in left_out:
-                    left_out[client] = ("no reply within round-timeout" if not unattributed else
-                                        "no accepted reply (timed out, or one of the rejected node-* uploads)")
+                    left_out[client] = (
+                        "no reply within round-timeout"
+                        if not unattributed
+                        else "no accepted reply (timed out, or one of the rejected node-* uploads)"
+                    )
         return left_out
 
     def sampling_extra(self) -> dict[str, Any]:

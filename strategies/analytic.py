@@ -12,12 +12,13 @@ server and every client: it never travels. Siblings: stsa, stsa-e, fedran, joint
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
 
 from fcl_flower.analytic import predict, random_features, random_projection
+from fcl_flower.analytic.heads import Head
 from fcl_flower.analytic.ridge import GCVRow
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit
@@ -99,7 +100,7 @@ class AnalyticStrategy(StagedStrategy):
     def predict_seen(self, task: int) -> tuple[np.ndarray, np.ndarray]:
         assert self.weights is not None, "end_stage solves before evaluation"
         phi, labels = self.test_features(task)
-        return predict(phi, self.weights, self.cfg.head).numpy(), labels.numpy()
+        return predict(phi, self.weights, cast(Head, self.cfg.head)).numpy(), labels.numpy()
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "weights": self.weights}

@@ -53,19 +53,27 @@ class Backfill(Generic[P]):
             if task not in asked:
                 raise UploadError(f"record '{name}' was not asked for ({client} owes stages {[t + 1 for t in owed]})")
             if task not in owed and upload.num_examples:
-                raise UploadError(f"record '{name}' carries {upload.num_examples} samples of a stage {client} "
-                                  "does not owe")
+                raise UploadError(
+                    f"record '{name}' carries {upload.num_examples} samples of a stage {client} does not owe"
+                )
             try:
                 late[task] = (read(task, upload.arrays), upload.num_examples)
             except UploadError as err:
                 raise UploadError(f"record '{name}': {err}") from None
         if secure and sorted(late) != asked:
-            raise UploadError(f"secure round: backfill records for stages {[t + 1 for t in sorted(late)]}, "
-                              f"expected {[t + 1 for t in asked]}")
+            raise UploadError(
+                f"secure round: backfill records for stages {[t + 1 for t in sorted(late)]}, "
+                f"expected {[t + 1 for t in asked]}"
+            )
         return late
 
-    def fold(self, accepted: Iterable[Accepted[Any]], late_of: Callable[[Accepted[Any]], Late[P]],
-             add: Callable[[int, list[Accepted[P]]], None], release: Callable[[int], None]) -> None:
+    def fold(
+        self,
+        accepted: Iterable[Accepted[Any]],
+        late_of: Callable[[Accepted[Any]], Late[P]],
+        add: Callable[[int, list[Accepted[P]]], None],
+        release: Callable[[int], None],
+    ) -> None:
         """Add the late statistics carried by this round's replies (``add(task, replies)``), strike
         them off, and ``release(task)`` once nobody owes ``task`` any more."""
         by_task: dict[int, list[Accepted[P]]] = {}

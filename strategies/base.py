@@ -98,9 +98,7 @@ class StagedStrategy(Strategy):
         self.device = resolve_device(cfg)
         self.model = build_model(cfg, split)
         self.num_tasks = len(split.tasks)
-        self.task_of_label = np.concatenate(
-            [np.full(len(r), t, dtype=np.int64) for t, r in enumerate(split.tasks)]
-        )
+        self.task_of_label = np.concatenate([np.full(len(r), t, dtype=np.int64) for t, r in enumerate(split.tasks)])
         # a fresh id per server process: replies to another run (or an earlier process) never parse
         self.run_id = f"{cfg.strategy}-{secrets.token_hex(6)}"
         self.nodes = NodeDirectory(cfg, split)
@@ -189,12 +187,25 @@ class StagedStrategy(Strategy):
             ins = StatsIns(header, self.cfg, num_seen=self.num_seen(plan.task), model=self.global_arrays())
         return self.customise(plan, ins)
 
-    def messages(self, grid: Grid, plan: RoundPlan, attempt: int, exclude: set[int],
-                 instruction: Instruction | None = None, only: set[int] | None = None) -> list[Message]:
+    def messages(
+        self,
+        grid: Grid,
+        plan: RoundPlan,
+        attempt: int,
+        exclude: set[int],
+        instruction: Instruction | None = None,
+        only: set[int] | None = None,
+    ) -> list[Message]:
         """The round's messages for ``attempt``: one per target node not in ``exclude``
         (and in ``only``, if given), all carrying ``instruction`` (default: the plan's)."""
-        targets = self.nodes.targets(self.nodes.connected(grid), plan.task, plan.phase, plan.index, plan.kind,
-                                     lambda nodes: self.discover(grid, nodes))
+        targets = self.nodes.targets(
+            self.nodes.connected(grid),
+            plan.task,
+            plan.phase,
+            plan.index,
+            plan.kind,
+            lambda nodes: self.discover(grid, nodes),
+        )
         self._round_expected = targets.expected
         self.accounting.expect(targets.expected)
         if targets.sampled is not None:
@@ -223,18 +234,28 @@ class StagedStrategy(Strategy):
     # ------------------------------------------------------------------ Flower hooks
     def summary(self) -> None:
         cfg = self.cfg
-        log(INFO, "\t├──> %s on %s: %d tasks, %d clients, beta=%s, seed=%d",
-            cfg.strategy, cfg.dataset, self.num_tasks, cfg.num_clients, cfg.beta, cfg.seed)
+        log(
+            INFO,
+            "\t├──> %s on %s: %d tasks, %d clients, beta=%s, seed=%d",
+            cfg.strategy,
+            cfg.dataset,
+            self.num_tasks,
+            cfg.num_clients,
+            cfg.beta,
+            cfg.seed,
+        )
         log(INFO, "\t└──> output: %s", self.recorder.path)
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """The current round's instruction to every target node (``arrays``/``config`` are unused:
         the instruction carries the global model and the whole run config)."""
         return self.messages(grid, self._require_plan(), 0, set())
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Parse and check every reply, account its bytes, reject bad ones by name, aggregate the rest."""
         plan = self._require_plan()
         accepted: list[Accepted[Any]] = []
@@ -256,16 +277,24 @@ class StagedStrategy(Strategy):
         metrics = MetricRecord({"num-clients": len(accepted), "num-examples": sum(a.num_examples for a in accepted)})
         return self.global_arrays(), metrics
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         return []  # evaluation is central: the server holds the test data of all seen classes
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return None
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
-              timeout: float | None = None, train_config: ConfigRecord | None = None,
-              evaluate_config: ConfigRecord | None = None, evaluate_fn: Any = None) -> Result:
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord | None = None,
+        num_rounds: int | None = None,
+        timeout: float | None = None,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Any = None,
+    ) -> Result:
         """Run every stage (:func:`strategies.loop.run_stages`); Flower's own ``start`` runs a
         flat list of rounds instead."""
         from strategies.loop import run_stages
@@ -297,9 +326,9 @@ class StagedStrategy(Strategy):
                 raise UploadError(f"duplicate upload: {claimed} already uploaded in this round")
             return Accepted(client, reply.num_examples, self.read_reply(plan, reply), reply)
         except ProtocolError as err:
-            claimed = err.claimed_client
-            if client.startswith("node-") and claimed is not None and 0 <= claimed < self.cfg.num_clients:
-                client = client_name(claimed)
+            claim = err.claimed_client
+            if client.startswith("node-") and claim is not None and 0 <= claim < self.cfg.num_clients:
+                client = client_name(claim)
             error = err if isinstance(err, UploadError) else UploadError(str(err))
             error.client = client
             raise error from None
@@ -307,8 +336,14 @@ class StagedStrategy(Strategy):
     def reject(self, message: Message, err: UploadError, server_round: int) -> None:
         """Log a rejected reply by name and record it for the stage's ``left_out``."""
         client = err.client or f"node-{message.metadata.src_node_id}"
-        log(WARNING, "Rejected upload from %s (node %d) in round %d: %s", client,
-            message.metadata.src_node_id, server_round, err)
+        log(
+            WARNING,
+            "Rejected upload from %s (node %d) in round %d: %s",
+            client,
+            message.metadata.src_node_id,
+            server_round,
+            err,
+        )
         self.accounting.reject(client, str(err))
 
     def missing_clients(self, replies: list[Message]) -> set[str]:
@@ -333,9 +368,15 @@ class StagedStrategy(Strategy):
 
     def run_round(self, grid: Grid, plan: RoundPlan, timeout: float) -> list[Message]:
         """Send the round; with ``require-all-clients``, re-send it to the nodes that did not answer."""
-        return send_round(grid, lambda attempt, exclude: self.messages(grid, plan, attempt, exclude),
-                          self.missing_clients, timeout=timeout, require_all=self.cfg.require_all_clients,
-                          retries=self.cfg.round_retries, server_round=self.server_round)
+        return send_round(
+            grid,
+            lambda attempt, exclude: self.messages(grid, plan, attempt, exclude),
+            self.missing_clients,
+            timeout=timeout,
+            require_all=self.cfg.require_all_clients,
+            retries=self.cfg.round_retries,
+            server_round=self.server_round,
+        )
 
     def _require_plan(self) -> RoundPlan:
         if self._plan is None:

@@ -35,7 +35,9 @@ class FedAvg:
             raise UploadError("expected a training reply")
         return read_state(reply.model, trainable_state(self.model))
 
-    def average(self, states: Sequence[dict[str, torch.Tensor]], num_examples: Sequence[int]) -> dict[str, torch.Tensor]:
+    def average(
+        self, states: Sequence[dict[str, torch.Tensor]], num_examples: Sequence[int]
+    ) -> dict[str, torch.Tensor]:
         return average_states(list(states), fedavg_weights(num_examples, self.weighted))
 
     def aggregate(self, states: Sequence[dict[str, torch.Tensor]], num_examples: Sequence[int]) -> None:

@@ -21,6 +21,7 @@ from fcl_flower.analytic.lowrank import (
     merge_two_level,
     rank_for_budget,
 )
+from fcl_flower.analytic.ridge import GCVRow
 from fcl_flower.analytic.subspace import pad_label_corr, select_subspace_ridge_gcv, solve_subspace_ridge
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import FederatedSplit
@@ -74,17 +75,25 @@ class FedRANStrategy(AnalyticStrategy):
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         summary = self.summary_state
-        return {**super().state_dict(), "label_corr": self.label_corr, "server_rank": self.server_rank,
-                "num_samples": self.num_samples,
-                "summary": {"basis": summary.basis, "singular_values": summary.singular_values,
-                            "num_samples": summary.num_samples,
-                            "discarded": (summary.discarded.spectral, summary.discarded.trace)}}
+        return {
+            **super().state_dict(),
+            "label_corr": self.label_corr,
+            "server_rank": self.server_rank,
+            "num_samples": self.num_samples,
+            "summary": {
+                "basis": summary.basis,
+                "singular_values": summary.singular_values,
+                "num_samples": summary.num_samples,
+                "discarded": (summary.discarded.spectral, summary.discarded.trace),
+            },
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         saved = state["summary"]
-        self.summary_state = LowRankSummary(saved["basis"], saved["singular_values"], saved["num_samples"],
-                                            TailEnergy(*saved["discarded"]))
+        self.summary_state = LowRankSummary(
+            saved["basis"], saved["singular_values"], saved["num_samples"], TailEnergy(*saved["discarded"])
+        )
         self.label_corr, self.server_rank = state["label_corr"], state["server_rank"]
         self.num_samples = int(state["num_samples"])
 
@@ -138,16 +147,15 @@ class FedRANStrategy(AnalyticStrategy):
             [r.payload["summary"] for r in ordered], self.summary_state, self.server_rank
         )
         classes = self.num_seen(plan.task)
-        stage_corr = sum((r.payload["stats"].label_corr for r in ordered),
-                         torch.zeros(self.rf_dim, classes, dtype=torch.float64))
+        stage_corr = sum(
+            (r.payload["stats"].label_corr for r in ordered), torch.zeros(self.rf_dim, classes, dtype=torch.float64)
+        )
         self.label_corr = pad_label_corr(self.label_corr, classes) + stage_corr
         self.num_samples += sum(r.num_examples for r in ordered)
         for r in ordered:
             r_k = r.payload["stats"].rank
             self._stage["client_ranks"][r.client] = r_k
-            self._stage["formula"][r.client] = (
-                fedran_upload_numbers(self.rf_dim, r_k, classes) * self.bytes_per_number
-            )
+            self._stage["formula"][r.client] = fedran_upload_numbers(self.rf_dim, r_k, classes) * self.bytes_per_number
             for key in PSEUDO_FIELDS:
                 self._stage["pseudo"][key] += getattr(r.payload["pseudo"], key)
 
@@ -156,25 +164,31 @@ class FedRANStrategy(AnalyticStrategy):
         label_corr = pad_label_corr(self.label_corr, self.num_seen(task))
         summary = self.summary_state
         gamma = self.cfg.ridge_value()
-        table = []
+        table: list[GCVRow] = []
         if gamma is None:
             gamma, table = select_subspace_ridge_gcv(summary, label_corr, self.num_samples, float(self.num_samples))
         weights = solve_subspace_ridge(summary, label_corr, gamma)
         pseudo = self._stage["pseudo"]
         extra = ridge_extras(self.num_samples, gamma, table)
-        extra.update({
-            "rank": {"upload": self.upload_rank(task), "server": self.server_rank, "retained": summary.rank,
-                     "clients": dict(sorted(self._stage["client_ranks"].items()))},
-            # Tail energy cut by the server's merges (clients' local cuts are not uploaded).
-            "merge_discarded_energy": {"spectral": summary.discarded.spectral, "trace": summary.discarded.trace},
-            "upload_formula_bytes_per_client": dict(sorted(self._stage["formula"].items())),
-            "pseudo_labels": {
-                "labelled": pseudo["num_labelled"],
-                "unlabelled": pseudo["pseudo_unlabelled"],
-                "accepted": pseudo["pseudo_accepted"],
-                "correct": pseudo["pseudo_correct"],
-            },
-        })
+        extra.update(
+            {
+                "rank": {
+                    "upload": self.upload_rank(task),
+                    "server": self.server_rank,
+                    "retained": summary.rank,
+                    "clients": dict(sorted(self._stage["client_ranks"].items())),
+                },
+                # Tail energy cut by the server's merges (clients' local cuts are not uploaded).
+                "merge_discarded_energy": {"spectral": summary.discarded.spectral, "trace": summary.discarded.trace},
+                "upload_formula_bytes_per_client": dict(sorted(self._stage["formula"].items())),
+                "pseudo_labels": {
+                    "labelled": pseudo["num_labelled"],
+                    "unlabelled": pseudo["pseudo_unlabelled"],
+                    "accepted": pseudo["pseudo_accepted"],
+                    "correct": pseudo["pseudo_correct"],
+                },
+            }
+        )
         return weights, extra
 
 

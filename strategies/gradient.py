@@ -43,8 +43,9 @@ class GradientStrategy(StagedStrategy):
         self.fedavg.aggregate([r.payload for r in replies], [r.num_examples for r in replies])
 
     def predict_seen(self, task: int) -> tuple[np.ndarray, np.ndarray]:
-        preds, labels = predict_logits(self.model, self.split.seen_test(task), self.cfg, self.device,
-                                       self.num_seen(task))
+        preds, labels = predict_logits(
+            self.model, self.split.seen_test(task), self.cfg, self.device, self.num_seen(task)
+        )
         return preds.numpy(), labels.numpy()
 
     def end_stage(self, task: int) -> dict[str, Any]:

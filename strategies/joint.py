@@ -44,8 +44,12 @@ class JointStrategy(AnalyticStrategy):
         return weights, {**ridge_extras(self.ridge.num_samples, gamma, table), "pooled": True}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "gram": self.ridge.gram, "class_sums": self.ridge.class_sums,
-                "num_samples": self.ridge.num_samples}
+        return {
+            **super().state_dict(),
+            "gram": self.ridge.gram,
+            "class_sums": self.ridge.class_sums,
+            "num_samples": self.ridge.num_samples,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

@@ -34,11 +34,24 @@ class JointGradientStrategy(GradientStrategy):
         losses = []
         for i in range(rounds):
             seed = (self.cfg.seed * 100_003 + task * 1_000 + i) * 1_009 + self.cfg.num_clients
-            stats = local_sgd(self.model, pooled, self.cfg, lr=cosine_lr(self.cfg.lr, i, rounds), num_seen=seen,
-                              device=self.device, seed=seed)
+            stats = local_sgd(
+                self.model,
+                pooled,
+                self.cfg,
+                lr=cosine_lr(self.cfg.lr, i, rounds),
+                num_seen=seen,
+                device=self.device,
+                seed=seed,
+            )
             losses.append(stats.mean_loss)
         extra = super().end_stage(task)
-        extra.update({"pooled": True, "num_samples": len(pooled), "central_rounds": rounds,
-                      "epochs": rounds * self.cfg.local_epochs,
-                      "final_train_loss": losses[-1] if losses else None})
+        extra.update(
+            {
+                "pooled": True,
+                "num_samples": len(pooled),
+                "central_rounds": rounds,
+                "epochs": rounds * self.cfg.local_epochs,
+                "final_train_loss": losses[-1] if losses else None,
+            }
+        )
         return extra

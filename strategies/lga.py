@@ -104,9 +104,16 @@ class LGAStrategy(GradientStrategy):
             return
         self._reconstruct(plan, replies)
         if len(self.monitor_labels):
-            score = score_old_model(self.model.eval(), self.monitor_images.to(self.device),
-                                    self.monitor_labels, omega=self.omega, xi=XI, num_aug=NUM_AUG,
-                                    seed=self.cfg.seed, num_seen=self.num_seen(plan.task))
+            score = score_old_model(
+                self.model.eval(),
+                self.monitor_images.to(self.device),
+                self.monitor_labels,
+                omega=self.omega,
+                xi=XI,
+                num_aug=NUM_AUG,
+                seed=self.cfg.seed,
+                num_seen=self.num_seen(plan.task),
+            )
             if self.tracker.offer(score, trainable_state(self.model)):
                 log["selected_round"], log["selected_score"] = plan.index + 1, score
             log.setdefault("scores", []).append(score)
@@ -114,14 +121,23 @@ class LGAStrategy(GradientStrategy):
     def _reconstruct(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
         """Eqs. 9-10 per (class, client) with iDLG labels; Eq. 12's ω from the new classes."""
         log = self._stage_log
-        images, labels, losses, label_ok = [], [], [], 0
+        images: list[torch.Tensor] = []
+        labels: list[int] = []
+        losses: list[tuple[float, float]] = []
+        label_ok = 0
         for r in replies:
             for cls, grads in sorted(r.payload["protos"].items()):
                 inferred = infer_label(grads)
                 label_ok += int(inferred == cls)
                 gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + cls * 31 + len(losses))
-                result = invert_gradients(self.encoder, grads, inferred, self.split.bundle.image_shape,
-                                          iterations=self.cfg.proxy_iterations, generator=gen)
+                result = invert_gradients(
+                    self.encoder,
+                    grads,
+                    inferred,
+                    self.split.bundle.image_shape,
+                    iterations=self.cfg.proxy_iterations,
+                    generator=gen,
+                )
                 images.append(result.images[-1:].detach().cpu())
                 labels.append(inferred)  # the proxy only knows the inferred label; mismatches are counted
                 losses.append((result.initial_loss, result.final_loss))
@@ -138,8 +154,7 @@ class LGAStrategy(GradientStrategy):
         self.monitor_labels = torch.cat([self.monitor_labels, new_labels])
         log["reconstructions"] = log.get("reconstructions", 0) + len(images)
         log["idlg_label_correct"] = log.get("idlg_label_correct", 0) + label_ok
-        log.setdefault("inversion_loss", []).extend(
-            {"initial": a, "final": b} for a, b in losses)
+        log.setdefault("inversion_loss", []).extend({"initial": a, "final": b} for a, b in losses)
         log["omega"] = self.omega
 
     # ---------------------------------------------------------------- stage end
@@ -156,16 +171,22 @@ class LGAStrategy(GradientStrategy):
         if inv:
             self._stage_log["inversion_loss_mean"] = {
                 "initial": float(np.mean([x["initial"] for x in inv])),
-                "final": float(np.mean([x["final"] for x in inv]))}
-        extra.update({"lga": self._stage_log, "monitor_set": int(len(self.monitor_labels))})
+                "final": float(np.mean([x["final"] for x in inv])),
+            }
+        extra.update({"lga": self._stage_log, "monitor_set": len(self.monitor_labels)})
         self._stage_log = {}
         return extra
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "teacher": self.teacher, "omega": self.omega,
-                "monitor_images": self.monitor_images, "monitor_labels": self.monitor_labels,
-                "tracker": (self.tracker.previous, self.tracker.current, self.tracker.best_score)}
+        return {
+            **super().state_dict(),
+            "teacher": self.teacher,
+            "omega": self.omega,
+            "monitor_images": self.monitor_images,
+            "monitor_labels": self.monitor_labels,
+            "tracker": (self.tracker.previous, self.tracker.current, self.tracker.best_score),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

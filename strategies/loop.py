@@ -34,8 +34,15 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
         plans = strategy.plan_stage(task)
         for plan in plans:
             strategy.begin_round(plan)
-            log(INFO, "[stage %d/%d] round %d/%d (%s)", task + 1, strategy.num_tasks, plan.index + 1, plan.total,
-                plan.phase)
+            log(
+                INFO,
+                "[stage %d/%d] round %d/%d (%s)",
+                task + 1,
+                strategy.num_tasks,
+                plan.index + 1,
+                plan.total,
+                plan.phase,
+            )
             replies = strategy.run_round(grid, plan, timeout)
             arrays, metrics = strategy.aggregate_train(strategy.server_round, replies)
             if metrics is not None:
@@ -46,18 +53,31 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
         record = stage_record(strategy, task, rounds=len(plans), began=began, extra=extra)
         strategy.recorder.add(record)
         save(strategy, task)
-        log(INFO, "[stage %d/%d] accuracy on %d seen classes: %.2f%% (%.1f s)",
-            task + 1, strategy.num_tasks, strategy.num_seen(task), record.accuracy, record.seconds)
+        log(
+            INFO,
+            "[stage %d/%d] accuracy on %d seen classes: %.2f%% (%.1f s)",
+            task + 1,
+            strategy.num_tasks,
+            strategy.num_seen(task),
+            record.accuracy,
+            record.seconds,
+        )
         if record.left_out:
-            log(WARNING, "[stage %d/%d] data missing from this stage: %s", task + 1, strategy.num_tasks,
-                "; ".join(f"{c}: {why}" for c, why in record.left_out.items()))
+            log(
+                WARNING,
+                "[stage %d/%d] data missing from this stage: %s",
+                task + 1,
+                strategy.num_tasks,
+                "; ".join(f"{c}: {why}" for c, why in record.left_out.items()),
+            )
     log(INFO, "\n%s", format_stage_table(strategy.recorder.stages))
     log(INFO, "results: %s", strategy.recorder.path)
     return result
 
 
-def stage_record(strategy: StagedStrategy, task: int, *, rounds: int, began: float,
-                 extra: dict[str, Any]) -> StageRecord:
+def stage_record(
+    strategy: StagedStrategy, task: int, *, rounds: int, began: float, extra: dict[str, Any]
+) -> StageRecord:
     accuracy, per_task, scores = strategy.score_stage(task)
     accounting = strategy.accounting
     extra = {**extra, **scores, **accounting.sampling_extra()}
@@ -80,14 +100,16 @@ def stage_record(strategy: StagedStrategy, task: int, *, rounds: int, began: flo
 
 
 def save(strategy: StagedStrategy, task: int) -> None:
-    strategy.checkpoints.save({
-        "strategy": strategy.cfg.strategy,
-        "config": resumable_config(strategy.cfg),
-        "completed_tasks": task + 1,
-        "server_round": strategy.server_round,
-        "state": strategy.state_dict(),
-        "stages": [asdict(s) for s in strategy.recorder.stages],
-    })
+    strategy.checkpoints.save(
+        {
+            "strategy": strategy.cfg.strategy,
+            "config": resumable_config(strategy.cfg),
+            "completed_tasks": task + 1,
+            "server_round": strategy.server_round,
+            "state": strategy.state_dict(),
+            "stages": [asdict(s) for s in strategy.recorder.stages],
+        }
+    )
 
 
 def restore(strategy: StagedStrategy) -> int:
@@ -97,6 +119,12 @@ def restore(strategy: StagedStrategy) -> int:
     strategy.recorder.stages = [StageRecord(**s) for s in payload["stages"]]
     strategy.server_round = int(payload.get("server_round", 0))
     done = int(payload["completed_tasks"])
-    log(INFO, "Resuming %s from %s after stage %d/%d", strategy.cfg.strategy, strategy.checkpoints.path, done,
-        strategy.num_tasks)
+    log(
+        INFO,
+        "Resuming %s from %s after stage %d/%d",
+        strategy.cfg.strategy,
+        strategy.checkpoints.path,
+        done,
+        strategy.num_tasks,
+    )
     return done

@@ -40,8 +40,14 @@ class Targets:
 
 
 class NodeDirectory:
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        split: FederatedSplit,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.cfg = cfg
         self.split = split
         self.clock = clock
@@ -68,8 +74,9 @@ class NodeDirectory:
     def learn(self, node: int, client: int) -> None:
         self.client_of[node] = client
 
-    def targets(self, node_ids: list[int], task: int, phase: str, index: int, kind: Kind,
-                discover: Callable[[list[int]], None]) -> Targets:
+    def targets(
+        self, node_ids: list[int], task: int, phase: str, index: int, kind: Kind, discover: Callable[[list[int]], None]
+    ) -> Targets:
         """Who a round goes to (see the module doc). ``discover`` asks unknown nodes who they serve."""
         everyone = {client_name(i) for i in range(self.cfg.num_clients)}
         if self.cfg.clients_per_round == 0 or kind is not Kind.TRAIN:

@@ -19,8 +19,9 @@ Build = Callable[[int, set[int]], list[Message]]
 Missing = Callable[[list[Message]], set[str]]
 
 
-def send_round(grid: Grid, build: Build, missing: Missing, *, timeout: float, require_all: bool,
-               retries: int, server_round: int) -> list[Message]:
+def send_round(
+    grid: Grid, build: Build, missing: Missing, *, timeout: float, require_all: bool, retries: int, server_round: int
+) -> list[Message]:
     replies = list(grid.send_and_receive(build(0, set()), timeout=timeout))
     attempt = 0
     while require_all and missing(replies):

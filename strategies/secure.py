@@ -48,8 +48,15 @@ class SecureHost(Protocol):
 
     def instruction(self, plan: Any, header: Header) -> Instruction: ...
 
-    def messages(self, grid: Grid, plan: Any, attempt: int, exclude: set[int],
-                 instruction: Instruction | None = None, only: set[int] | None = None) -> list[Message]: ...
+    def messages(
+        self,
+        grid: Grid,
+        plan: Any,
+        attempt: int,
+        exclude: set[int],
+        instruction: Instruction | None = None,
+        only: set[int] | None = None,
+    ) -> list[Message]: ...
 
     def accept(self, plan: Any, message: Message, taken: set[str]) -> Any: ...
 
@@ -77,7 +84,8 @@ class SecureRounds:
             if len(peers) < self.cfg.secagg_min_clients:
                 raise RuntimeError(
                     f"round {server_round}: secure aggregation needs at least {self.cfg.secagg_min_clients} "
-                    f"participants, {len(peers)} left")
+                    f"participants, {len(peers)} left"
+                )
             self.current = SecAggRound(dict(peers))
             ins = host.instruction(plan, host.header(plan, attempt))
             assert isinstance(ins, StatsIns)
@@ -89,16 +97,22 @@ class SecureRounds:
             missing = host.missing_clients(list(good.values())) if self.cfg.require_all_clients else set()
             if not dropped and not missing:
                 return list(good.values())
-            log(WARNING, "round %d: secure attempt %d cannot be opened (no valid upload from node(s) %s); %s",
-                server_round, attempt + 1, ", ".join(map(str, dropped)) or "-",
-                "asking every client again" if self.cfg.require_all_clients else
-                f"re-running with the {len(good)} survivors")
+            log(
+                WARNING,
+                "round %d: secure attempt %d cannot be opened (no valid upload from node(s) %s); %s",
+                server_round,
+                attempt + 1,
+                ", ".join(map(str, dropped)) or "-",
+                "asking every client again"
+                if self.cfg.require_all_clients
+                else f"re-running with the {len(good)} survivors",
+            )
             peers = {node: key for node, key in peers.items() if node in good}
-        raise RuntimeError(f"round {server_round}: no complete secure attempt after "
-                           f"{self.cfg.round_retries + 1} attempts")
+        raise RuntimeError(
+            f"round {server_round}: no complete secure attempt after {self.cfg.round_retries + 1} attempts"
+        )
 
-    def _collect_keys(self, host: SecureHost, grid: Grid, plan: Any, attempt: int,
-                      timeout: float) -> dict[int, bytes]:
+    def _collect_keys(self, host: SecureHost, grid: Grid, plan: Any, attempt: int, timeout: float) -> dict[int, bytes]:
         """One fresh public key per answering node; malformed or duplicate answers are dropped."""
         header = dataclasses.replace(host.header(plan, attempt), phase=KEYS_PHASE)
         requests = host.messages(grid, plan, attempt, set(), instruction=KeysIns(header, self.cfg))

@@ -44,15 +44,16 @@ class STAMPStrategy(GradientStrategy):
         glob = trainable_state(self.model)
         keys = self.parameter_keys()
         base = torch.cat([glob[k].reshape(-1).to(torch.float64) for k in keys])
-        deltas = torch.stack([torch.cat([r.payload[k].reshape(-1).to(torch.float64) for k in keys]) - base
-                              for r in replies])
+        deltas = torch.stack(
+            [torch.cat([r.payload[k].reshape(-1).to(torch.float64) for k in keys]) - base for r in replies]
+        )
         result = gradient_match_result(deltas, self.cfg.gm_c, weights=torch.tensor(weights, dtype=torch.float64))
         self._gaps.append(result.gap)
         new = base + result.direction
         offset = 0
         for k in keys:
             n = glob[k].numel()
-            merged[k] = new[offset:offset + n].reshape(glob[k].shape).to(glob[k].dtype)
+            merged[k] = new[offset : offset + n].reshape(glob[k].shape).to(glob[k].dtype)
             offset += n
         load_trainable_state(self.model, merged)
 

@@ -69,15 +69,19 @@ class STSAStrategy(AnalyticStrategy):
         return MaskedStsaStats.read(record, **shapes) if self.masked() else StsaStats.read(record, **shapes)
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
-        return {"stats": self.read_payload(plan.task, reply.arrays),
-                "late": self.backfill.read(client, reply, self.read_payload, secure=self.masked())}
+        return {
+            "stats": self.read_payload(plan.task, reply.arrays),
+            "late": self.backfill.read(client, reply, self.read_payload, secure=self.masked()),
+        }
 
     def aggregate_stats(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
         if self.masked():  # a masked sum opens only with every participant's upload
             assert self.secure is not None and self.secure.current is not None
             if len(replies) != len(self.secure.current.participants):
-                raise RuntimeError(f"secure round: {len(replies)} accepted uploads for "
-                                   f"{len(self.secure.current.participants)} participants")
+                raise RuntimeError(
+                    f"secure round: {len(replies)} accepted uploads for "
+                    f"{len(self.secure.current.participants)} participants"
+                )
         on_time = [Accepted(r.client, r.num_examples, r.payload["stats"]) for r in replies]
         self.add_statistics(plan.task, on_time)
         self.backfill.fold(replies, lambda r: r.payload["late"], self.add_statistics, lambda task: None)
@@ -108,8 +112,13 @@ class STSAStrategy(AnalyticStrategy):
         return weights, {**extra, **self.backfill.extras()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "gram": self.ridge.gram, "class_sums": self.ridge.class_sums,
-                "num_samples": self.ridge.num_samples, "missing": self.backfill.state_dict()}
+        return {
+            **super().state_dict(),
+            "gram": self.ridge.gram,
+            "class_sums": self.ridge.class_sums,
+            "num_samples": self.ridge.num_samples,
+            "missing": self.backfill.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

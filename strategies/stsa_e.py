@@ -14,13 +14,13 @@ late client is in, and then swaps the stage's Ĝ for the estimate from all of th
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord
 
 from fcl_flower.analytic import estimate_gram
-from fcl_flower.analytic.estimator import GramEstimator
+from fcl_flower.analytic.estimator import GramEstimator, KMode
 from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit
@@ -40,6 +40,7 @@ class STSAEStrategy(AnalyticStrategy):
         self.ridge = RidgeState.empty(self.rf_dim, split.bundle.num_classes)
         self.backfill: Backfill[StsaEStats] = Backfill(cfg.num_clients)
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # task -> (sums, counts) so far
+        self.k_mode = cast(KMode, cfg.k_mode)  # validated against K_MODES by RunConfig
 
     def customise(self, plan: RoundPlan, ins: Instruction) -> Instruction:
         if isinstance(ins, StatsIns):
@@ -48,8 +49,9 @@ class STSAEStrategy(AnalyticStrategy):
 
     # ---------------------------------------------------------------- replies
     def read_payload(self, task: int, record: ArrayRecord) -> StsaEStats:
-        return StsaEStats.read(record, dummies=self.cfg.dummy_clients, dim=self.rf_dim,
-                               classes=len(self.split.tasks[task]))
+        return StsaEStats.read(
+            record, dummies=self.cfg.dummy_clients, dim=self.rf_dim, classes=len(self.split.tasks[task])
+        )
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
         stats = self.read_payload(plan.task, reply.arrays)
@@ -64,15 +66,22 @@ class STSAEStrategy(AnalyticStrategy):
     def aggregate_stats(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
         on_time = [Accepted(r.client, r.num_examples, r.payload["stats"]) for r in replies]
         # Streaming Eq. 9: no (K·K_D, M, c_t) stack of all uploads on the server.
-        estimator = GramEstimator(self.rf_dim, len(self.split.tasks[plan.task]), k_mode=self.cfg.k_mode)
+        estimator = GramEstimator(self.rf_dim, len(self.split.tasks[plan.task]), k_mode=self.k_mode)
         for r in on_time:
             estimator.add(r.payload.class_sums, r.payload.counts)
-        self.ridge.add(self.split.tasks[plan.task], estimator.result(), estimator.class_sums,
-                       int(estimator.counts.sum()))
-        self.backfill.fold(replies, lambda r: r.payload["late"], self.add_late, lambda task: self.held.pop(task, None))
+        self.ridge.add(
+            self.split.tasks[plan.task], estimator.result(), estimator.class_sums, int(estimator.counts.sum())
+        )
+        self.backfill.fold(replies, lambda r: r.payload["late"], self.add_late, self.release)
         if self.backfill.note_missing(plan.task, {r.client for r in replies}):
-            self.held[plan.task] = (torch.cat([r.payload.class_sums for r in on_time]),
-                                    torch.cat([r.payload.counts for r in on_time]))
+            self.held[plan.task] = (
+                torch.cat([r.payload.class_sums for r in on_time]),
+                torch.cat([r.payload.counts for r in on_time]),
+            )
+
+    def release(self, task: int) -> None:
+        """Every client's statistics of ``task`` are in: its kept uploads are no longer needed."""
+        self.held.pop(task, None)
 
     def add_late(self, task: int, replies: list[Accepted[StsaEStats]]) -> None:
         """Swap the stage's Ĝ for the estimate from all its uploads; sums and counts just add."""
@@ -80,7 +89,7 @@ class STSAEStrategy(AnalyticStrategy):
         late_sums = torch.cat([r.payload.class_sums for r in replies])
         late_counts = torch.cat([r.payload.counts for r in replies])
         sums, counts = torch.cat([old_sums, late_sums]), torch.cat([old_counts, late_counts])
-        k_mode = self.cfg.k_mode
+        k_mode = self.k_mode
         delta = estimate_gram(sums, counts, k_mode=k_mode) - estimate_gram(old_sums, old_counts, k_mode=k_mode)
         self.ridge.add(self.split.tasks[task], delta, late_sums.sum(dim=0), int(late_counts.sum()))
         self.held[task] = (sums, counts)
@@ -91,8 +100,14 @@ class STSAEStrategy(AnalyticStrategy):
         return weights, {**ridge_extras(self.ridge.num_samples, gamma, table), **self.backfill.extras()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "gram": self.ridge.gram, "class_sums": self.ridge.class_sums,
-                "num_samples": self.ridge.num_samples, "missing": self.backfill.state_dict(), "held": dict(self.held)}
+        return {
+            **super().state_dict(),
+            "gram": self.ridge.gram,
+            "class_sums": self.ridge.class_sums,
+            "num_samples": self.ridge.num_samples,
+            "missing": self.backfill.state_dict(),
+            "held": dict(self.held),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

@@ -6,13 +6,13 @@ ridge solve, dense SVD, explicit cosine loop), or against the bounds of spec §2
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
 from fcl_flower.analytic.communication import fedran_upload_numbers as upload_numbers
-
 from fcl_flower.analytic.lowrank import (
     LowRankError,
     LowRankSummary,
@@ -298,8 +298,8 @@ def test_theorem1_gram_error_bound_and_monotone_in_rank() -> None:
         losses.append(float(((h_all @ w - y_all) ** 2).sum() + ridge * (w**2).sum()))
 
     tol = 1e-9
-    assert all(b <= a * (1 + tol) + tol for a, b in zip(gram_errors, gram_errors[1:])), gram_errors
-    assert all(b <= a * (1 + tol) + tol for a, b in zip(losses, losses[1:])), losses
+    assert all(b <= a * (1 + tol) + tol for a, b in itertools.pairwise(gram_errors)), gram_errors
+    assert all(b <= a * (1 + tol) + tol for a, b in itertools.pairwise(losses)), losses
     assert gram_errors[0] > 10 * (gram_errors[-1] + 1e-6)  # truncation actually mattered
     best = float(((h_all @ w_star - y_all) ** 2).sum() + ridge * (w_star**2).sum())
     assert losses[-1] == pytest.approx(best, rel=1e-9)  # r = M: the exact ridge optimum

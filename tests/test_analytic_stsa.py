@@ -13,8 +13,8 @@ from fcl_flower.analytic import (
     ClassStatistics,
     NotPositiveDefiniteError,
     StatisticsAccumulator,
-    aggregate,
     accumulate_over_stages,
+    aggregate,
     bytes_for,
     default_ridge_grid,
     estimate_gram,
@@ -73,9 +73,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _dirichlet_split(
-    labels: torch.Tensor, num_clients: int, beta: float, seed: int
-) -> list[torch.Tensor]:
+def _dirichlet_split(labels: torch.Tensor, num_clients: int, beta: float, seed: int) -> list[torch.Tensor]:
     """Per-class Dirichlet(β) label-skew partition of the sample indices."""
     rng = np.random.default_rng(seed)
     y = labels.numpy()
@@ -257,9 +255,7 @@ def test_eq9_interpretable_form_and_psd():
     m_k = sums[:, :, 0] / counts.double()
     m = sums[:, :, 0].sum(0) / n
     dev = m_k - m
-    expected = n * torch.outer(m, m) + (n - 1) / (num_clients - 1) * (
-        dev.T @ (counts.double() * dev)
-    )
+    expected = n * torch.outer(m, m) + (n - 1) / (num_clients - 1) * (dev.T @ (counts.double() * dev))
     for k_mode in ("global", "per-class"):  # every client holds the class: both modes agree
         got = estimate_gram(sums, counts, k_mode=k_mode)
         assert _rel(got, expected) <= 1e-12
@@ -343,8 +339,7 @@ def test_dummy_client_uploads_feed_estimator_and_sum_to_exact_class_sums():
     num_classes = 4
     phi, labels = _make_data(400, 8, 30, num_classes, seed=7)
     uploads = [
-        _stats(phi[idx], labels[idx], num_classes, with_gram=False)
-        for idx in split_into_dummy_clients(400, 8, seed=1)
+        _stats(phi[idx], labels[idx], num_classes, with_gram=False) for idx in split_into_dummy_clients(400, 8, seed=1)
     ]
     sums = torch.stack([u.class_sums for u in uploads])
     counts = torch.stack([u.counts for u in uploads])
@@ -445,10 +440,7 @@ def test_gcv_choice_is_near_best_held_out_gamma(seed):
     grid = default_ridge_grid()
     best_gamma, table = select_ridge_gcv(g, c, x.shape[0], float((y * y).sum()), grid=grid)
     assert len(table) == len(grid) and best_gamma in grid.tolist()
-    held_out = {
-        gamma: float(((y_test - x_test @ solve_ridge(g, c, gamma)) ** 2).mean())
-        for gamma in grid.tolist()
-    }
+    held_out = {gamma: float(((y_test - x_test @ solve_ridge(g, c, gamma)) ** 2).mean()) for gamma in grid.tolist()}
     assert held_out[best_gamma] <= 1.05 * min(held_out.values())
     # and the grid is not trivially flat: the worst γ is clearly worse
     assert max(held_out.values()) > 1.5 * min(held_out.values())

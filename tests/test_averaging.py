@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -29,8 +30,7 @@ def test_weighted_mean_equals_manual_computation() -> None:
     for key in ("conv.weight", "bn.running_var", "head.weight"):
         manual = sum(w * s[key].double() for w, s in zip(weights, states)) / sum(weights)
         assert averaged[key].dtype == states[0][key].dtype  # dtype kept
-        assert torch.allclose(averaged[key].double(), manual, rtol=1e-6 if key != "head.weight" else 1e-12,
-                              atol=0)
+        assert torch.allclose(averaged[key].double(), manual, rtol=1e-6 if key != "head.weight" else 1e-12, atol=0)
     # integer buffers are counters: the max, not a weighted mean
     assert averaged["bn.num_batches_tracked"].dtype == torch.long
     assert int(averaged["bn.num_batches_tracked"]) == 7
@@ -95,7 +95,7 @@ def test_cosine_lr_matches_torch_cosine_annealing(rounds: int) -> None:
         assert ours[rounds // 2] == pytest.approx(base / 2, rel=1e-12)  # midway: half
     last = base * (1 + math.cos(math.pi * (rounds - 1) / rounds)) / 2  # closed form, > 0
     assert ours[-1] == pytest.approx(last, rel=1e-12) and ours[-1] > 0
-    assert all(x > y for x, y in zip(ours, ours[1:]))  # strictly decreasing
+    assert all(x > y for x, y in itertools.pairwise(ours))  # strictly decreasing
 
 
 def test_cosine_lr_bad_rounds() -> None:

@@ -23,12 +23,12 @@ from fcl_flower.fcl.ewc import (
     squared_gradient_mean,
     trainable_parameters,
 )
-from fcl_flower.models import trainable_state
+from fcl_flower.local_grid import LocalGrid
 from fcl_flower.methods import Kind
+from fcl_flower.models import trainable_state
 from fcl_flower.protocol import Header, StatsRes, TrainIns, UploadError, to_record
 from fcl_flower.protocol.messages import EWC_ANCHOR, EWC_FISHER, TEACHER
 from fcl_flower.runtime import build_model, federated_split, make_loader
-from fcl_flower.local_grid import LocalGrid
 from strategies.base import RoundPlan
 from tests.conftest import build, in_process_grid, sent_header, server_identity, small_config
 
@@ -98,8 +98,8 @@ def test_client_fishers_aggregate_to_the_pooled_fisher() -> None:
     """Per-sample Fishers of three clients, sample-weighted, equal the pooled data's Fisher."""
     model = linear_model(seed=3)
     x, y = data(12, seed=4)
-    per_sample = lambda rows: [(x[i:i + 1], y[i:i + 1]) for i in rows]  # noqa: E731
-    clients = [range(0, 2), range(2, 7), range(7, 12)]
+    per_sample = lambda rows: [(x[i : i + 1], y[i : i + 1]) for i in rows]  # noqa: E731
+    clients = [range(2), range(2, 7), range(7, 12)]
     fishers = [diagonal_fisher(model, per_sample(c), ce_loss) for c in clients]
     merged = aggregate_fishers(fishers, [len(c) for c in clients])
     pooled = diagonal_fisher(model, per_sample(range(12)), ce_loss)
@@ -196,6 +196,7 @@ def test_frozen_teacher_is_an_independent_frozen_copy(out_dir) -> None:
     model = build_model(cfg, federated_split(cfg))
     state = {k: v + 1.0 if v.is_floating_point() else v for k, v in trainable_state(model).items()}
     teacher = frozen_teacher(model, state, torch.device("cpu"))
+
     def teacher_values() -> dict[str, torch.Tensor]:  # frozen: trainable_state() would now skip them
         return {k: v for k, v in teacher.state_dict().items() if k in state}
 
@@ -233,15 +234,23 @@ def _task_and_phase(message) -> tuple[int, str]:
 def test_ewc_run_aggregates_the_pooled_fisher_and_sends_it_with_the_anchor(out_dir) -> None:
     """Batch size 1, no clamp, untrained stage 1: the server's Fisher after task 1 must be the
     per-sample Fisher of the initial model on task 1's pooled data, computed centrally."""
-    cfg = small_config(out_dir, strategy="ewc", num_tasks=2, stage1_rounds=0, rounds_per_task=1,
-                       local_epochs=1, batch_size=1, ewc_fisher_max=0.0,
-                       ewc_lambda=1.0)  # unclamped per-sample Fisher: keep the penalty step stable
+    cfg = small_config(
+        out_dir,
+        strategy="ewc",
+        num_tasks=2,
+        stage1_rounds=0,
+        rounds_per_task=1,
+        local_epochs=1,
+        batch_size=1,
+        ewc_fisher_max=0.0,
+        ewc_lambda=1.0,
+    )  # unclamped per-sample Fisher: keep the penalty step stable
     strategy, grid, _ = _run(cfg)
     split = federated_split(cfg)
     initial = build_model(cfg, split).eval()
 
     def ce(m, x, y):
-        return F.cross_entropy(m(x)[:, :strategy.num_seen(0)], y)
+        return F.cross_entropy(m(x)[:, : strategy.num_seen(0)], y)
 
     pooled = diagonal_fisher(initial, make_loader(split.task_train(0, eval_transform=True), cfg, shuffle=False), ce)
     assert list(strategy.fisher) == list(pooled)
@@ -283,15 +292,23 @@ def test_ewc_rejects_malformed_fisher_uploads(out_dir) -> None:
 def test_lwf_run_sends_the_previous_task_model_as_teacher(out_dir) -> None:
     """Also: the new task's cross-entropy covers its own classes only (TARGET/LANDER), so with the
     distillation and weight decay switched off the head rows of all other classes stay put."""
-    cfg = small_config(out_dir, strategy="lwf", num_tasks=5, stage1_rounds=1, rounds_per_task=1, local_epochs=1,
-                       lwf_alpha=0.0, weight_decay=0.0)
+    cfg = small_config(
+        out_dir,
+        strategy="lwf",
+        num_tasks=5,
+        stage1_rounds=1,
+        rounds_per_task=1,
+        local_epochs=1,
+        lwf_alpha=0.0,
+        weight_decay=0.0,
+    )
     strategy, grid, ends = _run(cfg)
     for task in range(1, cfg.num_tasks):
         new = strategy.split.tasks[task]
         before, after = ends[task - 1]["head.weight"], ends[task]["head.weight"]
         others = [c for c in range(before.shape[0]) if c not in new]
         torch.testing.assert_close(after[others], before[others], rtol=1e-6, atol=1e-7)
-        assert not torch.allclose(after[new.start:new.stop], before[new.start:new.stop])
+        assert not torch.allclose(after[new.start : new.stop], before[new.start : new.stop])
     for message in grid.sent:
         task, phase = _task_and_phase(message)
         records = message.content.array_records
@@ -307,8 +324,9 @@ def test_lwf_run_sends_the_previous_task_model_as_teacher(out_dir) -> None:
 
 
 def test_joint_gradient_trains_on_all_seen_data_without_federated_rounds(out_dir) -> None:
-    cfg = small_config(out_dir, strategy="joint-gradient", num_tasks=5, stage1_rounds=1,
-                       rounds_per_task=1, local_epochs=1)
+    cfg = small_config(
+        out_dir, strategy="joint-gradient", num_tasks=5, stage1_rounds=1, rounds_per_task=1, local_epochs=1
+    )
     strategy, grid, ends = _run(cfg)
     split = federated_split(cfg)
     assert grid.sent == []

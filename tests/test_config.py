@@ -59,20 +59,41 @@ def test_every_knob_is_a_sim_flag_with_the_same_default_help_and_choices(sim) ->
 def test_parsed_defaults_give_the_default_config_and_flags_override(sim) -> None:
     parser = sim.build_parser()
     assert sim.config_from_args(parser.parse_args([])) == RunConfig()
-    args = parser.parse_args(["--num-tasks", "2", "--beta", "0.1", "--no-download", "--ridge", "1e4",
-                              "--strategy", "stsa-e", "--wire-dtype", "float64"])
+    args = parser.parse_args(
+        [
+            "--num-tasks",
+            "2",
+            "--beta",
+            "0.1",
+            "--no-download",
+            "--ridge",
+            "1e4",
+            "--strategy",
+            "stsa-e",
+            "--wire-dtype",
+            "float64",
+        ]
+    )
     cfg = sim.config_from_args(args)
-    assert cfg == RunConfig(num_tasks=2, beta=0.1, download=False, ridge="1e4", strategy="stsa-e",
-                            wire_dtype="float64")
+    assert cfg == RunConfig(num_tasks=2, beta=0.1, download=False, ridge="1e4", strategy="stsa-e", wire_dtype="float64")
     assert cfg.ridge_value() == 1e4
 
 
 # --------------------------------------------------------------------------- from_mapping
 def test_from_mapping_coerces_types() -> None:
-    cfg = RunConfig.from_mapping({
-        "num-tasks": "2", "beta": "0.25", "download": "false", "pretrained": "yes", "rf-dim": 300.0,
-        "lr": 1, "ridge": 10000.0, "seed": True, "weighted-fedavg": 0,
-    })
+    cfg = RunConfig.from_mapping(
+        {
+            "num-tasks": "2",
+            "beta": "0.25",
+            "download": "false",
+            "pretrained": "yes",
+            "rf-dim": 300.0,
+            "lr": 1,
+            "ridge": 10000.0,
+            "seed": True,
+            "weighted-fedavg": 0,
+        }
+    )
     assert (cfg.num_tasks, cfg.beta, cfg.download, cfg.pretrained, cfg.rf_dim) == (2, 0.25, False, True, 300)
     assert type(cfg.num_tasks) is int and type(cfg.rf_dim) is int
     assert type(cfg.beta) is float and type(cfg.lr) is float and cfg.lr == 1.0
@@ -116,7 +137,7 @@ BAD_VALUES = [
 ]
 
 
-@pytest.mark.parametrize("values, key", BAD_VALUES, ids=[f"{k}={list(v.values())[0]}" for v, k in BAD_VALUES])
+@pytest.mark.parametrize("values, key", BAD_VALUES, ids=[f"{k}={next(iter(v.values()))}" for v, k in BAD_VALUES])
 def test_bad_values_raise_one_line_config_errors(values: dict, key: str) -> None:
     with pytest.raises(ConfigError) as err:
         RunConfig.from_mapping(values)
@@ -155,8 +176,13 @@ def test_cli_bad_input_exits_2_with_one_error_line(tmp_path: Path) -> None:
     for argv, needle in CLI_FAILURES:
         argv = [a.replace("{empty}", str(empty)) for a in argv]
         cmd = [sys.executable, str(SIM), *argv, "--out", str(tmp_path / "out")]
-        procs.append((argv, needle, subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE,
-                                                    stderr=subprocess.PIPE, text=True)))
+        procs.append(
+            (
+                argv,
+                needle,
+                subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            )
+        )
     for argv, needle, proc in procs:
         out, err = proc.communicate(timeout=240)
         lines = err.strip().splitlines()

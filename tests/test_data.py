@@ -223,7 +223,7 @@ def test_digits_bundle_shapes_and_remapped_targets():
     xs, ys = b.test.tensors()
     assert xs.shape == (len(b.test), 1, 8, 8) and float(xs.min()) >= 0 and float(xs.max()) <= 1
     # remapping: original label = class_order[position]
-    x_tr, y_tr, x_te, y_te = digits_arrays()
+    _x_tr, y_tr, _x_te, y_te = digits_arrays()
     np.testing.assert_array_equal(b.class_order[b.train.targets], y_tr)
     np.testing.assert_array_equal(b.class_order[ys.numpy()], y_te)
     np.testing.assert_array_equal(b.class_order, class_order(10, 3))
@@ -247,7 +247,9 @@ def test_synthetic_is_deterministic_and_class_dependent():
     pred = torch.cdist(xte.flatten(1), means).argmin(1)
     assert (pred == yte).float().mean() > 0.9
     # a different data seed gives different images; the class order follows `seed` only
-    other = synthetic_arrays(SyntheticSpec(num_classes=6, train_per_class=20, test_per_class=7, channels=3, size=5, data_seed=1))
+    other = synthetic_arrays(
+        SyntheticSpec(num_classes=6, train_per_class=20, test_per_class=7, channels=3, size=5, data_seed=1)
+    )
     assert not np.allclose(other[0], synthetic_arrays(spec)[0])
     assert not np.array_equal(make_synthetic(spec, seed=2).class_order, b1.class_order)
     assert load_dataset("synthetic").num_classes == 20

@@ -47,7 +47,7 @@ def test_dummy_client_blocks_count_as_separate_uploads():
     sums, counts = uploads(num=15, rf_dim=10, classes=3, seed=1)
     estimator = GramEstimator(10, 3)
     for k in range(5):  # 5 clients with K_D = 3 each
-        estimator.add(sums[3 * k:3 * k + 3], counts[3 * k:3 * k + 3])
+        estimator.add(sums[3 * k : 3 * k + 3], counts[3 * k : 3 * k + 3])
     assert estimator.num_uploads == 15
     assert_same(estimator.result(), estimate_gram(sums, counts))
 

@@ -41,9 +41,22 @@ F64 = torch.float64
 
 def config(out: Path, **changes) -> RunConfig:
     """Digits, 5 tasks, 3 clients, seeded frozen backbone, M = 100, float64 on the wire."""
-    base = RunConfig(strategy="stsa", dataset="digits", num_tasks=5, num_clients=3, beta=0.5, seed=0,
-                     stage1_rounds=0, rf_dim=100, ridge=str(GAMMA), wire_dtype="float64",
-                     batch_size=256, device="cpu", out=str(out), round_timeout=5.0)
+    base = RunConfig(
+        strategy="stsa",
+        dataset="digits",
+        num_tasks=5,
+        num_clients=3,
+        beta=0.5,
+        seed=0,
+        stage1_rounds=0,
+        rf_dim=100,
+        ridge=str(GAMMA),
+        wire_dtype="float64",
+        batch_size=256,
+        device="cpu",
+        out=str(out),
+        round_timeout=5.0,
+    )
     return base.replace(**changes)
 
 
@@ -55,8 +68,12 @@ class FaultyGrid(LocalGrid):
     may corrupt replies in flight.
     """
 
-    def __init__(self, num_nodes: int, down: dict[int, dict[int, int]] | None = None,
-                 tamper: Callable[[int, Message], None] | None = None) -> None:
+    def __init__(
+        self,
+        num_nodes: int,
+        down: dict[int, dict[int, int]] | None = None,
+        tamper: Callable[[int, Message], None] | None = None,
+    ) -> None:
         super().__init__(client_app, num_nodes)
         self.down = {task: dict(nodes) for task, nodes in (down or {}).items()}
         self.tamper = tamper
@@ -158,10 +175,12 @@ def test_backfill_request_round_trip_and_errors() -> None:
     cfg = RunConfig()
 
     def job(owed: dict[int, tuple[int, ...]]) -> SimpleNamespace:
-        return SimpleNamespace(partition=1, task=2, ins=StatsIns(Header("r", "stsa-stats", 2, 3, 1), cfg, backfill=owed))
+        return SimpleNamespace(
+            partition=1, task=2, ins=StatsIns(Header("r", "stsa-stats", 2, 3, 1), cfg, backfill=owed)
+        )
 
     assert backfill_tasks(job({0: (1,), 1: (0, 1)})) == (0, 1)
-    with pytest.raises(ProtocolError, match="only tasks 0..1 are past"):
+    with pytest.raises(ProtocolError, match=r"only tasks 0\.\.1 are past"):
         backfill_tasks(job({1: (2,)}))  # the current task is not owed, it is due
 
 
@@ -340,6 +359,7 @@ def _unasked_backfill(task: int):
     def tamper(reply: Message) -> None:  # a copy of the on-time statistics, passed off as old ones
         reply.content[f"backfill-{task}"] = ArrayRecord(dict(reply.content.array_records["arrays"].items()))
         reply.content.metric_records["metrics"][f"backfill-{task}-num-examples"] = 10
+
     return tamper
 
 
@@ -389,13 +409,18 @@ def test_malformed_backfill_is_rejected_and_never_corrupts_the_aggregate(after_s
     bad.aggregate_train(bad.server_round, replies)
     dropped, replies = replay_stage_3(after_stage_2, drop=partition)
     dropped.aggregate_train(dropped.server_round, replies)
-    assert torch.equal(bad.ridge.gram, dropped.ridge.gram) and torch.equal(bad.ridge.class_sums, dropped.ridge.class_sums)
+    assert torch.equal(bad.ridge.gram, dropped.ridge.gram) and torch.equal(
+        bad.ridge.class_sums, dropped.ridge.class_sums
+    )
     assert bad.ridge.num_samples == dropped.ridge.num_samples
     assert bad.backfill.missing == dropped.backfill.missing
     assert bad.backfill.missing[f"client-{partition}"][-1] == 2  # it owes stage 3 now, too
     assert reason in bad.accounting.rejected[f"client-{partition}"]
-    assert bad.accounting.clients == dropped.accounting.clients == {f"client-{k}" for k in range(3)} - {
-        f"client-{partition}"}
+    assert (
+        bad.accounting.clients
+        == dropped.accounting.clients
+        == {f"client-{k}" for k in range(3)} - {f"client-{partition}"}
+    )
 
 
 def test_replayed_stage_3_round_backfills_when_nothing_is_wrong(after_stage_2: RunConfig, runs) -> None:
@@ -415,8 +440,12 @@ def test_only_the_first_round_waits_the_whole_timeout_for_missing_nodes(tmp_path
 
     cfg = RunConfig(dataset="digits", num_clients=3, out=str(tmp_path), round_timeout=1000.0).validated()
     clock = {"now": 0.0}
-    nodes = NodeDirectory(cfg, federated_split(cfg), clock=lambda: clock["now"],
-                          sleep=lambda seconds: clock.__setitem__("now", clock["now"] + seconds))
+    nodes = NodeDirectory(
+        cfg,
+        federated_split(cfg),
+        clock=lambda: clock["now"],
+        sleep=lambda seconds: clock.__setitem__("now", clock["now"] + seconds),
+    )
     grid = SimpleNamespace(get_node_ids=lambda: [11, 12])  # the third node is gone
     assert nodes.connected(grid) == [11, 12]
     first = clock["now"]

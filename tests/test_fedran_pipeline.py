@@ -16,19 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-
+from clients.app import app as client_app
 from clients.fedran import fedran_client_update, labelled_mask, random_feature_statistics
+from fcl_flower import methods
 from fcl_flower.analytic import random_projection, select_ridge_gcv
 from fcl_flower.analytic.subspace import select_subspace_ridge_gcv
-from clients.app import app as client_app
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.local_grid import LocalGrid
 from fcl_flower.models import trainable_state
+from fcl_flower.protocol import FedranReport, Header, StatsRes, UploadError, to_record
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import federated_split, iter_features
-from fcl_flower.protocol import UploadError, to_record
-from fcl_flower import methods
-from fcl_flower.protocol import FedranReport, Header, StatsRes
 from strategies import strategy_class
 from strategies.analytic import AnalyticStrategy
 from strategies.fedran import FedRANStrategy
@@ -64,9 +62,18 @@ def recording(cls):
 
 
 def base_config(tmp: Path, **changes) -> RunConfig:
-    cfg = RunConfig(num_tasks=NUM_TASKS, num_clients=NUM_CLIENTS, stage1_rounds=0, rf_dim=RF_DIM,
-                    rank=RF_DIM, ridge=str(GAMMA), wire_dtype="float64", batch_size=256, device="cpu",
-                    out=str(tmp))
+    cfg = RunConfig(
+        num_tasks=NUM_TASKS,
+        num_clients=NUM_CLIENTS,
+        stage1_rounds=0,
+        rf_dim=RF_DIM,
+        rank=RF_DIM,
+        ridge=str(GAMMA),
+        wire_dtype="float64",
+        batch_size=256,
+        device="cpu",
+        out=str(tmp),
+    )
     return cfg.replace(**changes)
 
 
@@ -213,8 +220,7 @@ def test_resume_after_a_crash_ends_with_the_uninterrupted_classifier(runs):
     split = federated_split(cfg)
     with pytest.raises(KeyboardInterrupt):
         FedRANStrategy(cfg, split, ResultsRecorder(cfg.output_dir, "fedran", {})).start(CrashingGrid(NUM_CLIENTS, 3))
-    resumed = recording(FedRANStrategy)(cfg.replace(resume=True), split,
-                                        ResultsRecorder(cfg.output_dir, "fedran", {}))
+    resumed = recording(FedRANStrategy)(cfg.replace(resume=True), split, ResultsRecorder(cfg.output_dir, "fedran", {}))
     resumed.start(LocalGrid(client_app, NUM_CLIENTS))
     assert len(resumed.history) == NUM_TASKS - 2 and len(resumed.recorder.stages) == NUM_TASKS
     assert torch.equal(resumed.history[-1], fedran.history[-1])
@@ -229,18 +235,21 @@ def test_full_label_ratio_is_plain_fedran_whatever_the_threshold(runs):
     for stage in recorder.stages:
         pseudo = stage.extra["pseudo_labels"]
         assert pseudo["unlabelled"] == pseudo["accepted"] == pseudo["correct"] == 0
-        assert pseudo["labelled"] == sum(len(fedran.split.client_indices(stage.stage - 1, k))
-                                         for k in range(NUM_CLIENTS))
-    other, _ = run_inprocess(base_config(runs["tmp"], strategy="fedran", label_ratio=1.0,
-                                         pseudo_threshold=-1.0, run_name="rho1-tau-1"))
+        assert pseudo["labelled"] == sum(
+            len(fedran.split.client_indices(stage.stage - 1, k)) for k in range(NUM_CLIENTS)
+        )
+    other, _ = run_inprocess(
+        base_config(runs["tmp"], strategy="fedran", label_ratio=1.0, pseudo_threshold=-1.0, run_name="rho1-tau-1")
+    )
     for a, b in zip(other.history, fedran.history):
         assert torch.equal(a, b)
     # Client level: an all-labelled mask reproduces the statistics of the raw data exactly.
     gen = torch.Generator().manual_seed(3)
     z, y = torch.rand(40, 8, generator=gen, dtype=F64), torch.randint(0, 3, (40,), generator=gen)
     projection = random_projection(8, 12, seed=1)
-    stats = fedran_client_update(z, y, torch.ones(40, dtype=torch.bool), projection,
-                                 num_classes=3, rank=12, threshold=-1.0)
+    stats = fedran_client_update(
+        z, y, torch.ones(40, dtype=torch.bool), projection, num_classes=3, rank=12, threshold=-1.0
+    )
     summary, corr = random_feature_statistics(z, y, projection, 3, 12)
     assert torch.equal(stats.label_corr, corr) and torch.equal(stats.summary.basis, summary.basis)
     assert stats.pseudo["total"] == 0 and stats.num_samples == 40
@@ -282,8 +291,9 @@ def test_pseudo_labels_are_exactly_the_samples_above_tau_of_labelled_classes(run
     assert stats.num_samples == len(kept_y)
     assert stats.pseudo["accepted"] == int(accepted.sum())
     assert stats.pseudo["correct"] == int((labels[accepted] == y_unl[accepted]).sum())
-    torch.testing.assert_close(stats.label_corr, h.T @ torch.nn.functional.one_hot(kept_y, classes).to(F64),
-                               rtol=1e-12, atol=1e-9)
+    torch.testing.assert_close(
+        stats.label_corr, h.T @ torch.nn.functional.one_hot(kept_y, classes).to(F64), rtol=1e-12, atol=1e-9
+    )
     assert rel(stats.summary.gram(), h.T @ h) <= 1e-10
     unlabelled_only = sorted(set(y_unl.tolist()) - set(y_lab.tolist()))
     assert stats.label_corr[:, unlabelled_only].abs().max() == 0  # no class without labels appears
@@ -292,9 +302,11 @@ def test_pseudo_labels_are_exactly_the_samples_above_tau_of_labelled_classes(run
 def test_ssl_run_after_stage1_fedavg_reports_pseudo_label_counts_per_stage(tmp_path):
     """ρ = 0.2 on a backbone trained by one stage-1 FedAvg round, float32 uploads."""
     ratio, tau = 0.2, 0.99  # ReLU CNN features: every best cosine here is above 0.96
-    strategy, recorder = run_inprocess(base_config(tmp_path, strategy="fedran", label_ratio=ratio,
-                                                   pseudo_threshold=tau, wire_dtype="float32",
-                                                   stage1_rounds=1))
+    strategy, recorder = run_inprocess(
+        base_config(
+            tmp_path, strategy="fedran", label_ratio=ratio, pseudo_threshold=tau, wire_dtype="float32", stage1_rounds=1
+        )
+    )
     model_bytes = sum(v.numel() * v.element_size() for v in trainable_state(strategy.model).values())
     assert recorder.stages[0].rounds == 2 and recorder.stages[1].rounds == 1
     total_kept = 0
@@ -319,8 +331,7 @@ def test_ssl_run_after_stage1_fedavg_reports_pseudo_label_counts_per_stage(tmp_p
         assert stage.extra["pseudo_labels"] == want
         assert stage.extra["num_samples"] == total_kept
     assert any(s.extra["pseudo_labels"]["accepted"] for s in recorder.stages)
-    assert any(s.extra["pseudo_labels"]["accepted"] < s.extra["pseudo_labels"]["unlabelled"]
-               for s in recorder.stages)
+    assert any(s.extra["pseudo_labels"]["accepted"] < s.extra["pseudo_labels"]["unlabelled"] for s in recorder.stages)
 
 
 # ----------------------------------------------------------------------------- untrusted uploads
@@ -332,8 +343,22 @@ def _reply(basis, sigma, corr, *, n, labelled=None, extra_arrays=None, accepted=
     return StatsRes(Header("run", "fedran-stats", 0, 1, 1), 0, n, arrays=to_record(arrays), fedran=report)
 
 
-@pytest.mark.parametrize("case", ["ok", "float32-ok", "not-orthonormal", "rank-above-r", "rank-above-n",
-                                  "wrong-b", "ascending", "negative-sigma", "nan", "extra-array", "counts"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "ok",
+        "float32-ok",
+        "not-orthonormal",
+        "rank-above-r",
+        "rank-above-n",
+        "wrong-b",
+        "ascending",
+        "negative-sigma",
+        "nan",
+        "extra-array",
+        "counts",
+    ],
+)
 def test_server_rejects_malformed_uploads(tmp_path, case):
     cfg = base_config(tmp_path, strategy="fedran", rank=4)
     strategy = FedRANStrategy(cfg, federated_split(cfg), ResultsRecorder(tmp_path, "fedran", {}))

@@ -71,11 +71,11 @@ def kl(q: list[float], p: list[float]) -> float:
 
 # Batch used by the hand-computed tests: 2 tasks of 2 classes (task_ends [2, 4]).
 LOGITS = [
-    [6.0, 0.0, 0.0, 0.0],    # y=0, well fitted -> tiny |V|, weight clamped up to 0.5
-    [0.1, 1.5, 0.3, -0.2],   # y=1
-    [1.0, -0.5, 0.2, 0.0],   # y=1, badly fitted
-    [0.0, 0.2, 1.0, 0.4],    # y=2
-    [-0.5, 0.3, 0.2, 2.5],   # y=3
+    [6.0, 0.0, 0.0, 0.0],  # y=0, well fitted -> tiny |V|, weight clamped up to 0.5
+    [0.1, 1.5, 0.3, -0.2],  # y=1
+    [1.0, -0.5, 0.2, 0.0],  # y=1, badly fitted
+    [0.0, 0.2, 1.0, 0.4],  # y=2
+    [-0.5, 0.3, 0.2, 2.5],  # y=3
 ]
 LABELS = [0, 1, 1, 2, 3]
 OLD_LOGITS = [[3.0, -1.0], [0.5, 0.7], [1.2, 0.0], [0.3, -0.3], [-1.0, 1.0]]
@@ -84,12 +84,12 @@ GROUPS = [0, 0, 0, 1, 1]
 
 def hand_weights(a: float, clamp: tuple[float, float] | None = (0.5, 5.0), form: str = "softmax") -> list[float]:
     if form == "softmax":
-        v = [1 - softmax(z)[y] for z, y in zip(LOGITS, LABELS)]             # Eq. 2
+        v = [1 - softmax(z)[y] for z, y in zip(LOGITS, LABELS)]  # Eq. 2
     else:
         v = [1 - sigmoid(z[y]) for z, y in zip(LOGITS, LABELS)]
-    sharp = [vi ** a for vi in v]                                            # Eq. 4 numerator
+    sharp = [vi**a for vi in v]  # Eq. 4 numerator
     vs = {g: sum(s for s, gi in zip(sharp, GROUPS) if gi == g) / GROUPS.count(g) for g in set(GROUPS)}
-    w = [s / vs[g] for s, g in zip(sharp, GROUPS)]                           # Eq. 5 weight
+    w = [s / vs[g] for s, g in zip(sharp, GROUPS)]  # Eq. 5 weight
     if clamp is not None:
         w = [min(max(wi, clamp[0]), clamp[1]) for wi in w]
     return w
@@ -151,8 +151,12 @@ def test_compensation_weights_follow_eq3_directions() -> None:
         w3 = compensation_weights(v3, groups, a, clamp=None)
         assert w3[0] > w[0] and torch.all(w3[1:6] < w[1:6]) and torch.allclose(w3[6:], w[6:])
     # equal magnitudes in every group -> all weights equal (spec C2); a = 0 -> all ones
-    assert torch.allclose(compensation_weights(torch.full((16,), 0.4), groups, 0.5), torch.ones(16, dtype=torch.float64))
-    assert torch.allclose(compensation_weights(torch.rand(16, generator=gen), groups, 0.0), torch.ones(16, dtype=torch.float64))
+    assert torch.allclose(
+        compensation_weights(torch.full((16,), 0.4), groups, 0.5), torch.ones(16, dtype=torch.float64)
+    )
+    assert torch.allclose(
+        compensation_weights(torch.rand(16, generator=gen), groups, 0.0), torch.ones(16, dtype=torch.float64)
+    )
 
 
 def test_exponent_and_groups() -> None:
@@ -170,8 +174,8 @@ def test_exponent_and_groups() -> None:
 def test_cb_loss_hand_computed_softmax_and_sigmoid() -> None:
     a = 0.5  # = C^o/(C^o+C^t) = 2/4, the default for task_ends [2, 4]
     w = hand_weights(a)
-    ce = [-math.log(softmax(z)[y]) for z, y in zip(LOGITS, LABELS)]          # Eq. 1 terms
-    want = sum(wi * ci for wi, ci in zip(w, ce)) / len(LABELS)               # Eq. 5
+    ce = [-math.log(softmax(z)[y]) for z, y in zip(LOGITS, LABELS)]  # Eq. 1 terms
+    want = sum(wi * ci for wi, ci in zip(w, ce)) / len(LABELS)  # Eq. 5
     got = cb_loss(t(LOGITS), Y, [2, 4])
     assert math.isclose(float(got), want, rel_tol=1e-12)
     # [CODE-LGA]'s sigmoid form: mean over (B, C) of w_i * BCE(z, onehot)
@@ -185,8 +189,10 @@ def test_cb_loss_weights_are_constants_in_backward() -> None:
     cb_loss(z, Y, [2, 4]).backward()
     w = hand_weights(0.5)
     # d/dz [ (1/B) sum w_i CE_i ] = w_i (softmax(z_i) - onehot_i) / B when w is detached
-    want = torch.tensor([[w[i] * (softmax(LOGITS[i])[j] - (j == LABELS[i])) / 5 for j in range(4)] for i in range(5)],
-                        dtype=torch.float64)
+    want = torch.tensor(
+        [[w[i] * (softmax(LOGITS[i])[j] - (j == LABELS[i])) / 5 for j in range(4)] for i in range(5)],
+        dtype=torch.float64,
+    )
     assert torch.allclose(z.grad, want, atol=1e-12)
 
 
@@ -194,11 +200,11 @@ def test_sd_loss_hand_computed_safe_form() -> None:
     w = hand_weights(0.5)
     per = []
     for z, zo, y in zip(LOGITS, OLD_LOGITS, LABELS):
-        term = kl(softmax(zo), softmax(z[:2]))                # old slice: KL(Yhat[S1] || P[S1]) renormalised
+        term = kl(softmax(zo), softmax(z[:2]))  # old slice: KL(Yhat[S1] || P[S1]) renormalised
         if y >= 2:
-            term += -math.log(softmax(z[2:4])[y - 2])         # current slice: Yhat one-hot -> CE in the slice
+            term += -math.log(softmax(z[2:4])[y - 2])  # current slice: Yhat one-hot -> CE in the slice
         per.append(term)
-    want = sum(wi * pi for wi, pi in zip(w, per)) / 5        # Eq. 6 with the Eq. 5 weights
+    want = sum(wi * pi for wi, pi in zip(w, per)) / 5  # Eq. 6 with the Eq. 5 weights
     got = sd_loss(t(LOGITS), t(OLD_LOGITS), Y, [2, 4])
     assert math.isclose(float(got), want, rel_tol=1e-12)
     want_no_cur = sum(wi * kl(softmax(zo), softmax(z[:2])) for wi, z, zo in zip(w, LOGITS, OLD_LOGITS)) / 5
@@ -211,8 +217,9 @@ def test_sd_loss_hand_computed_safe_form() -> None:
         for j in range(4):
             tgt = sigmoid(OLD_LOGITS[i][j]) if j < 2 else float(j == LABELS[i])
             tot += ws[i] * bce(LOGITS[i][j], tgt)
-    assert math.isclose(float(sd_loss(t(LOGITS), t(OLD_LOGITS), Y, [2, 4], loss_form="sigmoid")), tot / 20,
-                        rel_tol=1e-12)
+    assert math.isclose(
+        float(sd_loss(t(LOGITS), t(OLD_LOGITS), Y, [2, 4], loss_form="sigmoid")), tot / 20, rel_tol=1e-12
+    )
 
 
 def test_sd_loss_is_zero_when_models_agree_and_finite_when_saturated() -> None:
@@ -276,21 +283,25 @@ def test_task_transition_detector_fires_on_jump_not_on_noise(seed: int) -> None:
     assert [r for r, f in enumerate(fired) if f] == [0, *sorted(jumps)]
     # pure noise around a trained model never fires (after the first observation)
     det2 = TaskTransitionDetector(fire_on_first=False)
-    hs = [mean_prediction_entropy(_round_logits(gen, 200, 10, 3.5 + 0.25 * float(torch.randn(1, generator=gen))))
-          for _ in range(40)]
+    hs = [
+        mean_prediction_entropy(_round_logits(gen, 200, 10, 3.5 + 0.25 * float(torch.randn(1, generator=gen))))
+        for _ in range(40)
+    ]
     assert not any(det2.update(h) for h in hs)
     assert max(hs) - min(hs) < 1.2
 
 
 def test_detector_state_round_trip_and_threshold() -> None:
     det = TaskTransitionDetector(threshold=1.2)
-    assert det.update(2.0)          # first observation counts as a task start
+    assert det.update(2.0)  # first observation counts as a task start
     assert not det.update(1.0)
     state = det.to_state()
     det2 = TaskTransitionDetector.from_state(state)
     assert det2.update(2.2) and TaskTransitionDetector.from_state(state).update(2.2)  # 2.2 - 1.0 >= 1.2
     assert not TaskTransitionDetector.from_state(state).update(2.19)
-    assert TaskTransitionDetector.from_state(TaskTransitionDetector(fire_on_first=False).to_state()).update(5.0) is False
+    assert (
+        TaskTransitionDetector.from_state(TaskTransitionDetector(fire_on_first=False).to_state()).update(5.0) is False
+    )
     with pytest.raises(FCLInputError):
         det.update(float("nan"))
 
@@ -358,8 +369,9 @@ def test_exemplar_memory_never_exceeds_budget_and_round_trips() -> None:
     with pytest.raises(FCLInputError):
         mem.add_classes(torch.randn(2, 6), torch.tensor([0, 0]))
     with pytest.raises(FCLInputError):
-        ExemplarMemory.from_state({"memory_size": np.array([5]), "classes": np.array([0]),
-                                   "counts": np.array([6]), "indices": np.arange(6)})
+        ExemplarMemory.from_state(
+            {"memory_size": np.array([5]), "classes": np.array([0]), "counts": np.array([6]), "indices": np.arange(6)}
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -400,8 +412,9 @@ def test_gradient_inversion_reduces_matching_loss(seed: int) -> None:
     assert res.final_loss < 1e-2 * res.initial_loss
     # the reported loss is Eq. 9 at the returned image, and the image is close to the original
     assert float(gradient_matching_loss(enc, res.images[-1:], torch.tensor([2]), target).detach()) == pytest.approx(
-        res.final_loss, rel=1e-3, abs=1e-8)
-    assert float(((res.images[-1:] - x_true) ** 2).mean()) < 1e-2 * float((x_true ** 2).mean())
+        res.final_loss, rel=1e-3, abs=1e-8
+    )
+    assert float(((res.images[-1:] - x_true) ** 2).mean()) < 1e-2 * float((x_true**2).mean())
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, enc.parameters()))
     assert all(p.grad is None for p in enc.parameters())
     capped = invert_gradients(enc, target, 2, (1, 1, 8, 8), iterations=0)
@@ -413,14 +426,22 @@ def test_perturbation_lowers_prototype_loss_and_keeps_model() -> None:
     before = [p.detach().clone() for p in model.parameters()]
     img = torch.randn(1, 8, 8, generator=torch.Generator().manual_seed(3))
     label = 1
+
     def ce(x: torch.Tensor) -> float:
         with torch.no_grad():
             return float(F.cross_entropy(model(x.unsqueeze(0)), torch.tensor([label])))
 
     out = perturb_prototype(model, img, label, steps=20, lr=0.5)
     assert out.shape == img.shape and ce(out) < ce(img)
-    noisy = perturb_prototype(model, img, label, feature_var=torch.full((8,), 0.2), steps=20, lr=0.5,
-                              generator=torch.Generator().manual_seed(0))
+    noisy = perturb_prototype(
+        model,
+        img,
+        label,
+        feature_var=torch.full((8,), 0.2),
+        steps=20,
+        lr=0.5,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert not torch.equal(noisy, out) and ce(noisy) < ce(img)
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
     enc = GradientEncoder(1, 8, 4, seed=0)
@@ -450,7 +471,7 @@ def test_feature_augmentation_respects_norm_constraint() -> None:
         assert aug.shape == (30, 16) and lab.tolist() == [int(v) for v in labels for _ in range(5)]
         noise = aug - feats.to(torch.float64).repeat_interleave(5, dim=0)
         bound = torch.stack([0.1 * var[int(c)].sum() for c in lab])
-        assert torch.all((noise ** 2).sum(1) <= bound * (1 + 1e-9))
+        assert torch.all((noise**2).sum(1) <= bound * (1 + 1e-9))
         assert torch.all(noise[lab == 1] == 0)  # zero variance -> no noise
     same, _ = augment_features(feats, labels, var, 0.0, generator=gen)
     assert torch.allclose(same, feats.to(torch.float64).repeat_interleave(5, dim=0))
@@ -466,7 +487,7 @@ def test_best_old_model_selection() -> None:
         f = good.features(images)
         means = torch.stack([f[labels == c].mean(0) for c in range(4)])
         good.head.weight.copy_(2 * means)
-        good.head.bias.copy_(-(means ** 2).sum(1))
+        good.head.bias.copy_(-(means**2).sum(1))
     bad = TinyNet(seed=2)
     with torch.no_grad():
         bad.head.weight.copy_(-good.head.weight)

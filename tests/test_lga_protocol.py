@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import sent_header
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import DatasetError, FederatedSplit, load_dataset
 from fcl_flower.data.paper_partitions import join_tasks, old_only_clients, old_only_count, sample_clients
+from tests.conftest import sent_header
 
 
 # ------------------------------------------------------------------ per-round sampling
@@ -96,8 +96,19 @@ def digits():
 
 @pytest.mark.parametrize("partition", ["dirichlet", "class-subsets"])
 def test_split_old_only_clients_hold_nothing_and_task_is_covered(digits, partition):
-    split = FederatedSplit(digits, 5, 0, 10, beta=0.5, seed=3, partition=partition, class_fraction=0.5,
-                           initial_clients=6, joining_per_task=2, old_only_fraction=0.3)
+    split = FederatedSplit(
+        digits,
+        5,
+        0,
+        10,
+        beta=0.5,
+        seed=3,
+        partition=partition,
+        class_fraction=0.5,
+        initial_clients=6,
+        joining_per_task=2,
+        old_only_fraction=0.3,
+    )
     assert len(split.old_only[0]) == 0
     for t in range(5):
         z = split.old_only[t]
@@ -115,8 +126,18 @@ def test_split_old_only_clients_hold_nothing_and_task_is_covered(digits, partiti
         for k in z:
             assert split.label_counts(t)[k].sum() == 0
     # a task's Z_o draw does not change the draw of a split without Z_o at task 0
-    plain = FederatedSplit(digits, 5, 0, 10, beta=0.5, seed=3, partition=partition, class_fraction=0.5,
-                           initial_clients=6, joining_per_task=2)
+    plain = FederatedSplit(
+        digits,
+        5,
+        0,
+        10,
+        beta=0.5,
+        seed=3,
+        partition=partition,
+        class_fraction=0.5,
+        initial_clients=6,
+        joining_per_task=2,
+    )
     for k in range(10):
         np.testing.assert_array_equal(plain.client_indices(0, k), split.client_indices(0, k))
 
@@ -143,11 +164,30 @@ def test_lga_run_samples_joined_clients_and_only_sampled_can_be_missing(tmp_path
     from strategies.app import run_experiment
 
     torch.set_num_threads(1)
-    cfg = RunConfig(strategy="lga", dataset="digits", num_tasks=3, first_task_classes=4, num_clients=5, partition="class-subsets",
-                    class_fraction=0.6, initial_clients=3, joining_per_task=1, clients_per_round=2,
-                    old_only_fraction=0.34, stage1_rounds=3, rounds_per_task=3, local_epochs=1, batch_size=32,
-                    lr=0.05, memory_size=30, proxy_iterations=2, seed=0, out=str(tmp_path),
-                    run_name="lga-sampled").validated()
+    cfg = RunConfig(
+        strategy="lga",
+        dataset="digits",
+        num_tasks=3,
+        first_task_classes=4,
+        num_clients=5,
+        partition="class-subsets",
+        class_fraction=0.6,
+        initial_clients=3,
+        joining_per_task=1,
+        clients_per_round=2,
+        old_only_fraction=0.34,
+        stage1_rounds=3,
+        rounds_per_task=3,
+        local_epochs=1,
+        batch_size=32,
+        lr=0.05,
+        memory_size=30,
+        proxy_iterations=2,
+        seed=0,
+        out=str(tmp_path),
+        run_name="lga-sampled",
+    ).validated()
+
     class HungNodeGrid(LocalGrid):  # an unavailable node stays connected but never answers
         def get_node_ids(self):
             return list(self.contexts)
@@ -159,8 +199,18 @@ def test_lga_run_samples_joined_clients_and_only_sampled_can_be_missing(tmp_path
     dead = 4  # client 1: sampled in stages 1 and 3, not in stage 2 (sampling ignores liveness)
     grid.unavailable = {dead}
     result = json.loads(run_experiment(grid, cfg).path.read_text())
-    split = FederatedSplit(load_dataset("digits", seed=0), 3, 4, 5, seed=0, partition="class-subsets",
-                           class_fraction=0.6, initial_clients=3, joining_per_task=1, old_only_fraction=0.34)
+    split = FederatedSplit(
+        load_dataset("digits", seed=0),
+        3,
+        4,
+        5,
+        seed=0,
+        partition="class-subsets",
+        class_fraction=0.6,
+        initial_clients=3,
+        joining_per_task=1,
+        old_only_fraction=0.34,
+    )
 
     train_sent: dict[int, set[int]] = {}
     for m in grid.sent:
@@ -210,10 +260,25 @@ def test_require_all_clients_waits_only_for_the_sampled(tmp_path):
     from strategies.app import run_experiment
 
     torch.set_num_threads(1)
-    cfg = RunConfig(strategy="finetune", dataset="digits", num_tasks=2, num_clients=4, clients_per_round=2,
-                    initial_clients=3, joining_per_task=1, old_only_fraction=0.34,
-                    stage1_rounds=2, rounds_per_task=3, local_epochs=1, batch_size=64, seed=0,
-                    require_all_clients=True, round_retries=0, out=str(tmp_path), run_name="ft").validated()
+    cfg = RunConfig(
+        strategy="finetune",
+        dataset="digits",
+        num_tasks=2,
+        num_clients=4,
+        clients_per_round=2,
+        initial_clients=3,
+        joining_per_task=1,
+        old_only_fraction=0.34,
+        stage1_rounds=2,
+        rounds_per_task=3,
+        local_epochs=1,
+        batch_size=64,
+        seed=0,
+        require_all_clients=True,
+        round_retries=0,
+        out=str(tmp_path),
+        run_name="ft",
+    ).validated()
     grid = LocalGrid(client_app, 4)
     result = json.loads(run_experiment(grid, cfg).path.read_text())
     for stage in result["stages"]:
@@ -224,7 +289,9 @@ def test_require_all_clients_waits_only_for_the_sampled(tmp_path):
     assert len(train) == 2 * 5  # 5 rounds x 2 sampled clients, nobody else trained
     zo = result["stages"][1]["extra"]["old_only_clients"]
     assert len(zo) == 1
-    zo_replies = [int(r.content.metric_records["metrics"]["num-examples"]) for m, r in train
-                  if f"client-{int(r.content.metric_records['metrics']['partition-id'])}" in zo
-                  and sent_header(m).task == 1]
+    zo_replies = [
+        int(r.content.metric_records["metrics"]["num-examples"])
+        for m, r in train
+        if f"client-{int(r.content.metric_records['metrics']['partition-id'])}" in zo and sent_header(m).task == 1
+    ]
     assert zo_replies and all(n == 0 for n in zo_replies)

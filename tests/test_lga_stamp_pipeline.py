@@ -12,7 +12,6 @@ so that every task is actually learned and forgetting is measurable. Checks:
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -27,9 +26,23 @@ NUM_CLIENTS = 3
 
 
 def _config(strategy: str, out) -> RunConfig:
-    return RunConfig(strategy=strategy, dataset="digits", num_tasks=5, num_clients=NUM_CLIENTS, beta=10.0,
-                     stage1_rounds=3, rounds_per_task=2, local_epochs=1, batch_size=16, lr=0.05,
-                     memory_size=MEMORY, proxy_iterations=10, seed=0, out=str(out), run_name=strategy).validated()
+    return RunConfig(
+        strategy=strategy,
+        dataset="digits",
+        num_tasks=5,
+        num_clients=NUM_CLIENTS,
+        beta=10.0,
+        stage1_rounds=3,
+        rounds_per_task=2,
+        local_epochs=1,
+        batch_size=16,
+        lr=0.05,
+        memory_size=MEMORY,
+        proxy_iterations=10,
+        seed=0,
+        out=str(out),
+        run_name=strategy,
+    ).validated()
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +91,8 @@ def test_lga_proxy_and_stamp_matching(runs):
 
 
 def test_bad_knobs_are_rejected(tmp_path):
-    from strategies import build_strategy
     from fcl_flower.results import ResultsRecorder
+    from strategies import build_strategy
 
     for strategy, change in (("lga", {"proxy_iterations": -1}), ("stamp", {"gm_c": -0.5})):
         cfg = _config(strategy, tmp_path).replace(**change)

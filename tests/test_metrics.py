@@ -77,6 +77,6 @@ def test_summarise_combines_the_three_numbers() -> None:
     summary = summarise(stage_acc, per_task)
     assert summary.A_avg == pytest.approx((90 + 72 + 61) / 3)
     assert summary.A_T == 61.0
-    assert summary.F_T == pytest.approx(15.0)
+    assert pytest.approx(15.0) == summary.F_T
     with pytest.raises(ValueError):
         summarise([90.0, 72.0], per_task)

@@ -48,8 +48,13 @@ def _states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
 def _tiny_vit(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, depth=2, img_size=32, patch_size=8,
-        num_classes=0, global_pool="token",
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        depth=2,
+        img_size=32,
+        patch_size=8,
+        num_classes=0,
+        global_pool="token",
     )
 
 

@@ -75,8 +75,9 @@ def digits():
 
 
 def test_split_joining_clients_empty_before_join(digits):
-    split = FederatedSplit(digits, 5, 0, 5, seed=0, partition="class-subsets", class_fraction=0.5,
-                           initial_clients=3, joining_per_task=1)
+    split = FederatedSplit(
+        digits, 5, 0, 5, seed=0, partition="class-subsets", class_fraction=0.5, initial_clients=3, joining_per_task=1
+    )
     np.testing.assert_array_equal(split.join_task, [0, 0, 0, 1, 2])
     y = digits.train.targets
     for t, r in enumerate(split.tasks):
@@ -93,8 +94,9 @@ def test_split_joining_clients_empty_before_join(digits):
 
 def test_default_split_unchanged(digits):
     a = FederatedSplit(digits, 5, 0, 4, 0.5, 7)
-    b = FederatedSplit(digits, 5, 0, 4, 0.5, 7, partition="dirichlet", class_fraction=0.3,
-                       initial_clients=0, joining_per_task=0)
+    b = FederatedSplit(
+        digits, 5, 0, 4, 0.5, 7, partition="dirichlet", class_fraction=0.3, initial_clients=0, joining_per_task=0
+    )
     for t in range(5):
         for k in range(4):
             np.testing.assert_array_equal(a.client_indices(t, k), b.client_indices(t, k))
@@ -119,10 +121,26 @@ def test_lga_class_subsets_with_joining_client_runs(tmp_path):
     from strategies.app import run_experiment
 
     torch.set_num_threads(1)
-    cfg = RunConfig(strategy="lga", dataset="digits", num_tasks=2, num_clients=3, partition="class-subsets",
-                    class_fraction=0.6, initial_clients=2, joining_per_task=1, stage1_rounds=1,
-                    rounds_per_task=1, local_epochs=1, batch_size=32, lr=0.05, memory_size=40,
-                    proxy_iterations=2, seed=0, out=str(tmp_path), run_name="lga-cs").validated()
+    cfg = RunConfig(
+        strategy="lga",
+        dataset="digits",
+        num_tasks=2,
+        num_clients=3,
+        partition="class-subsets",
+        class_fraction=0.6,
+        initial_clients=2,
+        joining_per_task=1,
+        stage1_rounds=1,
+        rounds_per_task=1,
+        local_epochs=1,
+        batch_size=32,
+        lr=0.05,
+        memory_size=40,
+        proxy_iterations=2,
+        seed=0,
+        out=str(tmp_path),
+        run_name="lga-cs",
+    ).validated()
     grid = LocalGrid(client_app, 3)
     result = json.loads(run_experiment(grid, cfg).path.read_text())
     assert len(result["stages"]) == 2

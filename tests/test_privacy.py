@@ -64,24 +64,28 @@ def contains_vector(array: np.ndarray, vector: np.ndarray, rtol: float = 1e-9) -
     if value == 0:
         return False  # an all-zero vector says nothing about a sample
     atol = rtol * float(np.abs(vector).max())
-    layouts = [array.reshape(1, -1)] + [np.moveaxis(array, axis, -1).reshape(-1, array.shape[axis])
-                                        for axis in range(array.ndim)]
+    layouts = [array.reshape(1, -1)] + [
+        np.moveaxis(array, axis, -1).reshape(-1, array.shape[axis]) for axis in range(array.ndim)
+    ]
     for fibers in layouts:
         if fibers.shape[1] < d:
             continue
         rows, cols = np.nonzero(np.abs(fibers - value) <= atol)
         for row, col in zip(rows, cols):
             start = col - anchor
-            if 0 <= start <= fibers.shape[1] - d and np.allclose(fibers[row, start:start + d], vector,
-                                                                 rtol=rtol, atol=atol):
+            if 0 <= start <= fibers.shape[1] - d and np.allclose(
+                fibers[row, start : start + d], vector, rtol=rtol, atol=atol
+            ):
                 return True
     return False
 
 
 def reply_arrays(message: Message) -> dict[str, np.ndarray]:
-    return {f"{record_name}/{key}": np.asarray(array.numpy(), dtype=np.float64)
-            for record_name, record in message.content.array_records.items()
-            for key, array in record.items()}
+    return {
+        f"{record_name}/{key}": np.asarray(array.numpy(), dtype=np.float64)
+        for record_name, record in message.content.array_records.items()
+        for key, array in record.items()
+    }
 
 
 def local_rows(strategy, task: int, partition: int) -> dict[str, torch.Tensor]:
@@ -90,15 +94,21 @@ def local_rows(strategy, task: int, partition: int) -> dict[str, torch.Tensor]:
     images, _ = data.tensors()
     features = torch.cat([f for f, _ in iter_features(strategy.model, data, strategy.cfg, torch.device("cpu"))])
     phi = random_features(features, strategy.projection)
-    return {"x": images.reshape(len(images), -1).double(), "f": features, "phi": phi,
-            "phi-direction": phi / phi.norm(dim=1, keepdim=True).clamp_min(1e-300)}
+    return {
+        "x": images.reshape(len(images), -1).double(),
+        "f": features,
+        "phi": phi,
+        "phi-direction": phi / phi.norm(dim=1, keepdim=True).clamp_min(1e-300),
+    }
 
 
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory) -> dict[str, tuple[object, list[tuple[int, str, list[Message]]]]]:
     """strategy name -> (strategy after the run, [(task, phase, replies)] of every round)."""
-    return {name: run_capturing(Path(tmp_path_factory.mktemp(name)), **SETTINGS, **changes)
-            for name, changes in CASES.items()}
+    return {
+        name: run_capturing(Path(tmp_path_factory.mktemp(name)), **SETTINGS, **changes)
+        for name, changes in CASES.items()
+    }
 
 
 def run_capturing(out: Path, **settings) -> tuple[object, list[tuple[int, str, list[Message]]]]:
@@ -139,7 +149,8 @@ def assert_no_sample_leaves(name: str, strategy, rounds: list[tuple[int, str, li
                 for kind, matrix in rows.items():
                     for i, row in enumerate(matrix.numpy()):
                         assert not contains_vector(array, row), (
-                            f"{name}: client {partition}, task {task}: {array_name} contains {kind} of sample {i}")
+                            f"{name}: client {partition}, task {task}: {array_name} contains {kind} of sample {i}"
+                        )
                         checked += 1
     return checked
 
@@ -200,8 +211,10 @@ SKEWED = {**SETTINGS, "beta": 0.2}  # on this split some clients hold 1 (4 cases
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory) -> dict[str, tuple[object, list[tuple[int, str, list[Message]]]]]:
-    return {name: run_capturing(Path(tmp_path_factory.mktemp(name)), **SKEWED, **changes)
-            for name, changes in GUARDED.items()}
+    return {
+        name: run_capturing(Path(tmp_path_factory.mktemp(name)), **SKEWED, **changes)
+        for name, changes in GUARDED.items()
+    }
 
 
 def test_the_skewed_split_has_classes_held_by_one_or_two_samples(guarded) -> None:
@@ -261,7 +274,7 @@ def test_stage1_fedavg_replies_hold_weights_only(tmp_path) -> None:
         return replies
 
     strategy = run_in_process(small_config(tmp_path, **{**SETTINGS, "num_tasks": 3, "stage1_rounds": 1}), keep)
-    (task, _, replies), = rounds
+    ((task, _, replies),) = rounds
     expected = {f"arrays/{name}": tuple(t.shape) for name, t in trainable_state(strategy.model).items()}
     for message in replies:
         arrays = reply_arrays(message)

@@ -118,8 +118,9 @@ def test_three_samples_of_a_class_admit_another_feature_set_with_the_same_upload
     ones = torch.ones(3, dtype=torch.float64) / 3**0.5
     basis = torch.linalg.qr(torch.cat([ones[:, None], torch.eye(3, dtype=torch.float64)[:, :2]], dim=1)).Q
     angle = 0.7  # rotate within the complement of 1: Q fixes the class indicator
-    rotation = torch.tensor([[1, 0, 0], [0, np.cos(angle), -np.sin(angle)], [0, np.sin(angle), np.cos(angle)]],
-                            dtype=torch.float64)
+    rotation = torch.tensor(
+        [[1, 0, 0], [0, np.cos(angle), -np.sin(angle)], [0, np.sin(angle), np.cos(angle)]], dtype=torch.float64
+    )
     q = basis @ rotation @ basis.T
     other = q @ phi
     assert torch.allclose(other.T @ other, phi.T @ phi, atol=1e-12)  # same G

@@ -30,10 +30,16 @@ KEYS = {RunConfig.key(f.name) for f in RunConfig.knobs()}
 
 @pytest.fixture
 def toy():
-    spec = methods.register(MethodSpec(
-        name="toy-means", family=Family.ANALYTIC, summary="nearest class mean on random features",
-        strategy="tests.toy_method:ToyStrategy",
-        phases=(FEDAVG, Phase("toy-stats", Kind.STATS, "tests.toy_method:handle_toy")), knobs=RIDGE_KNOBS))
+    spec = methods.register(
+        MethodSpec(
+            name="toy-means",
+            family=Family.ANALYTIC,
+            summary="nearest class mean on random features",
+            strategy="tests.toy_method:ToyStrategy",
+            phases=(FEDAVG, Phase("toy-stats", Kind.STATS, "tests.toy_method:handle_toy")),
+            knobs=RIDGE_KNOBS,
+        )
+    )
     yield spec
     methods.unregister(spec.name)
 
@@ -42,8 +48,9 @@ def test_a_toy_method_registered_with_one_spec_runs_end_to_end(toy, tmp_path: Pa
     from experiments.sim import run_local
     from tests.toy_method import ToyStrategy, class_means
 
-    cfg = RunConfig(strategy="toy-means", num_tasks=5, num_clients=3, stage1_rounds=0, rf_dim=100, device="cpu",
-                    out=str(tmp_path)).validated()
+    cfg = RunConfig(
+        strategy="toy-means", num_tasks=5, num_clients=3, stage1_rounds=0, rf_dim=100, device="cpu", out=str(tmp_path)
+    ).validated()
     recorder = run_local(cfg)
     results = json.loads(recorder.path.read_text())
     assert results["strategy"] == "toy-means" and len(results["stages"]) == 5
@@ -126,8 +133,12 @@ def test_no_other_module_lists_the_method_names() -> None:
     """The library and both apps hold no list of method names: they ask the registry (benchmarks
     under experiments/ may choose which methods they time)."""
     pattern = re.compile(r'"stsa-e",\s*"fedran"|"finetune",\s*"lwf"')
-    offenders = [str(p.relative_to(ROOT)) for folder in ("fcl_flower", "strategies", "clients")
-                 for p in (ROOT / folder).rglob("*.py") if pattern.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for folder in ("fcl_flower", "strategies", "clients")
+        for p in (ROOT / folder).rglob("*.py")
+        if pattern.search(p.read_text())
+    ]
     assert offenders == []
 
 
@@ -135,8 +146,9 @@ def test_registering_twice_or_a_phase_twice_is_refused() -> None:
     with pytest.raises(methods.RegistryError, match="already registered"):
         methods.register(methods.get("stsa"))
     with pytest.raises(methods.RegistryError, match="phase twice"):
-        methods.register(MethodSpec(name="twice", family=Family.GRADIENT, summary="", strategy="x:y",
-                                    phases=(FEDAVG, FEDAVG)))
+        methods.register(
+            MethodSpec(name="twice", family=Family.GRADIENT, summary="", strategy="x:y", phases=(FEDAVG, FEDAVG))
+        )
     with pytest.raises(methods.RegistryError, match="no phase 'nope'"):
         methods.get("stsa").phase("nope")
     with pytest.raises(methods.RegistryError, match="cannot load"):

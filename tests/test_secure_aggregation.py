@@ -46,7 +46,11 @@ def drop_first_attempt(victim: int, stage: int, corrupt: bool = False):
         for m in replies:
             if reply_partition(m) == victim:
                 m.content.array_records["arrays"] = ArrayRecord(
-                    {"gram-packed": Array(np.zeros(3, dtype=np.uint64)), "class-sums": Array(np.zeros(3, dtype=np.uint64))})
+                    {
+                        "gram-packed": Array(np.zeros(3, dtype=np.uint64)),
+                        "class-sums": Array(np.zeros(3, dtype=np.uint64)),
+                    }
+                )
         return replies
 
     return tamper
@@ -65,7 +69,10 @@ def test_secure_stsa_equals_plain_stsa_within_the_rounding_bound(plain, tmp_path
         assert relative(w_secure, w_plain) < 1e-6
     assert [s.accuracy for s in secure.recorder.stages] == [s.accuracy for s in plain.recorder.stages]
     # G itself: within clients * 2^-(f+1) of the plain float64 sum, entry by entry
-    assert float((secure.ridge.gram - plain.ridge.gram).abs().max()) <= 3 * 2.0 ** -(secure.cfg.secagg_fraction_bits + 1) * 5
+    assert (
+        float((secure.ridge.gram - plain.ridge.gram).abs().max())
+        <= 3 * 2.0 ** -(secure.cfg.secagg_fraction_bits + 1) * 5
+    )
     assert len(seen) == 3 * 5
     for message in seen:
         for array in message.content.array_records["arrays"].values():

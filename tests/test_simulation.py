@@ -32,11 +32,31 @@ def _config_of(argv: list[str]) -> RunConfig:
 
 
 def test_stsa_ray_simulation_end_to_end(tmp_path: Path) -> None:
-    argv = ["--strategy", "stsa", "--dataset", "digits", "--num-tasks", "2", "--num-clients", "3",
-            "--stage1-rounds", "2", "--local-epochs", "1", "--rf-dim", "200", "--batch-size", "128",
-            "--device", "cpu", "--out", str(tmp_path / "out"), "--run-name", "e2e"]
-    proc = subprocess.run([sys.executable, str(SIM), *argv], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=400)
+    argv = [
+        "--strategy",
+        "stsa",
+        "--dataset",
+        "digits",
+        "--num-tasks",
+        "2",
+        "--num-clients",
+        "3",
+        "--stage1-rounds",
+        "2",
+        "--local-epochs",
+        "1",
+        "--rf-dim",
+        "200",
+        "--batch-size",
+        "128",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path / "out"),
+        "--run-name",
+        "e2e",
+    ]
+    proc = subprocess.run([sys.executable, str(SIM), *argv], cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     path = tmp_path / "out" / "e2e" / "results.json"
     assert f"results: {path}" in proc.stdout
@@ -61,7 +81,7 @@ def test_stsa_ray_simulation_end_to_end(tmp_path: Path) -> None:
         assert stage["clients"] == clients and stage["left_out"] == {}
         stats = bytes_for(stsa_upload_numbers(cfg.rf_dim, len(split.tasks[t]), packed=True), cfg.wire_dtype)
         fedavg = cfg.stage1_rounds * model_bytes if t == 0 else 0  # the trainable state, each round
-        assert stage["upload_bytes_per_client"] == {c: stats + fedavg for c in clients}
+        assert stage["upload_bytes_per_client"] == dict.fromkeys(clients, stats + fedavg)
         for c in clients:
             assert stats + fedavg < stage["upload_message_bytes_per_client"][c] <= 1.05 * (stats + fedavg) + 4096
     summary = summarise([s["accuracy"] for s in stages], [s["per_task_accuracy"] for s in stages])
@@ -69,5 +89,6 @@ def test_stsa_ray_simulation_end_to_end(tmp_path: Path) -> None:
     assert results["A_T"] == pytest.approx(summary.A_T) == stages[-1]["accuracy"]
     assert results["F_T"] == pytest.approx(summary.F_T)
     assert results["total_upload_bytes_per_client"] == {
-        c: sum(s["upload_bytes_per_client"][c] for s in stages) for c in clients}
+        c: sum(s["upload_bytes_per_client"][c] for s in stages) for c in clients
+    }
     assert "Traceback" not in proc.stderr

@@ -113,8 +113,8 @@ def test_gradient_match_guarantee(seed: int, conflict: bool, c: float) -> None:
     res = gradient_match_result(g, c, rescale=False)
     d = res.direction
     g0 = g.mean(0)
-    inner = g @ d                     # recomputed here, independently of the solver's numbers
-    scale = float((g ** 2).sum(1).max())
+    inner = g @ d  # recomputed here, independently of the solver's numbers
+    scale = float((g**2).sum(1).max())
     tol = 1e-6 * scale
     # (1) d stays in the CAGrad ball around the mean, hence <g0, d> >= (1 - c)||g0||^2
     assert float((d - g0).norm()) <= c * float(g0.norm()) * (1 + 1e-9) + 1e-12
@@ -150,6 +150,7 @@ def test_gradient_match_limits_and_invariances() -> None:
     # c = 0: exactly the (weighted) mean, i.e. FedAvg
     assert torch.allclose(gradient_match(g, 0.0), g.mean(0), atol=1e-12)
     assert torch.allclose(gradient_match(g, 0.0, weights=w), (w / w.sum()) @ g, atol=1e-12)
+
     # positive scaling and permutation of the inputs
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return float((a - b).norm()) <= 1e-6 * float(b.norm())
@@ -166,7 +167,7 @@ def test_gradient_match_limits_and_invariances() -> None:
     # a zero input imposes no constraint (it is left out of the dual, counted in g0)
     gz = torch.cat([g, torch.zeros(1, g.shape[1], dtype=g.dtype)])
     dz = gradient_match(gz, 1.0, rescale=False)
-    assert float(dz.norm()) > 0 and float((g @ dz).min()) >= -1e-9 * float((g ** 2).sum(1).max())
+    assert float(dz.norm()) > 0 and float((g @ dz).min()) >= -1e-9 * float((g**2).sum(1).max())
     # zero mean: the ball is a point
     assert torch.allclose(gradient_match(torch.stack([g[0], -g[0]]), 0.5), torch.zeros_like(g[0]), atol=1e-12)
 
@@ -254,8 +255,10 @@ def test_select_coreset_respects_budget_and_tracks_prototype(seed: int) -> None:
     rows = labels == 4
     sel = idx[labels[idx] == 4]
     err = float((feats[sel].mean(0) - feats[rows].mean(0)).norm())
-    rand = sorted(float((feats[rows][torch.randperm(40, generator=gen)[:k]].mean(0) - feats[rows].mean(0)).norm())
-                  for _ in range(200))
+    rand = sorted(
+        float((feats[rows][torch.randperm(40, generator=gen)[:k]].mean(0) - feats[rows].mean(0)).norm())
+        for _ in range(200)
+    )
     assert err < rand[100]
     prior = torch.full((6,), 10.0, dtype=torch.float64)
     idx_p = select_coreset(feats, labels, k, prior_means={4: prior}, prior_counts={4: 40})
@@ -265,8 +268,16 @@ def test_select_coreset_respects_budget_and_tracks_prototype(seed: int) -> None:
 
 
 def test_protonet_loss_hand_computed() -> None:
-    emb = torch.tensor([[0.0, 0.0], [2.0, 0.0], [1.0, 1.0],     # class 0: support (0,0),(2,0); query (1,1)
-                        [5.0, 5.0], [4.0, 6.0]], dtype=torch.float64)  # class 1: support (5,5); query (4,6)
+    emb = torch.tensor(
+        [
+            [0.0, 0.0],
+            [2.0, 0.0],
+            [1.0, 1.0],  # class 0: support (0,0),(2,0); query (1,1)
+            [5.0, 5.0],
+            [4.0, 6.0],
+        ],
+        dtype=torch.float64,
+    )  # class 1: support (5,5); query (4,6)
     labels = torch.tensor([0, 0, 0, 1, 1])
     p0, p1 = (1.0, 0.0), (5.0, 5.0)
 

@@ -44,21 +44,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # on the pooled Φ in float64 (isolates the glue's float64 path: agreement to ~1e-8 or better),
 # ``centralised`` uses one full-batch pass over all the data (partition-free; agreement ~1e-6).
 
+
 @lru_cache(maxsize=2)
 def _model_and_projection(cfg: RunConfig) -> tuple[torch.nn.Module, torch.Tensor]:
     """A freshly built seeded backbone and W_rand regenerated from the seed (float64 N(0, 1))."""
     model = build_model(cfg, federated_split(cfg)).eval()
-    proj = torch.randn(model.backbone.feature_dim, cfg.rf_dim,
-                       generator=torch.Generator().manual_seed(cfg.seed), dtype=F64)
+    proj = torch.randn(
+        model.backbone.feature_dim, cfg.rf_dim, generator=torch.Generator().manual_seed(cfg.seed), dtype=F64
+    )
     return model, proj
 
 
 def _phi(cfg: RunConfig, images: torch.Tensor, batch: int | None = None) -> torch.Tensor:
-    model, proj = _model_and_projection(cfg.replace(num_clients=1, beta=0.5, out="/x", run_name="",
-                                                    strategy="stsa", wire_dtype="float64"))
+    model, proj = _model_and_projection(
+        cfg.replace(num_clients=1, beta=0.5, out="/x", run_name="", strategy="stsa", wire_dtype="float64")
+    )
     batch = batch or len(images)
     with torch.no_grad():
-        feats = torch.cat([model.features(images[i:i + batch]) for i in range(0, len(images), batch)])
+        feats = torch.cat([model.features(images[i : i + batch]) for i in range(0, len(images), batch)])
     return torch.relu(feats.to(F64) @ proj)
 
 
@@ -95,7 +98,7 @@ def _client_batched_phi(cfg: RunConfig) -> list[tuple[torch.Tensor, torch.Tensor
 
 def pooled_solve(cfg: RunConfig, upto_task: int) -> tuple[torch.Tensor, ...]:
     """One-shot ridge on ALL training samples of tasks 0..upto_task pooled into one Φ."""
-    per_task = _client_batched_phi(cfg.replace(out="/x", run_name=""))[:upto_task + 1]
+    per_task = _client_batched_phi(cfg.replace(out="/x", run_name=""))[: upto_task + 1]
     phi = torch.cat([p for p, _ in per_task])
     labels = torch.cat([y for _, y in per_task])
     return _ridge(phi, labels, federated_split(cfg).tasks[upto_task].stop)
@@ -114,8 +117,9 @@ def centralised(cfg: RunConfig, upto_task: int) -> tuple[torch.Tensor, float]:
 
 def partition_free(cfg: RunConfig) -> RunConfig:
     """The cache key of the centralised reference: partition knobs and output folder reset."""
-    return cfg.replace(num_clients=1, beta=0.5, out="/x", run_name="", wire_dtype="float64",
-                       strategy="stsa", dummy_clients=1)
+    return cfg.replace(
+        num_clients=1, beta=0.5, out="/x", run_name="", wire_dtype="float64", strategy="stsa", dummy_clients=1
+    )
 
 
 # --------------------------------------------------------------------------- spatial invariance
@@ -142,7 +146,7 @@ def test_federated_stsa_equals_centralised_ridge(out_dir: Path, beta: float, num
         assert record.left_out == {}
         assert record.extra["ridge"] == GAMMA
     assert rel_err(strategy.ridge.gram, gram) <= 1e-12
-    assert rel_err(strategy.ridge.class_sums[:, :sums.shape[1]], sums) <= 1e-12
+    assert rel_err(strategy.ridge.class_sums[:, : sums.shape[1]], sums) <= 1e-12
 
 
 def test_temporal_aggregation_equals_one_shot_joint(out_dir: Path) -> None:
@@ -172,7 +176,7 @@ def test_stsa_upload_bytes_match_formula(out_dir: Path, wire_dtype: str) -> None
     for record in strategy.recorder.stages:
         expected = bytes_for(stsa_upload_numbers(cfg.rf_dim, len(record.classes), packed=True), wire_dtype)
         assert record.upload_bytes_per_client == {f"client-{k}": expected for k in range(cfg.num_clients)}
-        for client, nbytes in record.upload_message_bytes_per_client.items():
+        for nbytes in record.upload_message_bytes_per_client.values():
             assert expected < nbytes <= expected + 2048 and nbytes <= 1.02 * expected
     assert [len(s.classes) for s in strategy.recorder.stages] == [4, 2, 2, 2]
 
@@ -217,6 +221,7 @@ def _negative_count(reply: Message) -> None:
 def _claim_partition(partition: int):
     def tamper(reply: Message) -> None:
         reply.content.metric_records["metrics"]["partition-id"] = partition
+
     return tamper
 
 
@@ -227,8 +232,13 @@ BAD_UPLOADS = {
     "negative-count": ("stsa-e", BAD_PARTITION, _negative_count, f"client-{BAD_PARTITION}", "negative"),
     # partition 2 claims to be partition 1, which has already uploaded: the sender is rejected
     "duplicate-partition-id": ("stsa", 2, _claim_partition(BAD_PARTITION), f"node-{NODE_BASE + 2}", "duplicate"),
-    "out-of-range-partition-id": ("stsa", BAD_PARTITION, _claim_partition(7),
-                                  f"node-{NODE_BASE + BAD_PARTITION}", "partition-id 7"),
+    "out-of-range-partition-id": (
+        "stsa",
+        BAD_PARTITION,
+        _claim_partition(7),
+        f"node-{NODE_BASE + BAD_PARTITION}",
+        "partition-id 7",
+    ),
     "error-reply": ("stsa", BAD_PARTITION, None, f"node-{NODE_BASE + BAD_PARTITION}", "client failed"),
 }
 
@@ -243,12 +253,12 @@ def _tamper_one(partition: int, corrupt):
             if not reply.has_error() and reply_partition(reply) == partition:
                 corrupt(reply)
         return replies
+
     return tamper
 
 
 def _bad_cfg(out_dir: Path, strategy: str, name: str) -> RunConfig:
-    return small_config(out_dir, strategy=strategy, num_tasks=5, num_clients=3, dummy_clients=2,
-                        run_name=name)
+    return small_config(out_dir, strategy=strategy, num_tasks=5, num_clients=3, dummy_clients=2, run_name=name)
 
 
 _REFERENCE_RUNS: dict[tuple[str, int | None], object] = {}
@@ -322,13 +332,14 @@ def test_bad_upload_is_rejected_and_the_rest_aggregated(out_dir: Path, kind: str
     after = bad.recorder.stages[BAD_TASK + 1]
     assert after.extra["backfilled"] == {missing: [BAD_TASK + 1]}
     assert "statistics_missing" not in after.extra
-    for other in bad.recorder.stages[:BAD_TASK] + bad.recorder.stages[BAD_TASK + 1:]:
+    for other in bad.recorder.stages[:BAD_TASK] + bad.recorder.stages[BAD_TASK + 1 :]:
         assert other.left_out == {} and len(other.clients) == 3
     assert bad.ridge.num_samples == fault_free.ridge.num_samples == len(federated_split(cfg).bundle.train)
     assert rel_err(bad.ridge.gram, fault_free.ridge.gram) <= 1e-12
     assert rel_err(bad.weights, fault_free.weights) <= 1e-8
-    assert [s.accuracy for s in bad.recorder.stages[BAD_TASK + 1:]] == \
-        [s.accuracy for s in fault_free.recorder.stages[BAD_TASK + 1:]]
+    assert [s.accuracy for s in bad.recorder.stages[BAD_TASK + 1 :]] == [
+        s.accuracy for s in fault_free.recorder.stages[BAD_TASK + 1 :]
+    ]
 
 
 # --------------------------------------------------------------------------- backbone
@@ -336,8 +347,9 @@ def test_stage1_rounds_zero_keeps_the_seeded_backbone(out_dir: Path) -> None:
     """Without stage-1 training every strategy (any partition) sees the same test features,
     and the server model after the run is the seeded model, untouched."""
     a = run_in_process(small_config(out_dir, num_clients=2, beta=0.1, num_tasks=2, run_name="a"))
-    b = build(small_config(out_dir, strategy="stsa-e", num_clients=6, beta=1.0, num_tasks=2,
-                           dummy_clients=2, run_name="b"))
+    b = build(
+        small_config(out_dir, strategy="stsa-e", num_clients=6, beta=1.0, num_tasks=2, dummy_clients=2, run_name="b")
+    )
     phi_a, y_a = a.test_features(1)
     phi_b, y_b = b.test_features(1)
     assert torch.equal(phi_a, phi_b) and torch.equal(y_a, y_b)
@@ -377,6 +389,8 @@ def test_ridge_auto_picks_a_grid_gamma_and_matches_that_fixed_ridge(out_dir: Pat
     fixed = run_in_process(cfg.replace(ridge=repr(final_gamma), run_name="fixed"))
     assert rel_err(auto.weights, fixed.weights) <= 1e-12
     assert auto.recorder.stages[-1].accuracy == fixed.recorder.stages[-1].accuracy
-    print(f"\nridge=auto on digits (2 tasks, 3 clients, seeded backbone): gamma per stage "
-          f"{[r.extra['ridge'] for r in auto.recorder.stages]}, "
-          f"A_t {[round(r.accuracy, 2) for r in auto.recorder.stages]}")
+    print(
+        f"\nridge=auto on digits (2 tasks, 3 clients, seeded backbone): gamma per stage "
+        f"{[r.extra['ridge'] for r in auto.recorder.stages]}, "
+        f"A_t {[round(r.accuracy, 2) for r in auto.recorder.stages]}"
+    )

@@ -20,10 +20,10 @@ import torch
 
 from fcl_flower import methods
 from fcl_flower.config import ConfigError, RunConfig
-from fcl_flower.protocol import parse_instruction
 from fcl_flower.data import DatasetError, FederatedSplit, load_dataset
 from fcl_flower.data.task_pool import client_task_classes, resolve_classes_per_task, task_pool_classes
 from fcl_flower.metrics import forgetting, summarise_clients, task_pool_accuracy
+from fcl_flower.protocol import parse_instruction
 from tests.conftest import run_locally
 
 
@@ -75,8 +75,10 @@ def test_split_serves_whole_classes_per_client(digits, pool):
             classes = pool.client_task_classes(t, u)
             union |= set(classes.tolist())
             np.testing.assert_array_equal(pool.client_indices(t, u), np.flatnonzero(np.isin(train_y, classes)))
-            assert np.bincount(pool.client_train(t, u).targets, minlength=10)[classes].tolist() == \
-                np.bincount(train_y, minlength=10)[classes].tolist()  # all samples, replicated
+            assert (
+                np.bincount(pool.client_train(t, u).targets, minlength=10)[classes].tolist()
+                == np.bincount(train_y, minlength=10)[classes].tolist()
+            )  # all samples, replicated
             test = pool.client_task_test(t, u)
             assert sorted(set(test.targets.tolist())) == sorted(classes.tolist())
             assert len(test) == int(np.isin(test_y, classes).sum())
@@ -110,16 +112,16 @@ def test_task_pool_accuracy_is_accuracy_on_each_clients_classes():
 
 def test_per_client_summary_equals_hand_computation():
     # a_u[t][i] for two clients and three stages, chosen so that max/mean do not commute
-    a = [[[80.0], [40.0, 90.0], [60.0, 30.0, 70.0]],
-         [[50.0], [70.0, 60.0], [20.0, 65.0, 95.0]]]
+    a = [[[80.0], [40.0, 90.0], [60.0, 30.0, 70.0]], [[50.0], [70.0, 60.0], [20.0, 65.0, 95.0]]]
     mean, each = summarise_clients(a)
     direct = []
     for rows in a:
         A_t = [np.mean(r) for r in rows]
         F = np.mean([max(rows[t][i] for t in range(i, 3)) - rows[2][i] for i in range(2)])
         direct.append((np.mean(A_t), A_t[-1], F))
-        assert (each[len(direct) - 1].A_avg, each[len(direct) - 1].A_T, each[len(direct) - 1].F_T) == \
-            pytest.approx(direct[-1])
+        assert (each[len(direct) - 1].A_avg, each[len(direct) - 1].A_T, each[len(direct) - 1].F_T) == pytest.approx(
+            direct[-1]
+        )
     assert (mean.A_avg, mean.A_T, mean.F_T) == pytest.approx(tuple(np.mean(direct, axis=0)))
     averaged_matrix = [np.mean([a[0][t], a[1][t]], axis=0).tolist() for t in range(3)]
     assert forgetting(averaged_matrix) != pytest.approx(mean.F_T)  # why the clients are summarised first
@@ -142,10 +144,23 @@ NUM_CLIENTS, NUM_TASKS = 3, 4
 
 
 def _config(strategy: str, out) -> RunConfig:
-    return RunConfig(strategy=strategy, dataset="digits", num_tasks=NUM_TASKS, classes_per_task=2,
-                     num_clients=NUM_CLIENTS, partition="task-pool", stage1_rounds=3, rounds_per_task=2,
-                     local_epochs=1, batch_size=16, lr=0.05, memory_size=80, seed=0, out=str(out),
-                     run_name=strategy).validated()
+    return RunConfig(
+        strategy=strategy,
+        dataset="digits",
+        num_tasks=NUM_TASKS,
+        classes_per_task=2,
+        num_clients=NUM_CLIENTS,
+        partition="task-pool",
+        stage1_rounds=3,
+        rounds_per_task=2,
+        local_epochs=1,
+        batch_size=16,
+        lr=0.05,
+        memory_size=80,
+        seed=0,
+        out=str(out),
+        run_name=strategy,
+    ).validated()
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +171,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("strategy", ["finetune", "stamp", "ewc"])
 def test_run_records_per_client_results(runs, strategy):
-    cfg, grid, result = runs[strategy]
+    _cfg, grid, result = runs[strategy]
     stages = result["stages"]
     assert len(stages) == NUM_TASKS
     for t, stage in enumerate(stages):
@@ -166,8 +181,9 @@ def test_run_records_per_client_results(runs, strategy):
         assert rows.shape == (NUM_CLIENTS, t + 1)
         assert stage["per_task_accuracy"] == pytest.approx(rows.mean(axis=0).tolist())
         assert stage["accuracy"] == pytest.approx(rows.mean(axis=1).mean())
-    mean, each = summarise_clients([[s["extra"]["per_client"][f"client-{u}"] for s in stages]
-                                    for u in range(NUM_CLIENTS)])
+    mean, each = summarise_clients(
+        [[s["extra"]["per_client"][f"client-{u}"] for s in stages] for u in range(NUM_CLIENTS)]
+    )
     assert (result["A_avg"], result["A_T"], result["F_T"]) == pytest.approx((mean.A_avg, mean.A_T, mean.F_T))
     assert result["per_client"]["client-1"]["F_T"] == pytest.approx(each[1].F_T)
     # every training message offers the whole head
@@ -211,9 +227,9 @@ def test_stamp_coreset_holds_the_clients_own_earlier_tasks(runs):
 
 
 def test_stamp_on_a_tiled_pool_keeps_a_returning_class_once(tmp_path):
+    from clients.app import app as client_app
     from clients.memory import load_memory
     from clients.stamp import CORESET_STATE
-    from clients.app import app as client_app
     from fcl_flower.local_grid import LocalGrid
     from fcl_flower.runtime import federated_split
     from strategies.app import run_experiment

@@ -40,8 +40,8 @@ class ToyStrategy(AnalyticStrategy):
     def aggregate_stats(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
         classes = self.split.tasks[plan.task]
         for r in replies:
-            self.sums[:, classes.start:classes.stop] += r.payload.class_sums[0]
-            self.counts[classes.start:classes.stop] += r.payload.counts[0]
+            self.sums[:, classes.start : classes.stop] += r.payload.class_sums[0]
+            self.counts[classes.start : classes.stop] += r.payload.counts[0]
 
     def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
         seen = self.num_seen(task)

@@ -23,11 +23,11 @@ from .ridge import GCVRow, default_ridge_grid, ridge_residual, select_ridge_gcv,
 from .statistics import ClassStatistics, StatisticsAccumulator, accumulate_over_stages, aggregate
 
 __all__ = [
+    "HEADS",
+    "K_MODES",
     "AnalyticInputError",
     "ClassStatistics",
     "GCVRow",
-    "HEADS",
-    "K_MODES",
     "NotPositiveDefiniteError",
     "StatisticsAccumulator",
     "Table5Row",
@@ -51,4 +51,5 @@ __all__ = [
     "split_into_dummy_clients",
     "stsa_e_upload_numbers",
     "stsa_upload_numbers",
+    "unpack_upper",
 ]

@@ -64,9 +64,7 @@ def fedran_upload_numbers(rf_dim: int, rank: int, num_classes: int) -> int:
 def bytes_for(numbers: int, wire_dtype: str) -> int:
     """Bytes for ``numbers`` values sent as ``wire_dtype`` ("float32" or "float64")."""
     if wire_dtype not in WIRE_DTYPE_BYTES:
-        raise AnalyticInputError(
-            f"wire_dtype must be one of {tuple(WIRE_DTYPE_BYTES)}, got {wire_dtype!r}"
-        )
+        raise AnalyticInputError(f"wire_dtype must be one of {tuple(WIRE_DTYPE_BYTES)}, got {wire_dtype!r}")
     return _positive("numbers", numbers, allow_zero=True) * WIRE_DTYPE_BYTES[wire_dtype]
 
 

@@ -57,9 +57,7 @@ def _coefficients_from_totals(n: Tensor, holders: Tensor, num_clients: int, k_mo
     safe_n = torch.where(n > 0, n, torch.ones_like(n))
     if k_mode == "global":
         if num_clients < 2:
-            raise AnalyticInputError(
-                f"global-K Eq. 9 needs at least 2 (dummy) clients, got {num_clients}"
-            )
+            raise AnalyticInputError(f"global-K Eq. 9 needs at least 2 (dummy) clients, got {num_clients}")
         k = torch.full_like(n, float(num_clients))
         a = ((n - 1.0) / (k - 1.0)).clamp_min(0.0)
         b = ((n - k) / ((k - 1.0) * safe_n)).clamp_min(0.0)
@@ -88,9 +86,7 @@ def estimate_gram(class_sums: Tensor, counts: Tensor, *, k_mode: KMode = "global
     Counts may be float (e.g. noised), but must be non-negative; n_k ≤ 0 means "absent".
     """
     if class_sums.dim() != 3:
-        raise AnalyticInputError(
-            f"class_sums must be 3-D (K, M, c), got shape {tuple(class_sums.shape)}"
-        )
+        raise AnalyticInputError(f"class_sums must be 3-D (K, M, c), got shape {tuple(class_sums.shape)}")
     num_clients, rf_dim, num_classes = class_sums.shape
     if tuple(counts.shape) != (num_clients, num_classes):
         raise AnalyticInputError(
@@ -156,8 +152,7 @@ class GramEstimator:
             class_sums, counts = class_sums.unsqueeze(0), counts.unsqueeze(0)
         if class_sums.dim() != 3 or tuple(class_sums.shape[1:]) != (self.rf_dim, self.num_classes):
             raise AnalyticInputError(
-                f"class_sums must have shape (D, {self.rf_dim}, {self.num_classes}), "
-                f"got {tuple(class_sums.shape)}"
+                f"class_sums must have shape (D, {self.rf_dim}, {self.num_classes}), got {tuple(class_sums.shape)}"
             )
         if tuple(counts.shape) != (class_sums.shape[0], self.num_classes):
             raise AnalyticInputError(
@@ -198,8 +193,9 @@ class GramEstimator:
         a, b = _coefficients_from_totals(self.counts, self.holders, self.num_uploads, self.k_mode)
         gram = torch.zeros(self.rf_dim, self.rf_dim, dtype=torch.float64)
         for i in range(self.num_classes):  # class by class: one class's columns as temporary, not all
-            if self._dense[i] is not None:
-                gram.add_(self._dense[i], alpha=float(a[i]))
+            dense = self._dense[i]
+            if dense is not None:
+                gram.add_(dense, alpha=float(a[i]))
             if self._columns[i]:
                 z = torch.cat(self._columns[i], dim=1) if len(self._columns[i]) > 1 else self._columns[i][0]
                 gram.addmm_(z, z.T, alpha=float(a[i]))
@@ -235,6 +231,7 @@ def split_into_dummy_clients(
     if (seed is None) == (generator is None):
         raise AnalyticInputError("pass exactly one of seed or generator")
     if generator is None:
+        assert seed is not None  # exactly one of the two is given (checked above)
         generator = torch.Generator(device="cpu")
         generator.manual_seed(int(seed))
     perm = torch.randperm(num_samples, generator=generator)

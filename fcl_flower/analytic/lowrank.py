@@ -26,11 +26,11 @@ from .errors import AnalyticInputError
 
 __all__ = [
     "LowRankError",
-    "TailEnergy",
     "LowRankSummary",
-    "discarded_energy",
+    "TailEnergy",
     "client_summary",
     "client_summary_from_gram",
+    "discarded_energy",
     "merge_pair",
     "merge_summaries",
     "merge_two_level",
@@ -81,9 +81,7 @@ class LowRankSummary:
         if basis.dtype != torch.float64 or sigma.dtype != torch.float64:
             raise LowRankError("basis and singular_values must be float64")
         if basis.shape[1] != sigma.shape[0]:
-            raise LowRankError(
-                f"basis has {basis.shape[1]} columns but there are {sigma.shape[0]} singular values"
-            )
+            raise LowRankError(f"basis has {basis.shape[1]} columns but there are {sigma.shape[0]} singular values")
         if basis.shape[1] > basis.shape[0]:
             raise LowRankError(f"rank {basis.shape[1]} exceeds the feature dimension {basis.shape[0]}")
         if basis.device != sigma.device:
@@ -143,9 +141,7 @@ def discarded_energy(singular_values: Tensor, rank: int) -> TailEnergy:
     return TailEnergy(spectral=float(squares[0].item()), trace=float(squares.sum().item()))
 
 
-def client_summary(
-    features: Tensor, rank: int, *, method: Literal["auto", "svd", "gram"] = "auto"
-) -> LowRankSummary:
+def client_summary(features: Tensor, rank: int, *, method: Literal["auto", "svd", "gram"] = "auto") -> LowRankSummary:
     """Algorithm 2 (ClientSVD): rank-r_k sketch of HᵀH with r_k = min(rank, n, M).
 
     ``method="auto"`` works on the smaller side: for n < M a thin SVD of H itself (O(n²M),
@@ -239,9 +235,7 @@ def _truncated(only: LowRankSummary, rank: int, num_samples: int, carried: TailE
     )
 
 
-def merge_summaries(
-    summaries: Sequence[LowRankSummary], rank: int, *, stacked: bool = False
-) -> LowRankSummary:
+def merge_summaries(summaries: Sequence[LowRankSummary], rank: int, *, stacked: bool = False) -> LowRankSummary:
     """Spatial merge of several summaries in the order given (use ascending client id).
 
     Default (the paper's Algorithm 1): a left fold of :func:`merge_pair`, truncating to ``rank``
@@ -326,9 +320,7 @@ def rank_for_budget(budget_bytes: int, rf_dim: int, num_classes: int, bytes_per_
     return min(rank, rf_dim)
 
 
-def _qr_svd_merge(
-    blocks: list[Tensor], rank: int, num_samples: int, carried: TailEnergy
-) -> LowRankSummary:
+def _qr_svd_merge(blocks: list[Tensor], rank: int, num_samples: int, carried: TailEnergy) -> LowRankSummary:
     """Rank-r sketch of A Aᵀ for A = [blocks...], via reduced QR of A and SVD of R."""
     stacked = torch.cat(blocks, dim=1)
     q, r_factor = torch.linalg.qr(stacked, mode="reduced")

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .errors import AnalyticInputError
 
-__all__ = ["packed_length", "pack_upper", "unpack_upper"]
+__all__ = ["pack_upper", "packed_length", "unpack_upper"]
 
 
 def packed_length(dim: int) -> int:
@@ -47,9 +47,7 @@ def unpack_upper(packed: Tensor, dim: int) -> Tensor:
         raise AnalyticInputError(f"packed Gram must be 1-D, got shape {tuple(packed.shape)}")
     expected = packed_length(dim)
     if packed.numel() != expected:
-        raise AnalyticInputError(
-            f"packed Gram has {packed.numel()} entries, expected {expected} for dim {dim}"
-        )
+        raise AnalyticInputError(f"packed Gram has {packed.numel()} entries, expected {expected} for dim {dim}")
     out = torch.zeros(dim, dim, dtype=packed.dtype, device=packed.device)
     offset = 0
     for row in range(dim):

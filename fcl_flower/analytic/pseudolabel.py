@@ -27,8 +27,8 @@ __all__ = [
     "class_prototypes",
     "pseudo_label",
     "pseudo_label_client",
-    "select_labelled",
     "pseudo_label_report",
+    "select_labelled",
 ]
 
 
@@ -112,9 +112,10 @@ def pseudo_label(
     if n == 0 or not bool(present.any()):
         return labels, accepted
     # Re-normalise the prototypes: cheap, and callers may pass unnormalised class means.
-    cosine = _normalise_rows(features_unlabelled.to(torch.float64)) @ _normalise_rows(
-        prototypes.to(device=device, dtype=torch.float64)
-    ).T
+    cosine = (
+        _normalise_rows(features_unlabelled.to(torch.float64))
+        @ _normalise_rows(prototypes.to(device=device, dtype=torch.float64)).T
+    )
     cosine = cosine.masked_fill(~present.unsqueeze(0), float("-inf"))
     best, best_class = cosine.max(dim=1)
     accepted = best >= threshold
@@ -140,7 +141,9 @@ def pseudo_label_client(
     predicted, accepted = pseudo_label(unlabelled_features, prototypes, present, threshold)
     extra = unlabelled_features[accepted.to(unlabelled_features.device)]
     return PseudoLabelOutput(
-        features=torch.cat([labelled_features, extra.to(device=labelled_features.device, dtype=labelled_features.dtype)], dim=0),
+        features=torch.cat(
+            [labelled_features, extra.to(device=labelled_features.device, dtype=labelled_features.dtype)], dim=0
+        ),
         labels=torch.cat([labels, predicted[accepted].to(labels.device)], dim=0),
         num_labelled=int(labelled_features.shape[0]),
         num_accepted=int(accepted.sum().item()),
@@ -163,7 +166,7 @@ def select_labelled(num_samples: int, ratio: float, generator: torch.Generator) 
     if not isinstance(generator, torch.Generator):
         raise PseudoLabelError("generator must be a torch.Generator")
     # Half-up rounding with a guard so 0.2 * 50 = 10.000000000000002 still gives 10.
-    count = min(num_samples, int(math.floor(ratio * num_samples + 0.5 + 1e-9)))
+    count = min(num_samples, math.floor(ratio * num_samples + 0.5 + 1e-9))
     mask = torch.zeros(num_samples, dtype=torch.bool, device=generator.device)
     if count == num_samples:
         mask[:] = True

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .errors import AnalyticInputError
 
-__all__ = ["random_projection", "random_features"]
+__all__ = ["random_features", "random_projection"]
 
 
 def random_projection(in_dim: int, rf_dim: int, seed: int) -> Tensor | None:

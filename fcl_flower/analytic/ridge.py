@@ -12,8 +12,8 @@ without any validation data.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -35,9 +35,7 @@ def _check_system(gram: Tensor, class_sums: Tensor) -> None:
     if gram.dim() != 2 or gram.shape[0] != gram.shape[1]:
         raise AnalyticInputError(f"gram must be square, got shape {tuple(gram.shape)}")
     if class_sums.dim() != 2 or class_sums.shape[0] != gram.shape[0]:
-        raise AnalyticInputError(
-            f"class_sums shape {tuple(class_sums.shape)} does not match gram dim {gram.shape[0]}"
-        )
+        raise AnalyticInputError(f"class_sums shape {tuple(class_sums.shape)} does not match gram dim {gram.shape[0]}")
 
 
 def solve_ridge(gram: Tensor, class_sums: Tensor, ridge: float) -> Tensor:
@@ -54,8 +52,7 @@ def solve_ridge(gram: Tensor, class_sums: Tensor, ridge: float) -> Tensor:
     factor, info = torch.linalg.cholesky_ex(system)
     if int(info) != 0:
         raise NotPositiveDefiniteError(
-            f"G + {ridge:g}·I is not positive definite (Cholesky failed at column {int(info)}); "
-            "increase the ridge"
+            f"G + {ridge:g}·I is not positive definite (Cholesky failed at column {int(info)}); increase the ridge"
         )
     return torch.cholesky_solve(class_sums.to(device=g.device, dtype=torch.float64), factor)
 
@@ -180,10 +177,12 @@ class RidgeState:
     def add(self, classes: range, gram: Tensor, class_sums: Tensor, num_samples: int) -> None:
         """G grows by G_t; the columns of ``classes`` receive C_t."""
         if tuple(class_sums.shape) != (self.gram.shape[0], len(classes)):
-            raise AnalyticInputError(f"class_sums shape {tuple(class_sums.shape)} does not fit "
-                                     f"{self.gram.shape[0]} features and {len(classes)} classes")
+            raise AnalyticInputError(
+                f"class_sums shape {tuple(class_sums.shape)} does not fit "
+                f"{self.gram.shape[0]} features and {len(classes)} classes"
+            )
         self.gram += gram
-        self.class_sums[:, classes.start:classes.stop] += class_sums
+        self.class_sums[:, classes.start : classes.stop] += class_sums
         self.num_samples += int(num_samples)
 
     def solve(self, num_seen: int, ridge: float | None) -> tuple[Tensor, float, list[GCVRow]]:

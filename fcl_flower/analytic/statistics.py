@@ -15,15 +15,15 @@ paper's column concatenation [C_{1:t-1}, C_t] is the same plain sum (spec §6 it
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import Tensor
 
 from .errors import AnalyticInputError
 
-__all__ = ["ClassStatistics", "StatisticsAccumulator", "aggregate", "accumulate_over_stages"]
+__all__ = ["ClassStatistics", "StatisticsAccumulator", "accumulate_over_stages", "aggregate"]
 
 
 @dataclass
@@ -48,9 +48,7 @@ class ClassStatistics:
             )
         rf_dim, num_classes = self.class_sums.shape
         if self.gram is not None and tuple(self.gram.shape) != (rf_dim, rf_dim):
-            raise AnalyticInputError(
-                f"gram shape {tuple(self.gram.shape)} does not match rf_dim {rf_dim}"
-            )
+            raise AnalyticInputError(f"gram shape {tuple(self.gram.shape)} does not match rf_dim {rf_dim}")
         if tuple(self.counts.shape) != (num_classes,):
             raise AnalyticInputError(
                 f"counts shape {tuple(self.counts.shape)} does not match num_classes {num_classes}"
@@ -66,17 +64,16 @@ class ClassStatistics:
     def num_classes(self) -> int:
         return int(self.class_sums.shape[1])
 
-    def __add__(self, other: "ClassStatistics") -> "ClassStatistics":
+    def __add__(self, other: ClassStatistics) -> ClassStatistics:
         if not isinstance(other, ClassStatistics):
             return NotImplemented
         if self.class_sums.shape != other.class_sums.shape:
             raise AnalyticInputError(
-                f"cannot add statistics of shapes {tuple(self.class_sums.shape)} "
-                f"and {tuple(other.class_sums.shape)}"
+                f"cannot add statistics of shapes {tuple(self.class_sums.shape)} and {tuple(other.class_sums.shape)}"
             )
         if (self.gram is None) != (other.gram is None):
             raise AnalyticInputError("cannot add statistics with and without a Gram matrix")
-        gram = None if self.gram is None else self.gram + other.gram
+        gram = None if self.gram is None or other.gram is None else self.gram + other.gram
         return ClassStatistics(
             gram=gram,
             class_sums=self.class_sums + other.class_sums,
@@ -84,7 +81,7 @@ class ClassStatistics:
             num_samples=int(self.num_samples) + int(other.num_samples),
         )
 
-    def __radd__(self, other: object) -> "ClassStatistics":
+    def __radd__(self, other: object) -> ClassStatistics:
         # Lets the built-in sum() start from 0.
         if isinstance(other, int) and other == 0:
             return self
@@ -117,13 +114,9 @@ class StatisticsAccumulator:
     def update(self, phi_batch: Tensor, labels: Tensor) -> None:
         """Add one batch: ``phi_batch`` (b, M) random features, ``labels`` (b,) global class ids."""
         if phi_batch.dim() != 2 or phi_batch.shape[1] != self.rf_dim:
-            raise AnalyticInputError(
-                f"phi_batch must have shape (b, {self.rf_dim}), got {tuple(phi_batch.shape)}"
-            )
+            raise AnalyticInputError(f"phi_batch must have shape (b, {self.rf_dim}), got {tuple(phi_batch.shape)}")
         if labels.dim() != 1 or labels.shape[0] != phi_batch.shape[0]:
-            raise AnalyticInputError(
-                f"labels must have shape ({phi_batch.shape[0]},), got {tuple(labels.shape)}"
-            )
+            raise AnalyticInputError(f"labels must have shape ({phi_batch.shape[0]},), got {tuple(labels.shape)}")
         if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
             raise AnalyticInputError(f"labels must be an integer tensor, got {labels.dtype}")
         if phi_batch.shape[0] == 0:
@@ -131,9 +124,7 @@ class StatisticsAccumulator:
         labels = labels.to(device="cpu", dtype=torch.int64)
         low, high = int(labels.min()), int(labels.max())
         if low < 0 or high >= self.num_classes:
-            raise AnalyticInputError(
-                f"labels must lie in [0, {self.num_classes - 1}], got range [{low}, {high}]"
-            )
+            raise AnalyticInputError(f"labels must lie in [0, {self.num_classes - 1}], got range [{low}, {high}]")
         phi = phi_batch.to(device="cpu", dtype=torch.float64)
         if self._gram is not None:
             self._gram.addmm_(phi.T, phi)

@@ -23,11 +23,11 @@ from .lowrank import LowRankError, LowRankSummary
 from .ridge import GCVRow, gcv_from_spectrum
 
 __all__ = [
-    "pad_label_corr",
-    "subspace_coefficients",
-    "solve_subspace_ridge",
-    "select_subspace_ridge_gcv",
     "outside_subspace_norm",
+    "pad_label_corr",
+    "select_subspace_ridge_gcv",
+    "solve_subspace_ridge",
+    "subspace_coefficients",
     "weight_error_bound",
 ]
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numbers
 import os
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +41,6 @@ from .registry import load_dataset
 from .task_pool import samples_of_classes, task_pool_classes
 from .tasks import task_class_ranges
 
-
 PARTITIONS = ("dirichlet", "class-subsets", "task-pool")
 
 
@@ -51,6 +51,18 @@ class FederatedSplit:
     clients are 0-based. Client index arrays are positions in ``bundle.train`` (equivalently
     ``bundle.train_eval``), sorted per task for the pooled views and shuffled per client.
     """
+
+    bundle: DatasetBundle
+    tasks: list[range]
+    num_clients: int
+    beta: float
+    seed: int
+    partition: str
+    join_task: np.ndarray
+    old_only: list[np.ndarray]  # per task: LGA's Z_o (joined earlier, no data of the task)
+    client_classes: np.ndarray | None  # task pool: (clients, tasks, cpt) class blocks
+    _task_idx: list[np.ndarray]
+    _client_idx: list[list[np.ndarray]]
 
     def __init__(
         self,
@@ -78,8 +90,16 @@ class FederatedSplit:
         self.bundle = bundle
         self.client_classes: np.ndarray | None = None  # task pool: (clients, tasks, cpt) class blocks
         if partition == "task-pool":
-            self._build_task_pool(num_tasks, first_task_classes, int(num_clients), float(beta), int(seed),
-                                  classes_per_task, initial_clients, old_only_fraction)
+            self._build_task_pool(
+                num_tasks,
+                first_task_classes,
+                int(num_clients),
+                float(beta),
+                int(seed),
+                classes_per_task,
+                initial_clients,
+                old_only_fraction,
+            )
             return
         self.tasks: list[range] = task_class_ranges(bundle.num_classes, num_tasks, first_task_classes)
         self.num_clients = int(num_clients)
@@ -119,8 +139,17 @@ class FederatedSplit:
                 c.setflags(write=False)
             self._client_idx.append(clients)
 
-    def _build_task_pool(self, num_tasks: int, first_task_classes: int, num_clients: int, beta: float,
-                         seed: int, classes_per_task: int, initial_clients: int, old_only_fraction: float) -> None:
+    def _build_task_pool(
+        self,
+        num_tasks: int,
+        first_task_classes: int,
+        num_clients: int,
+        beta: float,
+        seed: int,
+        classes_per_task: int,
+        initial_clients: int,
+        old_only_fraction: float,
+    ) -> None:
         """STAMP's limitless task pool (spec lga_stamp.md B1.4): per-client task sequences."""
         if first_task_classes:
             raise DatasetError("partition task-pool has no large first task; set first-task-classes to 0")
@@ -209,9 +238,9 @@ class FederatedSplit:
         """``(num_clients, c_t)`` int64 per-client class counts; column j is label ``tasks[task][j]``."""
         r = self.tasks[self._task(task)]
         y = self.bundle.train.targets
-        return np.stack(
-            [np.bincount(y[ix] - r.start, minlength=len(r)) for ix in self._client_idx[task]]
-        ).astype(np.int64)
+        return np.stack([np.bincount(y[ix] - r.start, minlength=len(r)) for ix in self._client_idx[task]]).astype(
+            np.int64
+        )
 
     # -- test views ------------------------------------------------------------------------
     def num_seen_classes(self, upto_task: int) -> int:
@@ -243,8 +272,14 @@ class FederatedSplit:
 
 # FederatedSplit's client-protocol arguments (the papers' data protocols); the run config's knobs
 # of the same names, so callers can pass ``{k: getattr(cfg, k) for k in PROTOCOL_ARGS}``.
-PROTOCOL_ARGS = ("partition", "class_fraction", "initial_clients", "joining_per_task", "old_only_fraction",
-                 "classes_per_task")
+PROTOCOL_ARGS = (
+    "partition",
+    "class_fraction",
+    "initial_clients",
+    "joining_per_task",
+    "old_only_fraction",
+    "classes_per_task",
+)
 
 
 @lru_cache(maxsize=16)
@@ -258,7 +293,7 @@ def get_federated_split(
     num_clients: int,
     beta: float,
     image_size: int | None = None,
-    **protocol: str | float | int,
+    **protocol: Any,
 ) -> FederatedSplit:
     """Load the dataset (seeded class order) and build its split once per process (cached).
 

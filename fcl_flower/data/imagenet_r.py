@@ -31,7 +31,9 @@ def _images(d: Path) -> list[Path]:
 
 
 def _class_dirs(d: Path) -> list[Path]:
-    return sorted(p for p in d.iterdir() if p.is_dir() and p.name not in ("train", "test") and not p.name.startswith("."))
+    return sorted(
+        p for p in d.iterdir() if p.is_dir() and p.name not in ("train", "test") and not p.name.startswith(".")
+    )
 
 
 def _is_prepared(folder: Path) -> bool:
@@ -44,7 +46,7 @@ def _present(folder: Path) -> bool:
 
 def split_counts(n: int, train_fraction: float = TRAIN_FRACTION) -> int:
     """Number of training images of a class with ``n`` images (at least one of each when n >= 2)."""
-    n_train = int(round(train_fraction * n))
+    n_train = round(train_fraction * n)
     return min(max(n_train, 1), n - 1) if n >= 2 else n
 
 
@@ -60,7 +62,9 @@ def imagenet_r_files(folder: str) -> tuple[tuple[str, ...], list[str], np.ndarra
         classes = tuple(p.name for p in _class_dirs(base / "train"))
         unknown = sorted({p.name for p in _class_dirs(base / "test")} - set(classes))
         if unknown:
-            raise DatasetError(f"imagenet-r: test classes {unknown[:3]} have no folder in {base / 'train'}; fix the prepared split")
+            raise DatasetError(
+                f"imagenet-r: test classes {unknown[:3]} have no folder in {base / 'train'}; fix the prepared split"
+            )
         for c, name in enumerate(classes):
             files = _images(base / "train" / name)
             tr_paths += [str(p) for p in files]
@@ -87,7 +91,9 @@ def imagenet_r_files(folder: str) -> tuple[tuple[str, ...], list[str], np.ndarra
     return classes, tr_paths, np.asarray(tr_y, np.int64), te_paths, np.asarray(te_y, np.int64)
 
 
-def imagenet_r_files_at(root: Path, download: bool) -> tuple[tuple[str, ...], list[str], np.ndarray, list[str], np.ndarray]:
+def imagenet_r_files_at(
+    root: Path, download: bool
+) -> tuple[tuple[str, ...], list[str], np.ndarray, list[str], np.ndarray]:
     """Locate (or download) ``root/imagenet-r`` and list its split."""
     folder = root / IMAGENET_R_FOLDER
     ensure_folder(

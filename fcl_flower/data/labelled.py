@@ -37,7 +37,9 @@ class _Storage:
     def __init__(self, images: np.ndarray | Sequence[str], targets: np.ndarray) -> None:
         targets = np.asarray(targets)
         if targets.ndim != 1 or not np.issubdtype(targets.dtype, np.integer):
-            raise DatasetError(f"targets must be a 1-D integer array, got shape {targets.shape} and dtype {targets.dtype}")
+            raise DatasetError(
+                f"targets must be a 1-D integer array, got shape {targets.shape} and dtype {targets.dtype}"
+            )
         if isinstance(images, np.ndarray):
             if images.dtype == np.uint8:
                 if images.ndim == 3:  # grey (N, H, W) -> (N, H, W, 1)

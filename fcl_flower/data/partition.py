@@ -89,7 +89,9 @@ def dirichlet_partition(
     if k > n:
         raise DatasetError(f"cannot partition {n} samples over {k} clients; use at most {n} clients")
     if min_size * k > n:
-        raise DatasetError(f"cannot give each of {k} clients >= {min_size} samples out of {n}; lower min_size or num_clients")
+        raise DatasetError(
+            f"cannot give each of {k} clients >= {min_size} samples out of {n}; lower min_size or num_clients"
+        )
     classes = np.unique(labels)
     for _ in range(max_attempts):
         parts = _draw_once(labels, classes, k, float(beta), rng)

@@ -46,8 +46,7 @@ def resolve_classes_per_task(num_classes: int, num_tasks: int, classes_per_task:
     return cpt
 
 
-def client_task_classes(num_classes: int, num_tasks: int, classes_per_task: int, seed: int,
-                        client: int) -> np.ndarray:
+def client_task_classes(num_classes: int, num_tasks: int, classes_per_task: int, seed: int, client: int) -> np.ndarray:
     """``(num_tasks, cpt)`` int64: client ``client``'s class block of every task.
 
     Row ``t`` is ``perm[t*cpt:(t+1)*cpt]`` of the client's own permutation (tiled as needed);
@@ -62,12 +61,12 @@ def client_task_classes(num_classes: int, num_tasks: int, classes_per_task: int,
     return tiled.reshape(int(num_tasks), cpt)
 
 
-def task_pool_classes(num_classes: int, num_tasks: int, classes_per_task: int, num_clients: int,
-                      seed: int) -> np.ndarray:
+def task_pool_classes(
+    num_classes: int, num_tasks: int, classes_per_task: int, num_clients: int, seed: int
+) -> np.ndarray:
     """``(num_clients, num_tasks, cpt)`` int64: every client's task sequence (read-only)."""
     num_clients = _int_at_least("num_clients", num_clients, 1)
-    out = np.stack([client_task_classes(num_classes, num_tasks, classes_per_task, seed, u)
-                    for u in range(num_clients)])
+    out = np.stack([client_task_classes(num_classes, num_tasks, classes_per_task, seed, u) for u in range(num_clients)])
     out.setflags(write=False)
     return out
 

@@ -53,7 +53,7 @@ def task_class_ranges(num_classes: int, num_tasks: int, first_task_classes: int 
             raise DatasetError(
                 f"with num_tasks=1 the first task must hold all {num_classes} classes, got first_task_classes={first}"
             )
-        return [range(0, num_classes)]
+        return [range(num_classes)]
     if rest < num_tasks - 1:
         raise DatasetError(
             f"after a first task of {first} classes only {rest} remain for {num_tasks - 1} tasks; "
@@ -65,4 +65,4 @@ def task_class_ranges(num_classes: int, num_tasks: int, first_task_classes: int 
             f"{num_tasks - 1} equal tasks; change first_task_classes or num_tasks"
         )
     size = rest // (num_tasks - 1)
-    return [range(0, first)] + [range(first + t * size, first + (t + 1) * size) for t in range(num_tasks - 1)]
+    return [range(first)] + [range(first + t * size, first + (t + 1) * size) for t in range(num_tasks - 1)]

@@ -46,7 +46,9 @@ def tiny_imagenet_files(folder: str) -> tuple[tuple[str, ...], list[str], np.nda
         img_dir = base / "train" / w / "images"
         files = sorted(p for p in img_dir.glob("*") if p.suffix.lower() in IMAGE_SUFFIXES) if img_dir.is_dir() else []
         if not files:
-            raise DatasetError(f"tiny-imagenet: no training images in {img_dir}; the extracted folder is incomplete, re-download it")
+            raise DatasetError(
+                f"tiny-imagenet: no training images in {img_dir}; the extracted folder is incomplete, re-download it"
+            )
         train_paths += [str(p) for p in files]
         train_labels += [index[w]] * len(files)
     test_paths: list[str] = []
@@ -61,7 +63,9 @@ def tiny_imagenet_files(folder: str) -> tuple[tuple[str, ...], list[str], np.nda
         test_paths.append(str(base / "val" / "images" / fname))
         test_labels.append(index[wnid])
     if not test_paths:
-        raise DatasetError(f"tiny-imagenet: {base / 'val' / 'val_annotations.txt'} lists no images; re-download the dataset")
+        raise DatasetError(
+            f"tiny-imagenet: {base / 'val' / 'val_annotations.txt'} lists no images; re-download the dataset"
+        )
     return wnids, train_paths, np.asarray(train_labels, np.int64), test_paths, np.asarray(test_labels, np.int64)
 
 
@@ -72,9 +76,11 @@ def _decode(paths: list[str]) -> np.ndarray:
             with Image.open(p) as img:
                 rgb = img.convert("RGB")  # a few Tiny-ImageNet images are greyscale
         except OSError as exc:
-            raise DatasetError(f"tiny-imagenet: cannot read image {p} ({type(exc).__name__}); re-download the dataset") from None
+            raise DatasetError(
+                f"tiny-imagenet: cannot read image {p} ({type(exc).__name__}); re-download the dataset"
+            ) from None
         if rgb.size != (TINY_SIZE, TINY_SIZE):
-            rgb = rgb.resize((TINY_SIZE, TINY_SIZE), Image.BILINEAR)
+            rgb = rgb.resize((TINY_SIZE, TINY_SIZE), Image.Resampling.BILINEAR)
         out[i] = np.asarray(rgb)
     return out
 

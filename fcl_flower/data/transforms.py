@@ -53,7 +53,7 @@ def vit_transforms(
     train = T.Compose(
         [T.RandomResizedCrop(image_size, scale=(0.05, 1.0), ratio=(3 / 4, 4 / 3)), T.RandomHorizontalFlip(), *tail]
     )
-    resize = int(round(image_size * 256 / 224))
+    resize = round(image_size * 256 / 224)
     test = T.Compose([T.Resize(resize, interpolation=InterpolationMode.BICUBIC), T.CenterCrop(image_size), *tail])
     return train, test
 

@@ -40,9 +40,7 @@ def frozen_teacher(model: nn.Module, state: Mapping[str, Tensor], device: torch.
 
 def _check_logits_pair(new_logits: Tensor, old_logits: Tensor) -> None:
     if new_logits.ndim != 2 or old_logits.ndim != 2:
-        raise FCLInputError(
-            f"logits must be 2-D (B, C), got {tuple(new_logits.shape)} and {tuple(old_logits.shape)}"
-        )
+        raise FCLInputError(f"logits must be 2-D (B, C), got {tuple(new_logits.shape)} and {tuple(old_logits.shape)}")
     if new_logits.shape[0] != old_logits.shape[0]:
         raise FCLInputError(f"batch sizes differ: {new_logits.shape[0]} vs {old_logits.shape[0]}")
     if old_logits.shape[1] < 1 or old_logits.shape[1] > new_logits.shape[1]:

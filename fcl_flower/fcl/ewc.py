@@ -37,11 +37,11 @@ from .errors import FCLInputError
 
 __all__ = [
     "FisherAccumulator",
-    "squared_gradient_mean",
-    "diagonal_fisher",
     "aggregate_fishers",
-    "merge_task_fishers",
+    "diagonal_fisher",
     "ewc_penalty",
+    "merge_task_fishers",
+    "squared_gradient_mean",
     "trainable_parameters",
 ]
 
@@ -138,9 +138,7 @@ def _check_same_layout(reference: Mapping[str, Tensor], other: Mapping[str, Tens
         raise FCLInputError(f"{what}: parameter names differ (missing {missing[:3]}, extra {extra[:3]})")
     for key, value in reference.items():
         if tuple(other[key].shape) != tuple(value.shape):
-            raise FCLInputError(
-                f"{what}: {key!r} has shape {tuple(other[key].shape)}, expected {tuple(value.shape)}"
-            )
+            raise FCLInputError(f"{what}: {key!r} has shape {tuple(other[key].shape)}, expected {tuple(value.shape)}")
 
 
 def aggregate_fishers(fishers: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> dict[str, Tensor]:
@@ -160,8 +158,10 @@ def aggregate_fishers(fishers: Sequence[Mapping[str, Tensor]], weights: Sequence
         _check_same_layout(reference, fisher, "client Fishers")
     total = float(sum(weights))
     return {
-        key: sum((f[key].to(torch.float64) * (w / total) for f, w in zip(fishers, weights)),
-                 torch.zeros(tuple(reference[key].shape), dtype=torch.float64))
+        key: sum(
+            (f[key].to(torch.float64) * (w / total) for f, w in zip(fishers, weights)),
+            torch.zeros(tuple(reference[key].shape), dtype=torch.float64),
+        )
         for key in reference
     }
 
@@ -175,9 +175,7 @@ def merge_task_fishers(
     before the first task ends); ``current`` is the new task's; ``total_classes`` counts both.
     """
     if not 0 <= previous_classes < total_classes:
-        raise FCLInputError(
-            f"need 0 <= previous_classes < total_classes, got {previous_classes} and {total_classes}"
-        )
+        raise FCLInputError(f"need 0 <= previous_classes < total_classes, got {previous_classes} and {total_classes}")
     current64 = {k: v.to(torch.float64) for k, v in current.items()}
     if previous is None:
         if previous_classes != 0:

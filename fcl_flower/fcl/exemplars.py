@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .errors import FCLInputError
 
-__all__ = ["herding_towards", "herding_select", "ExemplarMemory"]
+__all__ = ["ExemplarMemory", "herding_select", "herding_towards"]
 
 
 def _check_features(features: Tensor) -> None:
@@ -149,8 +149,9 @@ class ExemplarMemory:
         for c in self._store:
             self._store[c] = self._store[c][:per_class]
 
-    def add_classes(self, features: Tensor, labels: Tensor, indices: Tensor | None = None,
-                    *, normalize: bool = True) -> None:
+    def add_classes(
+        self, features: Tensor, labels: Tensor, indices: Tensor | None = None, *, normalize: bool = True
+    ) -> None:
         """Add every class present in ``labels`` (none may be held already).
 
         Args:
@@ -195,7 +196,7 @@ class ExemplarMemory:
         }
 
     @classmethod
-    def from_state(cls, state: Mapping[str, object]) -> "ExemplarMemory":
+    def from_state(cls, state: Mapping[str, object]) -> ExemplarMemory:
         """Rebuild a memory from :meth:`to_state`'s dict (numpy arrays or tensors)."""
         try:
             size = np.asarray(state["memory_size"]).reshape(-1)
@@ -211,5 +212,5 @@ class ExemplarMemory:
             raise FCLInputError("exemplar state holds a class over its quota")
         offsets = np.concatenate([[0], np.cumsum(counts)])
         for i, c in enumerate(classes.tolist()):
-            mem._store[int(c)] = torch.from_numpy(flat[offsets[i]:offsets[i + 1]].copy())
+            mem._store[int(c)] = torch.from_numpy(flat[offsets[i] : offsets[i + 1]].copy())
         return mem

@@ -67,20 +67,20 @@ from .distill import softmax_kl_per_sample
 from .errors import FCLInputError
 
 __all__ = [
-    "LossForm",
-    "sharpening_exponent",
-    "task_groups",
-    "target_gradient_magnitude",
-    "compensation_weights",
-    "cb_loss",
-    "sd_loss",
-    "LGALoss",
-    "lga_local_loss",
-    "prediction_entropy",
-    "mean_prediction_entropy",
-    "TaskTransitionDetector",
     "DEFAULT_CLAMP",
     "ENTROPY_THRESHOLD",
+    "LGALoss",
+    "LossForm",
+    "TaskTransitionDetector",
+    "cb_loss",
+    "compensation_weights",
+    "lga_local_loss",
+    "mean_prediction_entropy",
+    "prediction_entropy",
+    "sd_loss",
+    "sharpening_exponent",
+    "target_gradient_magnitude",
+    "task_groups",
 ]
 
 LossForm = Literal["softmax", "sigmoid"]
@@ -111,11 +111,14 @@ def _check_logits_labels(logits: Tensor, labels: Tensor, num_seen: int | None = 
     if labels.dtype in (torch.float16, torch.float32, torch.float64, torch.bfloat16):
         raise FCLInputError("labels must be an integer tensor")
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[1]):
-        raise FCLInputError(f"labels must lie in [0, {logits.shape[1]}), got range "
-                            f"[{int(labels.min())}, {int(labels.max())}]")
+        raise FCLInputError(
+            f"labels must lie in [0, {logits.shape[1]}), got range [{int(labels.min())}, {int(labels.max())}]"
+        )
     if num_seen is not None and logits.shape[1] != num_seen:
-        raise FCLInputError(f"logits have {logits.shape[1]} columns but task_ends says {num_seen} classes are seen; "
-                            "slice logits[:, :num_seen] first")
+        raise FCLInputError(
+            f"logits have {logits.shape[1]} columns but task_ends says {num_seen} classes are seen; "
+            "slice logits[:, :num_seen] first"
+        )
 
 
 def _check_form(loss_form: str) -> None:
@@ -159,8 +162,9 @@ def target_gradient_magnitude(logits: Tensor, labels: Tensor, loss_form: LossFor
     return (1.0 - p_y).clamp_min(0.0)
 
 
-def compensation_weights(grad_magnitudes: Tensor, groups: Tensor, exponent: float,
-                         *, clamp: tuple[float, float] | None = DEFAULT_CLAMP) -> Tensor:
+def compensation_weights(
+    grad_magnitudes: Tensor, groups: Tensor, exponent: float, *, clamp: tuple[float, float] | None = DEFAULT_CLAMP
+) -> Tensor:
     """Per-sample L_CB weights ``w_i = |V_i|^a / V^s_{kappa(i)}`` (Eqs. 3-5), float64, detached.
 
     Each task group is normalised by its own batch mean of the sharpened magnitudes (Eq. 4),
@@ -205,16 +209,29 @@ def _default_exponent(ends: list[int]) -> float:
     return sharpening_exponent(c_old, ends[-1] - c_old)
 
 
-def _weights_for(logits: Tensor, labels: Tensor, ends: list[int], exponent: float | None,
-                 loss_form: LossForm, clamp: tuple[float, float] | None) -> Tensor:
+def _weights_for(
+    logits: Tensor,
+    labels: Tensor,
+    ends: list[int],
+    exponent: float | None,
+    loss_form: LossForm,
+    clamp: tuple[float, float] | None,
+) -> Tensor:
     a = _default_exponent(ends) if exponent is None else float(exponent)
     mags = target_gradient_magnitude(logits, labels, loss_form)
     return compensation_weights(mags, task_groups(labels, ends), a, clamp=clamp)
 
 
-def cb_loss(logits: Tensor, labels: Tensor, task_ends: Sequence[int], *, exponent: float | None = None,
-            loss_form: LossForm = "softmax", clamp: tuple[float, float] | None = DEFAULT_CLAMP,
-            weights: Tensor | None = None) -> Tensor:
+def cb_loss(
+    logits: Tensor,
+    labels: Tensor,
+    task_ends: Sequence[int],
+    *,
+    exponent: float | None = None,
+    loss_form: LossForm = "softmax",
+    clamp: tuple[float, float] | None = DEFAULT_CLAMP,
+    weights: Tensor | None = None,
+) -> Tensor:
     """Eq. 5: ``L_CB = (1/B) sum_i w_i CE(P(x_i), y_i)`` with the Eq. 3-4 weights.
 
     Args:
@@ -239,10 +256,18 @@ def cb_loss(logits: Tensor, labels: Tensor, task_ends: Sequence[int], *, exponen
     return (w[:, None] * F.binary_cross_entropy_with_logits(logits, target, reduction="none")).mean()
 
 
-def sd_loss(logits: Tensor, old_logits: Tensor, labels: Tensor, task_ends: Sequence[int], *,
-            weights: Tensor | None = None, exponent: float | None = None,
-            loss_form: LossForm = "softmax", clamp: tuple[float, float] | None = DEFAULT_CLAMP,
-            include_current_slice: bool = True) -> Tensor:
+def sd_loss(
+    logits: Tensor,
+    old_logits: Tensor,
+    labels: Tensor,
+    task_ends: Sequence[int],
+    *,
+    weights: Tensor | None = None,
+    exponent: float | None = None,
+    loss_form: LossForm = "softmax",
+    clamp: tuple[float, float] | None = DEFAULT_CLAMP,
+    include_current_slice: bool = True,
+) -> Tensor:
     """Eq. 6 (safe form): task-sliced soft-target distillation weighted by the Eq. 5 weights.
 
     The soft target Yhat_i is the one-hot label with its first C^o entries replaced by the old
@@ -306,11 +331,19 @@ class LGALoss:
     gamma2: float
 
 
-def lga_local_loss(logits: Tensor, labels: Tensor, task_ends: Sequence[int], *,
-                   old_logits: Tensor | None = None, exponent: float | None = None,
-                   loss_form: LossForm = "softmax", clamp: tuple[float, float] | None = DEFAULT_CLAMP,
-                   gamma1: float | None = None, gamma2: float | None = None,
-                   include_current_slice: bool = True) -> LGALoss:
+def lga_local_loss(
+    logits: Tensor,
+    labels: Tensor,
+    task_ends: Sequence[int],
+    *,
+    old_logits: Tensor | None = None,
+    exponent: float | None = None,
+    loss_form: LossForm = "softmax",
+    clamp: tuple[float, float] | None = DEFAULT_CLAMP,
+    gamma1: float | None = None,
+    gamma2: float | None = None,
+    include_current_slice: bool = True,
+) -> LGALoss:
     """Eq. 7: ``L_local = gamma1 L_CB + gamma2 L_SD`` with one shared set of Eq. 5 weights.
 
     Defaults follow spec A2.9: (gamma1, gamma2) = (1, 0) in the first task
@@ -331,8 +364,15 @@ def lga_local_loss(logits: Tensor, labels: Tensor, task_ends: Sequence[int], *,
     w = _weights_for(logits, labels, ends, exponent, loss_form, clamp)
     cb = cb_loss(logits, labels, ends, loss_form=loss_form, weights=w)
     if g2 != 0.0 and old_logits is not None:
-        sd = sd_loss(logits, old_logits, labels, ends, weights=w, loss_form=loss_form,
-                     include_current_slice=include_current_slice)
+        sd = sd_loss(
+            logits,
+            old_logits,
+            labels,
+            ends,
+            weights=w,
+            loss_form=loss_form,
+            include_current_slice=include_current_slice,
+        )
     else:
         sd = torch.zeros((), dtype=logits.dtype, device=logits.device)
     return LGALoss(total=g1 * cb + g2 * sd, cb=cb, sd=sd, weights=w, gamma1=g1, gamma2=g2)
@@ -392,7 +432,7 @@ class TaskTransitionDetector:
         }
 
     @classmethod
-    def from_state(cls, state: Mapping[str, float]) -> "TaskTransitionDetector":
+    def from_state(cls, state: Mapping[str, float]) -> TaskTransitionDetector:
         try:
             det = cls(float(state["threshold"]), fire_on_first=bool(float(state["fire_on_first"])))
             last = float(state["last_entropy"])

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Generic, Literal, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -50,22 +50,22 @@ from torch import Tensor, nn
 from .errors import FCLInputError
 
 __all__ = [
+    "BestOldModelTracker",
     "GradientEncoder",
-    "gradient_encoder",
-    "encoder_gradients",
-    "infer_label",
-    "prototype_indices",
+    "InversionResult",
+    "augment_features",
     "class_feature_variance",
+    "encoder_gradients",
+    "gradient_encoder",
+    "gradient_matching_loss",
+    "infer_label",
+    "invert_gradients",
     "perturb_prototype",
     "perturbed_prototype_gradient",
-    "gradient_matching_loss",
-    "InversionResult",
-    "invert_gradients",
-    "update_omega",
-    "augment_features",
+    "prototype_indices",
     "score_old_model",
     "select_best_old_model",
-    "BestOldModelTracker",
+    "update_omega",
 ]
 
 Head = Callable[[Tensor], Tensor]
@@ -100,9 +100,18 @@ class GradientEncoder(nn.Module):
     make the penultimate activation positive (needed by iDLG label inference).
     """
 
-    def __init__(self, in_channels: int = 3, image_size: int = 32, num_classes: int = 100, *,
-                 channels: int = 12, kernel_size: int = 5, strides: Sequence[int] = (2, 2, 1),
-                 init_range: float = 0.5, seed: int = 0) -> None:
+    def __init__(
+        self,
+        in_channels: int = 3,
+        image_size: int = 32,
+        num_classes: int = 100,
+        *,
+        channels: int = 12,
+        kernel_size: int = 5,
+        strides: Sequence[int] = (2, 2, 1),
+        init_range: float = 0.5,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         if min(in_channels, image_size, num_classes, channels, kernel_size) < 1 or len(strides) != 3:
             raise FCLInputError("GradientEncoder needs positive sizes and exactly three strides")
@@ -122,6 +131,11 @@ class GradientEncoder(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc(self.body(x).flatten(1))
+
+
+def features_of(model: nn.Module, x: Tensor) -> Tensor:
+    """``model.features(x)`` of a backbone + head classifier (fcl_flower.models.IncrementalClassifier)."""
+    return cast(Callable[[Tensor], Tensor], model.features)(x)
 
 
 def gradient_encoder(image_shape: Sequence[int], num_classes: int, seed: int) -> GradientEncoder:
@@ -188,10 +202,20 @@ def class_feature_variance(features: Tensor, labels: Tensor) -> dict[int, Tensor
     return out
 
 
-def perturb_prototype(model: nn.Module, image: Tensor, label: int, *, feature_var: Tensor | None = None,
-                      eps: float = 0.1, steps: int = 50, lr: float = 0.2, weight_decay: float = 0.0,
-                      num_seen: int | None = None, head: Head | None = None,
-                      generator: torch.Generator | None = None) -> Tensor:
+def perturb_prototype(
+    model: nn.Module,
+    image: Tensor,
+    label: int,
+    *,
+    feature_var: Tensor | None = None,
+    eps: float = 0.1,
+    steps: int = 50,
+    lr: float = 0.2,
+    weight_decay: float = 0.0,
+    num_seen: int | None = None,
+    head: Head | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
     """Eqs. 13-14: SGD on the prototype image against CE of its noisy feature.
 
     ``L_PC = CE(head(F(x) + eps * N(0, sigma^2)), y)`` and ``x <- x - lr * grad_x L_PC``, with
@@ -219,7 +243,7 @@ def perturb_prototype(model: nn.Module, image: Tensor, label: int, *, feature_va
     try:
         for _ in range(steps):
             x.requires_grad_(True)
-            f = model.features(x)
+            f = features_of(model, x)
             if std is not None:
                 if std.shape[0] != f.shape[1]:
                     raise FCLInputError(f"feature_var has {std.shape[0]} dims, features have {f.shape[1]}")
@@ -237,13 +261,33 @@ def perturb_prototype(model: nn.Module, image: Tensor, label: int, *, feature_va
     return x[0] if single else x
 
 
-def perturbed_prototype_gradient(model: nn.Module, encoder: nn.Module, image: Tensor, label: int, *,
-                                 feature_var: Tensor | None = None, eps: float = 0.1, steps: int = 50,
-                                 lr: float = 0.2, num_seen: int | None = None, head: Head | None = None,
-                                 generator: torch.Generator | None = None) -> list[Tensor]:
+def perturbed_prototype_gradient(
+    model: nn.Module,
+    encoder: nn.Module,
+    image: Tensor,
+    label: int,
+    *,
+    feature_var: Tensor | None = None,
+    eps: float = 0.1,
+    steps: int = 50,
+    lr: float = 0.2,
+    num_seen: int | None = None,
+    head: Head | None = None,
+    generator: torch.Generator | None = None,
+) -> list[Tensor]:
     """Client payload for the proxy (A2.7b-c): Gamma's gradient on the perturbed prototype."""
-    x = perturb_prototype(model, image, label, feature_var=feature_var, eps=eps, steps=steps, lr=lr,
-                          num_seen=num_seen, head=head, generator=generator)
+    x = perturb_prototype(
+        model,
+        image,
+        label,
+        feature_var=feature_var,
+        eps=eps,
+        steps=steps,
+        lr=lr,
+        num_seen=num_seen,
+        head=head,
+        generator=generator,
+    )
     if x.ndim == 3:
         x = x.unsqueeze(0)
     return encoder_gradients(encoder, x, int(label))
@@ -252,8 +296,7 @@ def perturbed_prototype_gradient(model: nn.Module, encoder: nn.Module, image: Te
 # --------------------------------------------------------------------------------------------
 # proxy side: gradient inversion (Eqs. 9-10)
 # --------------------------------------------------------------------------------------------
-def gradient_matching_loss(encoder: nn.Module, x: Tensor, labels: Tensor,
-                           target_gradients: Sequence[Tensor]) -> Tensor:
+def gradient_matching_loss(encoder: nn.Module, x: Tensor, labels: Tensor, target_gradients: Sequence[Tensor]) -> Tensor:
     """Eq. 9: ``L_IR = sum_i || grad_{W_i} CE(Gamma(x), y) - target_i ||^2`` (differentiable in x)."""
     params = [p for p in encoder.parameters() if p.requires_grad]
     if len(params) != len(target_gradients):
@@ -287,10 +330,19 @@ class InversionResult:
         return self.losses[-1] if self.losses else self.initial_loss
 
 
-def invert_gradients(encoder: nn.Module, target_gradients: Sequence[Tensor], labels: Tensor | int | None,
-                     shape: Sequence[int], *, iterations: int = 250, lr: float = 0.1,
-                     optimizer: Literal["lbfgs", "adam"] = "lbfgs", max_inner: int = 20, keep_last: int = 1,
-                     generator: torch.Generator | None = None) -> InversionResult:
+def invert_gradients(
+    encoder: nn.Module,
+    target_gradients: Sequence[Tensor],
+    labels: Tensor | int | None,
+    shape: Sequence[int],
+    *,
+    iterations: int = 250,
+    lr: float = 0.1,
+    optimizer: Literal["lbfgs", "adam"] = "lbfgs",
+    max_inner: int = 20,
+    keep_last: int = 1,
+    generator: torch.Generator | None = None,
+) -> InversionResult:
     """Eq. 10: reconstruct images whose Gamma-gradient matches ``target_gradients``.
 
     Args:
@@ -343,7 +395,7 @@ def invert_gradients(encoder: nn.Module, target_gradients: Sequence[Tensor], lab
         kept: list[Tensor] = []
         best_loss, best_x = initial, x.detach().clone()
         for it in range(iterations):
-            opt.step(closure)
+            opt.step(closure)  # type: ignore[arg-type]  # L-BFGS's closure returns the loss tensor, as torch documents
             cur = float(loss_at(x).detach())
             if not math.isfinite(cur):
                 break
@@ -371,9 +423,17 @@ def update_omega(omega_prev: float, num_old: int, new_class_traces: Sequence[flo
     return total / (num_old + len(new_class_traces))
 
 
-def augment_features(features: Tensor, labels: Tensor, class_var: Mapping[int, Tensor], omega: float, *,
-                     xi: float = 0.1, num_aug: int = 5, generator: torch.Generator | None = None,
-                     max_tries: int = 100) -> tuple[Tensor, Tensor]:
+def augment_features(
+    features: Tensor,
+    labels: Tensor,
+    class_var: Mapping[int, Tensor],
+    omega: float,
+    *,
+    xi: float = 0.1,
+    num_aug: int = 5,
+    generator: torch.Generator | None = None,
+    max_tries: int = 100,
+) -> tuple[Tensor, Tensor]:
     """Eq. 11: ``num_aug`` noisy copies ``f + omega * N(0, sigma^2)`` of every feature.
 
     The noise obeys ``||noise||^2 <= xi * sum_i sigma_i^2`` (rejection sampling, then a rescale
@@ -388,8 +448,11 @@ def augment_features(features: Tensor, labels: Tensor, class_var: Mapping[int, T
     labels = labels.reshape(-1).to(torch.int64).cpu()
     d = f.shape[1]
     try:
-        var = torch.stack([torch.as_tensor(class_var[int(c)], dtype=torch.float64).reshape(-1) for c in labels.tolist()]) \
-            if labels.numel() else torch.zeros(0, d, dtype=torch.float64)
+        var = (
+            torch.stack([torch.as_tensor(class_var[int(c)], dtype=torch.float64).reshape(-1) for c in labels.tolist()])
+            if labels.numel()
+            else torch.zeros(0, d, dtype=torch.float64)
+        )
     except KeyError as exc:
         raise FCLInputError(f"class_var lacks class {exc}") from None
     if var.shape[1] != d or (var < 0).any():
@@ -406,7 +469,7 @@ def augment_features(features: Tensor, labels: Tensor, class_var: Mapping[int, T
         if idx.numel() == 0:
             break
         draw = std[idx] * torch.randn((idx.numel(), d), generator=generator, dtype=torch.float64)
-        ok = (draw ** 2).sum(dim=1) <= bound[idx]
+        ok = (draw**2).sum(dim=1) <= bound[idx]
         noise[idx[ok]] = draw[ok]
         last[idx] = draw
         pending[idx[ok]] = False
@@ -418,9 +481,19 @@ def augment_features(features: Tensor, labels: Tensor, class_var: Mapping[int, T
 
 
 @torch.no_grad()
-def score_old_model(model: nn.Module, images: Tensor, labels: Tensor, *, omega: float, xi: float = 0.1,
-                    num_aug: int = 5, seed: int = 0, num_seen: int | None = None,
-                    head: Head | None = None, batch_size: int = 256) -> float:
+def score_old_model(
+    model: nn.Module,
+    images: Tensor,
+    labels: Tensor,
+    *,
+    omega: float,
+    xi: float = 0.1,
+    num_aug: int = 5,
+    seed: int = 0,
+    num_seen: int | None = None,
+    head: Head | None = None,
+    batch_size: int = 256,
+) -> float:
     """Accuracy of ``model``'s classifier on the Eq. 11 augmented features of the
     reconstructed images (A2.7g). Features come from ``model.features`` (the scored model's own
     extractor, as Eq. 11 says); sigma^2 is their per-class variance."""
@@ -430,7 +503,9 @@ def score_old_model(model: nn.Module, images: Tensor, labels: Tensor, *, omega: 
     was_training = model.training
     model.eval()
     try:
-        feats = torch.cat([model.features(images[i:i + batch_size]) for i in range(0, images.shape[0], batch_size)])
+        feats = torch.cat(
+            [features_of(model, images[i : i + batch_size]) for i in range(0, images.shape[0], batch_size)]
+        )
         labels = labels.reshape(-1).to(torch.int64).cpu()
         var = class_feature_variance(feats, labels)
         gen = torch.Generator().manual_seed(int(seed))
@@ -444,9 +519,18 @@ def score_old_model(model: nn.Module, images: Tensor, labels: Tensor, *, omega: 
     return float((pred == aug_labels).to(torch.float64).mean())
 
 
-def select_best_old_model(candidates: Sequence[nn.Module], images: Tensor, labels: Tensor, *, omega: float,
-                          xi: float = 0.1, num_aug: int = 5, seed: int = 0, num_seen: int | None = None,
-                          head: Callable[[nn.Module], Head] | None = None) -> tuple[int, list[float]]:
+def select_best_old_model(
+    candidates: Sequence[nn.Module],
+    images: Tensor,
+    labels: Tensor,
+    *,
+    omega: float,
+    xi: float = 0.1,
+    num_aug: int = 5,
+    seed: int = 0,
+    num_seen: int | None = None,
+    head: Callable[[nn.Module], Head] | None = None,
+) -> tuple[int, list[float]]:
     """A2.7g: index of the candidate global model with the best augmented-feature accuracy
     (ties go to the later candidate, [CODE-LGA]'s ``>=``), and every candidate's score.
 
@@ -454,8 +538,20 @@ def select_best_old_model(candidates: Sequence[nn.Module], images: Tensor, label
     """
     if not candidates:
         raise FCLInputError("need at least one candidate model")
-    scores = [score_old_model(m, images, labels, omega=omega, xi=xi, num_aug=num_aug, seed=seed,
-                              num_seen=num_seen, head=None if head is None else head(m)) for m in candidates]
+    scores = [
+        score_old_model(
+            m,
+            images,
+            labels,
+            omega=omega,
+            xi=xi,
+            num_aug=num_aug,
+            seed=seed,
+            num_seen=num_seen,
+            head=None if head is None else head(m),
+        )
+        for m in candidates
+    ]
     best = 0
     for i, s in enumerate(scores):
         if s >= scores[best]:

@@ -80,24 +80,24 @@ from .errors import FCLInputError
 from .exemplars import herding_towards
 
 __all__ = [
-    "trainable_parameters",
-    "flatten_params",
-    "flatten_grads",
-    "unflatten_like",
-    "assign_flat_params",
-    "assign_flat_grads",
-    "task_gradient",
-    "project_to_simplex",
     "GMResult",
-    "solve_gm_dual",
-    "gradient_match_result",
+    "assign_flat_grads",
+    "assign_flat_params",
+    "flatten_grads",
+    "flatten_params",
     "gradient_match",
-    "temporal_match",
-    "spatial_match",
+    "gradient_match_result",
+    "mixstyle",
+    "project_to_simplex",
+    "protonet_loss",
     "running_class_mean",
     "select_coreset",
-    "protonet_loss",
-    "mixstyle",
+    "solve_gm_dual",
+    "spatial_match",
+    "task_gradient",
+    "temporal_match",
+    "trainable_parameters",
+    "unflatten_like",
 ]
 
 _CHUNK = 1 << 20  # columns per float64 chunk when forming Gram matrices of long vectors
@@ -134,7 +134,7 @@ def unflatten_like(flat: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
         raise FCLInputError(f"flat vector has {flat.numel()} entries, parameters need {total}")
     out, offset = [], 0
     for p in params:
-        out.append(flat[offset:offset + p.numel()].view_as(p))
+        out.append(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
     return out
 
@@ -164,7 +164,9 @@ def task_gradient(model: nn.Module, x: Tensor, y: Tensor, *, num_seen: int | Non
     if num_seen is not None:
         z = z[:, :num_seen]
     grads = torch.autograd.grad(F.cross_entropy(z, y), params, allow_unused=True)
-    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]).detach()
+    return torch.cat(
+        [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]
+    ).detach()
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,7 +189,7 @@ def _gram(grads: Tensor) -> Tensor:
     n, p = grads.shape
     g = torch.zeros(n, n, dtype=torch.float64, device=grads.device)
     for s in range(0, p, _CHUNK):
-        blk = grads[:, s:s + _CHUNK].to(torch.float64)
+        blk = grads[:, s : s + _CHUNK].to(torch.float64)
         g += blk @ blk.T
     return g
 
@@ -197,7 +199,7 @@ def _combine(coeffs: Tensor, grads: Tensor) -> Tensor:
     out = torch.empty(grads.shape[1], dtype=grads.dtype, device=grads.device)
     c = coeffs.to(device=grads.device, dtype=torch.float64)
     for s in range(0, grads.shape[1], _CHUNK):
-        out[s:s + _CHUNK] = (c @ grads[:, s:s + _CHUNK].to(torch.float64)).to(grads.dtype)
+        out[s : s + _CHUNK] = (c @ grads[:, s : s + _CHUNK].to(torch.float64)).to(grads.dtype)
     return out
 
 
@@ -210,7 +212,7 @@ def _norm_and_inner(w: Tensor, grads: Tensor) -> tuple[float, Tensor]:
     sq = 0.0
     inner = torch.zeros(grads.shape[0], dtype=torch.float64, device=grads.device)
     for s in range(0, grads.shape[1], _CHUNK):
-        blk = grads[:, s:s + _CHUNK].to(torch.float64)
+        blk = grads[:, s : s + _CHUNK].to(torch.float64)
         gw = wc @ blk
         sq += float(gw @ gw)
         inner += blk @ gw
@@ -268,8 +270,9 @@ def _solve_dual(G: Tensor, b: Tensor, r: float, *, iterations: int, tol: float, 
     return best_w
 
 
-def solve_gm_dual(gram: Tensor, c: float, p: Tensor | None = None, *, iterations: int = 1000,
-                  tol: float = 1e-7) -> Tensor:
+def solve_gm_dual(
+    gram: Tensor, c: float, p: Tensor | None = None, *, iterations: int = 1000, tol: float = 1e-7
+) -> Tensor:
     """Minimise ``F(w) = w^T G p + c sqrt(p^T G p) sqrt(w^T G w)`` over the simplex (float64).
 
     The CAGrad dual in the N x N Gram space: accelerated projected gradient (FISTA) with
@@ -324,13 +327,21 @@ def _stack(vectors: Tensor | Sequence[Tensor]) -> Tensor:
 
 def _normalised(g: Tensor, target_norm: Tensor | float) -> Tensor:
     norms = torch.linalg.vector_norm(g.to(torch.float64), dim=1)
-    factor = torch.where(norms > 0, torch.as_tensor(target_norm, dtype=torch.float64) / norms.clamp_min(1e-300),
-                         torch.zeros_like(norms))
+    factor = torch.where(
+        norms > 0, torch.as_tensor(target_norm, dtype=torch.float64) / norms.clamp_min(1e-300), torch.zeros_like(norms)
+    )
     return g * factor.to(g.dtype)[:, None]
 
 
-def gradient_match_result(grads: Tensor | Sequence[Tensor], c: float = 0.5, *, weights: Tensor | None = None,
-                          iterations: int = 1000, rescale: bool = True, normalize: bool = False) -> GMResult:
+def gradient_match_result(
+    grads: Tensor | Sequence[Tensor],
+    c: float = 0.5,
+    *,
+    weights: Tensor | None = None,
+    iterations: int = 1000,
+    rescale: bool = True,
+    normalize: bool = False,
+) -> GMResult:
     """GM operator (Eq. 2, CAGrad form of Alg. 1) with its optimality certificate.
 
     Args:
@@ -360,9 +371,9 @@ def gradient_match_result(grads: Tensor | Sequence[Tensor], c: float = 0.5, *, w
     if normalize:
         g = _normalised(g, torch.linalg.vector_norm(g.to(torch.float64), dim=1).mean())
     G = _gram(g).cpu()
-    b = G @ p                                   # <g_i, g0>
+    b = G @ p  # <g_i, g0>
     g0_sq = max(float(p @ b), 0.0)
-    r = c * math.sqrt(g0_sq)                    # radius of the CAGrad ball
+    r = c * math.sqrt(g0_sq)  # radius of the CAGrad ball
     norms = torch.diagonal(G).clamp_min(0.0).sqrt()
     active = norms > 1e-12 * float(norms.max()) if float(norms.max()) > 0 else torch.zeros(n, dtype=torch.bool)
     w = p.clone()  # reported as-is when the dual is not solved (c = 0 or g0 = 0)
@@ -372,14 +383,13 @@ def gradient_match_result(grads: Tensor | Sequence[Tensor], c: float = 0.5, *, w
     if r > 0 and bool(active.any()):
         idx = torch.nonzero(active).reshape(-1)
         w = torch.zeros(n, dtype=torch.float64)
-        w[idx] = _solve_dual(G[idx][:, idx], b[idx], r, iterations=iterations, tol=1e-7,
-                             ref=max(g0_sq, 1e-300))
-        gw_sq, g_gw = _norm_and_inner(w, g)     # ||g_w||^2 and <g_i, g_w>, straight from the vectors
+        w[idx] = _solve_dual(G[idx][:, idx], b[idx], r, iterations=iterations, tol=1e-7, ref=max(g0_sq, 1e-300))
+        gw_sq, g_gw = _norm_and_inner(w, g)  # ||g_w||^2 and <g_i, g_w>, straight from the vectors
         dual = float(w @ b) + r * math.sqrt(gw_sq)  # F(w): an upper bound on the primal optimum
         if gw_sq > 0:
-            lam = r / math.sqrt(gw_sq)          # CAGrad: d = g0 + r g_w / ||g_w||
+            lam = r / math.sqrt(gw_sq)  # CAGrad: d = g0 + r g_w / ||g_w||
             candidates.append((2, p + lam * w, b + lam * g_gw))
-        if c >= 1.0:                            # d = 0 is feasible when the ball contains 0
+        if c >= 1.0:  # d = 0 is feasible when the ball contains 0
             candidates.append((0, torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)))
     # keep the candidate serving the worst (non-zero) input best; ties: CAGrad, then g0, then 0
     scored = [(float(v[active].min()) if bool(active.any()) else 0.0, pref, coef) for pref, coef, v in candidates]
@@ -389,19 +399,41 @@ def gradient_match_result(grads: Tensor | Sequence[Tensor], c: float = 0.5, *, w
     scale = 1.0 / (1.0 + c * c) if rescale else 1.0
     direction = _combine(coeffs * scale, g)
     mean = _combine(p, g)
-    return GMResult(direction=direction, weights=w, mean=mean, dual_value=dual,
-                    min_inner=min_inner, gap=max(dual - min_inner, 0.0), scale=scale)
+    return GMResult(
+        direction=direction,
+        weights=w,
+        mean=mean,
+        dual_value=dual,
+        min_inner=min_inner,
+        gap=max(dual - min_inner, 0.0),
+        scale=scale,
+    )
 
 
-def gradient_match(grads: Tensor | Sequence[Tensor], c: float = 0.5, *, weights: Tensor | None = None,
-                   iterations: int = 1000, rescale: bool = True, normalize: bool = False) -> Tensor:
+def gradient_match(
+    grads: Tensor | Sequence[Tensor],
+    c: float = 0.5,
+    *,
+    weights: Tensor | None = None,
+    iterations: int = 1000,
+    rescale: bool = True,
+    normalize: bool = False,
+) -> Tensor:
     """GM operator (Eq. 2): the conflict-averse direction d (P,), see :func:`gradient_match_result`."""
-    return gradient_match_result(grads, c, weights=weights, iterations=iterations, rescale=rescale,
-                                 normalize=normalize).direction
+    return gradient_match_result(
+        grads, c, weights=weights, iterations=iterations, rescale=rescale, normalize=normalize
+    ).direction
 
 
-def temporal_match(current_grad: Tensor, old_task_grads: Tensor | Sequence[Tensor], c: float = 0.5, *,
-                   normalize: bool = True, rescale: bool = True, iterations: int = 1000) -> Tensor:
+def temporal_match(
+    current_grad: Tensor,
+    old_task_grads: Tensor | Sequence[Tensor],
+    c: float = 0.5,
+    *,
+    normalize: bool = True,
+    rescale: bool = True,
+    iterations: int = 1000,
+) -> Tensor:
     """TAM, client side (Eq. 3): match the current-task vector with one gradient per old task.
 
     All inputs are loss gradients (ascent directions); for the current task pass the
@@ -417,8 +449,11 @@ def temporal_match(current_grad: Tensor, old_task_grads: Tensor | Sequence[Tenso
         if olds.ndim != 2:
             raise FCLInputError(f"old-task gradients must be (N, P), got shape {tuple(old_task_grads.shape)}")
     else:
-        olds = torch.stack([torch.as_tensor(v).reshape(-1) for v in old_task_grads]) if len(old_task_grads) else \
-            cur.new_zeros(0, cur.numel())
+        olds = (
+            torch.stack([torch.as_tensor(v).reshape(-1) for v in old_task_grads])
+            if len(old_task_grads)
+            else cur.new_zeros(0, cur.numel())
+        )
     if olds.shape[1] != cur.numel():
         raise FCLInputError(f"old-task gradients have {olds.shape[1]} entries, current has {cur.numel()}")
     if olds.shape[0] == 0:
@@ -429,15 +464,23 @@ def temporal_match(current_grad: Tensor, old_task_grads: Tensor | Sequence[Tenso
     return gradient_match(g, c, iterations=iterations, rescale=rescale)
 
 
-def spatial_match(client_updates: Tensor | Sequence[Tensor], c: float = 0.5, *, weights: Tensor | None = None,
-                  normalize: bool = False, rescale: bool = True, iterations: int = 1000) -> Tensor:
+def spatial_match(
+    client_updates: Tensor | Sequence[Tensor],
+    c: float = 0.5,
+    *,
+    weights: Tensor | None = None,
+    normalize: bool = False,
+    rescale: bool = True,
+    iterations: int = 1000,
+) -> Tensor:
     """SAM, server side (Eq. 5): conflict-averse aggregate of client deltas ``theta_u - theta``.
 
     Returns the update to ADD to the global model (``theta <- theta + eta * d``, eta = 1 by
     default, spec B6.4). c = 0 gives (weighted) FedAvg exactly.
     """
-    return gradient_match(client_updates, c, weights=weights, iterations=iterations, rescale=rescale,
-                          normalize=normalize)
+    return gradient_match(
+        client_updates, c, weights=weights, iterations=iterations, rescale=rescale, normalize=normalize
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -465,9 +508,14 @@ def running_class_mean(features: Tensor, prior_mean: Tensor | None = None, prior
     return total / count, count
 
 
-def select_coreset(features: Tensor, labels: Tensor, budget_per_class: int, *,
-                   prior_means: Mapping[int, Tensor] | None = None,
-                   prior_counts: Mapping[int, int] | None = None) -> Tensor:
+def select_coreset(
+    features: Tensor,
+    labels: Tensor,
+    budget_per_class: int,
+    *,
+    prior_means: Mapping[int, Tensor] | None = None,
+    prior_counts: Mapping[int, int] | None = None,
+) -> Tensor:
     """Prototypical coreset (Eq. 6): per class, at most K = ``budget_per_class`` row indices
     whose mean tracks p^l (greedy herding; see the module's Departures).
 
@@ -534,8 +582,9 @@ def mixstyle(x_proto: Tensor, x_new: Tensor, lam: float, eps: float = 1e-6) -> T
     ``out = gamma (x~ - mu(x~)) / sigma(x~) + beta``; inputs are (B, C, H, W) of equal shape.
     """
     if x_proto.shape != x_new.shape or x_proto.ndim != 4:
-        raise FCLInputError(f"need two (B, C, H, W) tensors of equal shape, got {tuple(x_proto.shape)}, "
-                            f"{tuple(x_new.shape)}")
+        raise FCLInputError(
+            f"need two (B, C, H, W) tensors of equal shape, got {tuple(x_proto.shape)}, {tuple(x_new.shape)}"
+        )
     if not 0.0 <= lam <= 1.0:
         raise FCLInputError(f"lam must lie in [0, 1], got {lam}")
     mu_p = x_proto.mean(dim=(2, 3), keepdim=True)

@@ -24,9 +24,18 @@ class TrainStats:
     mean_loss: float
 
 
-def local_sgd(model: IncrementalClassifier, dataset: LabelledDataset, cfg: RunConfig, *, lr: float,
-              num_seen: int, device: torch.device, seed: int, extra_loss: ExtraLoss | None = None,
-              ce_from: int = 0) -> TrainStats:
+def local_sgd(
+    model: IncrementalClassifier,
+    dataset: LabelledDataset,
+    cfg: RunConfig,
+    *,
+    lr: float,
+    num_seen: int,
+    device: torch.device,
+    seed: int,
+    extra_loss: ExtraLoss | None = None,
+    ce_from: int = 0,
+) -> TrainStats:
     """``local-epochs`` epochs of SGD (fresh optimiser each round, as the STSA code does) with
     cross-entropy over the classes seen so far (single head, no task id).
 

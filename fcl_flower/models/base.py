@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["ModelError", "Backbone"]
+__all__ = ["Backbone", "ModelError"]
 
 
 class ModelError(ValueError):

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from .base import Backbone, ModelError
 
-__all__ = ["CosineHead", "IncrementalClassifier", "HEADS"]
+__all__ = ["HEADS", "CosineHead", "IncrementalClassifier"]
 
 HEADS: tuple[str, ...] = ("cosine", "linear")
 
@@ -59,9 +59,7 @@ class IncrementalClassifier(nn.Module):
         self.num_classes = int(num_classes)
         self.head_kind = head
         dim = backbone.feature_dim
-        self.head: nn.Module = (
-            CosineHead(dim, num_classes) if head == "cosine" else nn.Linear(dim, num_classes)
-        )
+        self.head: nn.Module = CosineHead(dim, num_classes) if head == "cosine" else nn.Linear(dim, num_classes)
 
     def features(self, x: Tensor) -> Tensor:
         return self.backbone(x)

@@ -65,9 +65,7 @@ def _builders() -> dict[str, Callable[[int, int, bool], Backbone]]:
     def no_weights(name: str, make: Callable[[int], Backbone]) -> Callable[[int, int, bool], Backbone]:
         def build(in_channels: int, image_size: int, pretrained: bool) -> Backbone:
             if pretrained:
-                raise ModelError(
-                    f"{name} has no pretrained weights (trained from scratch); use pretrained=false"
-                )
+                raise ModelError(f"{name} has no pretrained weights (trained from scratch); use pretrained=false")
             return make(in_channels)
 
         return build
@@ -113,7 +111,5 @@ def build_classifier(
 ) -> IncrementalClassifier:
     """Backbone + head over all ``num_classes``; ``seed`` fixes backbone *and* head init."""
     with seeded(seed):
-        backbone = build_backbone(
-            backbone_name, in_channels=in_channels, image_size=image_size, pretrained=pretrained
-        )
+        backbone = build_backbone(backbone_name, in_channels=in_channels, image_size=image_size, pretrained=pretrained)
         return IncrementalClassifier(backbone, num_classes, head=head)

@@ -11,7 +11,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from .base import ModelError
 
-__all__ = ["trainable_state", "load_trainable_state", "full_state", "freeze", "pick_device"]
+__all__ = ["freeze", "full_state", "load_trainable_state", "pick_device", "trainable_state"]
 
 M = TypeVar("M", bound=nn.Module)
 

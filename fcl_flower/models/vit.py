@@ -35,8 +35,8 @@ __all__ = [
     "VIT_B16_TIMM_NAME",
     "Adapter",
     "AdapterBlock",
-    "add_adapters",
     "ViTAdapterBackbone",
+    "add_adapters",
     "create_timm_vit",
 ]
 
@@ -91,6 +91,13 @@ def _timm_block_type() -> type[nn.Module]:
     return Block
 
 
+def _module(parent: nn.Module, name: str) -> nn.Module:
+    child = getattr(parent, name)
+    if not isinstance(child, nn.Module):
+        raise ModelError(f"{type(parent).__name__}.{name} is not a module")
+    return child
+
+
 class AdapterBlock(nn.Module):
     """A timm pre-norm ViT ``Block`` plus a parallel adapter on the MLP branch (see module doc)."""
 
@@ -98,24 +105,19 @@ class AdapterBlock(nn.Module):
         super().__init__()
         block_type = _timm_block_type()
         if type(block) is not block_type:
-            raise ModelError(
-                "adapters can only wrap timm.models.vision_transformer.Block, "
-                f"got {type(block).__name__}"
-            )
+            raise ModelError(f"adapters can only wrap timm.models.vision_transformer.Block, got {type(block).__name__}")
         # Same attribute names as timm's Block, so state_dict keys are unchanged.
-        self.norm1 = block.norm1
-        self.attn = block.attn
-        self.ls1 = block.ls1
-        self.drop_path1 = block.drop_path1
-        self.norm2 = block.norm2
-        self.mlp = block.mlp
-        self.ls2 = block.ls2
-        self.drop_path2 = block.drop_path2
+        self.norm1 = _module(block, "norm1")
+        self.attn = _module(block, "attn")
+        self.ls1 = _module(block, "ls1")
+        self.drop_path1 = _module(block, "drop_path1")
+        self.norm2 = _module(block, "norm2")
+        self.mlp = _module(block, "mlp")
+        self.ls2 = _module(block, "ls2")
+        self.drop_path2 = _module(block, "drop_path2")
         self.adapter = adapter
 
-    def forward(
-        self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False
-    ) -> Tensor:
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         attn = self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)
         x = x + self.drop_path1(self.ls1(attn))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))) + self.adapter(x)
@@ -135,7 +137,7 @@ def add_adapters(
     blocks = getattr(vit, "blocks", None)
     if not isinstance(blocks, nn.Sequential) or len(blocks) == 0:
         raise ModelError("add_adapters expects a timm VisionTransformer with a non-empty .blocks")
-    dim = int(vit.embed_dim)
+    dim = int(getattr(vit, "embed_dim"))  # noqa: B009 (timm's attribute, untyped on nn.Module)
     for i, block in enumerate(blocks):
         if isinstance(block, AdapterBlock):
             raise ModelError(f"block {i} already has an adapter")
@@ -179,7 +181,7 @@ class ViTAdapterBackbone(Backbone):
     ) -> None:
         if getattr(vit, "global_pool", None) != "token" or getattr(vit, "num_classes", None) != 0:
             raise ModelError("ViT backbone needs timm global_pool='token' and num_classes=0")
-        super().__init__(feature_dim=int(vit.num_features))
+        super().__init__(feature_dim=int(getattr(vit, "num_features")))  # noqa: B009 (as above)
         for p in vit.parameters():
             p.requires_grad_(False)
         self.vit = add_adapters(vit, bottleneck=bottleneck, scale=scale, dropout=dropout)

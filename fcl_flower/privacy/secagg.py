@@ -56,7 +56,8 @@ def encode_fixed_point(values: np.ndarray, fraction_bits: int, participants: int
     if peak >= bound:
         raise SecureAggregationError(
             f"statistic magnitude {peak:.3g} exceeds {bound:.3g}, the limit for {participants} participants "
-            f"at secagg-fraction-bits={fraction_bits}; lower secagg-fraction-bits")
+            f"at secagg-fraction-bits={fraction_bits}; lower secagg-fraction-bits"
+        )
     return np.rint(x * float(2**fraction_bits)).astype(np.int64).view(np.uint64)
 
 
@@ -69,8 +70,10 @@ def decode_fixed_point(ring: np.ndarray, fraction_bits: int) -> np.ndarray:
 def generate_keypair() -> tuple[bytes, bytes]:
     """A fresh X25519 key pair as raw bytes (private, public)."""
     private = X25519PrivateKey.generate()
-    return (private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()),
-            private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
+    return (
+        private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()),
+        private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw),
+    )
 
 
 def _pair_key(private: bytes, peer_public: bytes, context: bytes, name: str) -> bytes:
@@ -87,8 +90,9 @@ def mask_stream(key: bytes, length: int) -> np.ndarray:
     return np.frombuffer(encryptor.update(bytes(8 * length)), dtype=np.uint64).copy()
 
 
-def pairwise_mask(own_id: int, private: bytes, peers: Mapping[int, bytes], length: int,
-                  context: bytes, name: str) -> np.ndarray:
+def pairwise_mask(
+    own_id: int, private: bytes, peers: Mapping[int, bytes], length: int, context: bytes, name: str
+) -> np.ndarray:
     """Σ_{j > i} m_ij - Σ_{j < i} m_ij over the peers (own id excluded): cancels in the sum."""
     total = np.zeros(length, dtype=np.uint64)
     for peer_id, public in sorted(peers.items()):
@@ -99,21 +103,30 @@ def pairwise_mask(own_id: int, private: bytes, peers: Mapping[int, bytes], lengt
     return total
 
 
-def mask_arrays(arrays: Mapping[str, np.ndarray], own_id: int, private: bytes, peers: Mapping[int, bytes],
-                context: bytes, fraction_bits: int, min_participants: int) -> dict[str, np.ndarray]:
+def mask_arrays(
+    arrays: Mapping[str, np.ndarray],
+    own_id: int,
+    private: bytes,
+    peers: Mapping[int, bytes],
+    context: bytes,
+    fraction_bits: int,
+    min_participants: int,
+) -> dict[str, np.ndarray]:
     """Encode and mask every array (same shapes, dtype uint64) for one secure round."""
     participants = len(set(peers) | {own_id})
     if participants < min_participants:
         raise SecureAggregationError(
             f"secure round with {participants} participant(s); at least {min_participants} are required "
-            "(a sum over too few clients reveals them)")
+            "(a sum over too few clients reveals them)"
+        )
     if own_id not in peers:
         raise SecureAggregationError(f"this node ({own_id}) is not among the round's participants")
     masked = {}
     for name, values in arrays.items():
         ring = encode_fixed_point(values, fraction_bits, participants).reshape(-1)
         masked[name] = (ring + pairwise_mask(own_id, private, peers, ring.size, context, name)).reshape(
-            np.shape(values))
+            np.shape(values)
+        )
     return masked
 
 

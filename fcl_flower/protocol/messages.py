@@ -33,9 +33,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app.typing import ConfigRecordValues, MetricRecordValues
 
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.methods import Kind
@@ -51,7 +52,13 @@ BACKFILL_PREFIX = "backfill-"  # reply record "backfill-<task>", metric "backfil
 # ------------------------------------------------------------------------------------ scalars
 def _int(value: Any, what: str, *, minimum: int | None = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-        expected = "an integer" if minimum is None else "a non-negative integer" if minimum == 0 else f"an integer >= {minimum}"
+        expected = (
+            "an integer"
+            if minimum is None
+            else "a non-negative integer"
+            if minimum == 0
+            else f"an integer >= {minimum}"
+        )
         raise ProtocolError(f"{what} is {value!r}, expected {expected}")
     return value
 
@@ -105,8 +112,16 @@ class Header:
     attempt: int = 0  # 0 for the first send of a round; retries and secure re-runs count up
 
     def to_record(self) -> ConfigRecord:
-        return ConfigRecord({"run-id": self.run_id, "phase": self.phase, "task": self.task, "stage": self.stage,
-                             "round": self.server_round, "attempt": self.attempt})
+        return ConfigRecord(
+            {
+                "run-id": self.run_id,
+                "phase": self.phase,
+                "task": self.task,
+                "stage": self.stage,
+                "round": self.server_round,
+                "attempt": self.attempt,
+            }
+        )
 
     @classmethod
     def from_record(cls, record: ConfigRecord | None) -> Header:
@@ -147,7 +162,12 @@ class Instruction:
     config: RunConfig
 
     def to_record(self) -> RecordDict:
-        content = RecordDict({HEADER: self.header.to_record(), CONFIG: ConfigRecord(self.config.to_mapping())})
+        content = RecordDict(
+            {
+                HEADER: self.header.to_record(),
+                CONFIG: ConfigRecord(dict[str, ConfigRecordValues](self.config.to_mapping())),
+            }
+        )
         self._fill(content)
         return content
 
@@ -171,8 +191,12 @@ class TrainIns(Instruction):
     ewc_anchor: ArrayRecord | None = None  # ... and the parameters it anchors to
     old_model: ArrayRecord | None = None  # LGA: the old model the proxy selected
 
-    OPTIONAL: ClassVar[dict[str, str]] = {TEACHER: "teacher", EWC_FISHER: "ewc_fisher", EWC_ANCHOR: "ewc_anchor",
-                                          OLD_MODEL: "old_model"}
+    OPTIONAL: ClassVar[dict[str, str]] = {
+        TEACHER: "teacher",
+        EWC_FISHER: "ewc_fisher",
+        EWC_ANCHOR: "ewc_anchor",
+        OLD_MODEL: "old_model",
+    }
 
     def _fill(self, content: RecordDict) -> None:
         content[ROUND] = ConfigRecord({"lr": self.lr, "num-seen": self.num_seen})
@@ -195,8 +219,11 @@ class StatsIns(Instruction):
     secagg: SecAggRound | None = None  # set: upload masked for these participants
 
     def _fill(self, content: RecordDict) -> None:
-        entries: dict[str, Any] = {"num-seen": self.num_seen, "rank": self.rank,
-                                   "backfill": encode_backfill(self.backfill)}
+        entries: dict[str, Any] = {
+            "num-seen": self.num_seen,
+            "rank": self.rank,
+            "backfill": encode_backfill(self.backfill),
+        }
         if self.secagg is not None:
             nodes = sorted(self.secagg.participants)
             entries["secagg-nodes"] = nodes
@@ -250,17 +277,24 @@ def parse_instruction(message: Message) -> Instruction:
     num_seen = _int(_get(round_, "num-seen", ROUND), "num-seen", minimum=1)
     if kind is Kind.TRAIN:
         optional = {attribute: content.array_records.get(name) for name, attribute in TrainIns.OPTIONAL.items()}
-        return TrainIns(header, config, lr=_float(_get(round_, "lr", ROUND), "lr"), num_seen=num_seen, model=model,
-                        **optional)
+        return TrainIns(
+            header, config, lr=_float(_get(round_, "lr", ROUND), "lr"), num_seen=num_seen, model=model, **optional
+        )
     secagg = None
     if "secagg-nodes" in round_:
         nodes, keys = round_["secagg-nodes"], _get(round_, "secagg-keys", ROUND)
         if not isinstance(nodes, list) or not isinstance(keys, list) or len(nodes) != len(keys):
             raise ProtocolError("secagg-nodes and secagg-keys must be lists of the same length")
         secagg = SecAggRound({_int(n, "secagg node", minimum=None): _bytes(k) for n, k in zip(nodes, keys)})
-    return StatsIns(header, config, num_seen=num_seen, model=model,
-                    backfill=decode_backfill(_str(_get(round_, "backfill", ROUND) or "-", "backfill")),
-                    rank=_int(_get(round_, "rank", ROUND), "rank"), secagg=secagg)
+    return StatsIns(
+        header,
+        config,
+        num_seen=num_seen,
+        model=model,
+        backfill=decode_backfill(_str(_get(round_, "backfill", ROUND) or "-", "backfill")),
+        rank=_int(_get(round_, "rank", ROUND), "rank"),
+        secagg=secagg,
+    )
 
 
 def _bytes(value: Any) -> bytes:
@@ -326,9 +360,6 @@ class Backfill:
     num_examples: int
 
 
-R = TypeVar("R", bound="Reply")
-
-
 @dataclass(frozen=True)
 class Reply:
     """What every reply carries: the header it answers, the client it speaks for, its sample count."""
@@ -338,7 +369,7 @@ class Reply:
     client: int
     num_examples: int
 
-    def metrics(self) -> dict[str, int | float]:
+    def metrics(self) -> dict[str, MetricRecordValues]:
         return {"partition-id": self.client, "num-examples": self.num_examples}
 
     def to_record(self) -> RecordDict:
@@ -362,15 +393,28 @@ class TrainRes(Reply):
     lga: LGAReport | None = None
     stamp: StampReport | None = None
 
-    def metrics(self) -> dict[str, int | float]:
-        out = {**super().metrics(), "train-loss": self.loss}
+    def metrics(self) -> dict[str, MetricRecordValues]:
+        out: dict[str, MetricRecordValues] = {**super().metrics(), "train-loss": self.loss}
         if self.lga is not None:
             r = self.lga
-            out.update({"lga-cb": r.cb, "lga-sd": r.sd, "lga-detected": int(r.detected),
-                        "lga-new-task": int(r.new_task), "lga-memory": r.memory, "lga-proto-classes": r.proto_classes})
+            out.update(
+                {
+                    "lga-cb": r.cb,
+                    "lga-sd": r.sd,
+                    "lga-detected": int(r.detected),
+                    "lga-new-task": int(r.new_task),
+                    "lga-memory": r.memory,
+                    "lga-proto-classes": r.proto_classes,
+                }
+            )
         if self.stamp is not None:
-            out.update({"stamp-proto": self.stamp.proto, "stamp-old-tasks": self.stamp.old_tasks,
-                        "stamp-coreset": self.stamp.coreset})
+            out.update(
+                {
+                    "stamp-proto": self.stamp.proto,
+                    "stamp-old-tasks": self.stamp.old_tasks,
+                    "stamp-coreset": self.stamp.coreset,
+                }
+            )
         return out
 
     def _fill(self, content: RecordDict) -> None:
@@ -387,14 +431,20 @@ class StatsRes(Reply):
     backfill: Mapping[int, Backfill] = field(default_factory=dict)  # task -> late statistics
     fedran: FedranReport | None = None
 
-    def metrics(self) -> dict[str, int | float]:
-        out = {**super().metrics(), "withheld-samples": self.withheld}
+    def metrics(self) -> dict[str, MetricRecordValues]:
+        out: dict[str, MetricRecordValues] = {**super().metrics(), "withheld-samples": self.withheld}
         for task, late in self.backfill.items():
             out[f"{BACKFILL_PREFIX}{task}-num-examples"] = late.num_examples
         if self.fedran is not None:
             f = self.fedran
-            out.update({"num-labelled": f.num_labelled, "pseudo-unlabelled": f.pseudo_unlabelled,
-                        "pseudo-accepted": f.pseudo_accepted, "pseudo-correct": f.pseudo_correct})
+            out.update(
+                {
+                    "num-labelled": f.num_labelled,
+                    "pseudo-unlabelled": f.pseudo_unlabelled,
+                    "pseudo-accepted": f.pseudo_accepted,
+                    "pseudo-correct": f.pseudo_correct,
+                }
+            )
         return out
 
     def _fill(self, content: RecordDict) -> None:
@@ -444,9 +494,17 @@ def parse_reply(message: Message, sent: Header, kind: Kind) -> Reply:
         raise
 
 
+class _Base(NamedTuple):
+    """The fields every reply has, in the order of :class:`Reply`'s."""
+
+    header: Header
+    client: int
+    num_examples: int
+
+
 def _parse_body(content: RecordDict, metrics: MetricRecord, kind: Kind, sent: Header, client: int) -> Reply:
     num_examples = _metric_int(metrics, "num-examples")
-    base = {"header": sent, "client": client, "num_examples": num_examples}
+    base = _Base(sent, client, num_examples)
     if kind is Kind.TRAIN:
         return _parse_train(content, metrics, base)
     if kind is Kind.STATS:
@@ -459,12 +517,12 @@ def _parse_body(content: RecordDict, metrics: MetricRecord, kind: Kind, sent: He
         key = None if record is None else record.get("public-key")
         if not isinstance(key, bytes):
             raise ProtocolError("keys reply carries no public key")
-        return KeysRes(**base, public_key=key)
+        return KeysRes(*base, public_key=key)
     _only(content.config_records, {HEADER}, "config records")
-    return InfoRes(**base)
+    return InfoRes(*base)
 
 
-def _parse_train(content: RecordDict, metrics: MetricRecord, base: dict[str, Any]) -> TrainRes:
+def _parse_train(content: RecordDict, metrics: MetricRecord, base: _Base) -> TrainRes:
     _only(content.config_records, {HEADER}, "config records")
     _only(content.array_records, {MODEL, LGA_PROTO}, "array records")
     _only(metrics, {"partition-id", "num-examples", "train-loss"} | _LGA_METRICS | _STAMP_METRICS, "metrics")
@@ -473,18 +531,25 @@ def _parse_train(content: RecordDict, metrics: MetricRecord, base: dict[str, Any
     lga = stamp = None
     if _LGA_METRICS & set(metrics):
         lga = LGAReport(
-            cb=_metric_float(metrics, "lga-cb"), sd=_metric_float(metrics, "lga-sd"),
-            detected=_flag(metrics, "lga-detected"), new_task=_flag(metrics, "lga-new-task"),
-            memory=_metric_int(metrics, "lga-memory"), proto_classes=_metric_int(metrics, "lga-proto-classes"),
-            prototypes=content.array_records.get(LGA_PROTO))
+            cb=_metric_float(metrics, "lga-cb"),
+            sd=_metric_float(metrics, "lga-sd"),
+            detected=_flag(metrics, "lga-detected"),
+            new_task=_flag(metrics, "lga-new-task"),
+            memory=_metric_int(metrics, "lga-memory"),
+            proto_classes=_metric_int(metrics, "lga-proto-classes"),
+            prototypes=content.array_records.get(LGA_PROTO),
+        )
     elif LGA_PROTO in content.array_records:
         raise ProtocolError(f"'{LGA_PROTO}' record without the LGA metrics")
     if _STAMP_METRICS & set(metrics):
-        stamp = StampReport(proto=_metric_float(metrics, "stamp-proto"),
-                            old_tasks=_metric_int(metrics, "stamp-old-tasks"),
-                            coreset=_metric_int(metrics, "stamp-coreset"))
-    return TrainRes(**base, model=content.array_records[MODEL], loss=_metric_float(metrics, "train-loss", 0.0),
-                    lga=lga, stamp=stamp)
+        stamp = StampReport(
+            proto=_metric_float(metrics, "stamp-proto"),
+            old_tasks=_metric_int(metrics, "stamp-old-tasks"),
+            coreset=_metric_int(metrics, "stamp-coreset"),
+        )
+    return TrainRes(
+        *base, model=content.array_records[MODEL], loss=_metric_float(metrics, "train-loss", 0.0), lga=lga, stamp=stamp
+    )
 
 
 def _flag(metrics: MetricRecord, key: str) -> bool:
@@ -494,7 +559,7 @@ def _flag(metrics: MetricRecord, key: str) -> bool:
     return bool(flag)
 
 
-def _parse_stats(content: RecordDict, metrics: MetricRecord, base: dict[str, Any]) -> StatsRes:
+def _parse_stats(content: RecordDict, metrics: MetricRecord, base: _Base) -> StatsRes:
     _only(content.config_records, {HEADER}, "config records")
     if MODEL not in content.array_records:
         raise ProtocolError(f"reply has no '{MODEL}' record")
@@ -511,7 +576,16 @@ def _parse_stats(content: RecordDict, metrics: MetricRecord, base: dict[str, Any
     _only(metrics, allowed, "metrics")
     fedran = None
     if _FEDRAN_METRICS & set(metrics):
-        fedran = FedranReport(*(_metric_int(metrics, key) for key in
-                                ("num-labelled", "pseudo-unlabelled", "pseudo-accepted", "pseudo-correct")))
-    return StatsRes(**base, arrays=content.array_records[MODEL], withheld=_metric_int(metrics, "withheld-samples", 0),
-                    backfill=dict(sorted(backfill.items())), fedran=fedran)
+        fedran = FedranReport(
+            *(
+                _metric_int(metrics, key)
+                for key in ("num-labelled", "pseudo-unlabelled", "pseudo-accepted", "pseudo-correct")
+            )
+        )
+    return StatsRes(
+        *base,
+        arrays=content.array_records[MODEL],
+        withheld=_metric_int(metrics, "withheld-samples", 0),
+        backfill=dict(sorted(backfill.items())),
+        fedran=fedran,
+    )

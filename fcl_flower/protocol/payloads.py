@@ -54,15 +54,21 @@ class StsaStats:
     KEYS = ("gram-packed", "class-sums")
 
     def to_record(self, wire_dtype: str) -> ArrayRecord:
-        return to_record({"gram-packed": cast_for_wire(self.gram_packed, wire_dtype),
-                          "class-sums": cast_for_wire(self.class_sums, wire_dtype)})
+        return to_record(
+            {
+                "gram-packed": cast_for_wire(self.gram_packed, wire_dtype),
+                "class-sums": cast_for_wire(self.class_sums, wire_dtype),
+            }
+        )
 
     @classmethod
     def read(cls, record: ArrayRecord, *, packed: int, dim: int, classes: int) -> StsaStats:
         """G stays packed at wire precision until summed; C becomes float64."""
         _exact_keys(record, cls.KEYS)
-        return cls(read_tensor(record, "gram-packed", shape=(packed,), floating=True),
-                   read_tensor(record, "class-sums", shape=(dim, classes), floating=True).to(torch.float64))
+        return cls(
+            read_tensor(record, "gram-packed", shape=(packed,), floating=True),
+            read_tensor(record, "class-sums", shape=(dim, classes), floating=True).to(torch.float64),
+        )
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,9 @@ class MaskedStsaStats:
     @classmethod
     def read(cls, record: ArrayRecord, *, packed: int, dim: int, classes: int) -> MaskedStsaStats:
         _exact_keys(record, StsaStats.KEYS)
-        return cls(read_ring(record, "gram-packed", shape=(packed,)),
-                   read_ring(record, "class-sums", shape=(dim, classes)))
+        return cls(
+            read_ring(record, "gram-packed", shape=(packed,)), read_ring(record, "class-sums", shape=(dim, classes))
+        )
 
 
 @dataclass(frozen=True)
@@ -91,8 +98,9 @@ class StsaEStats:
     KEYS = ("class-sums", "counts")
 
     def to_record(self, wire_dtype: str) -> ArrayRecord:
-        return to_record({"class-sums": cast_for_wire(self.class_sums, wire_dtype),
-                          "counts": cast_for_wire(self.counts, wire_dtype)})
+        return to_record(
+            {"class-sums": cast_for_wire(self.class_sums, wire_dtype), "counts": cast_for_wire(self.counts, wire_dtype)}
+        )
 
     @classmethod
     def read(cls, record: ArrayRecord, *, dummies: int, dim: int, classes: int) -> StsaEStats:
@@ -114,9 +122,13 @@ class FedranStats:
     KEYS = ("basis", "singular-values", "label-corr")
 
     def to_record(self, wire_dtype: str) -> ArrayRecord:
-        return to_record({"basis": cast_for_wire(self.basis, wire_dtype),
-                          "singular-values": cast_for_wire(self.singular_values, wire_dtype),
-                          "label-corr": cast_for_wire(self.label_corr, wire_dtype)})
+        return to_record(
+            {
+                "basis": cast_for_wire(self.basis, wire_dtype),
+                "singular-values": cast_for_wire(self.singular_values, wire_dtype),
+                "label-corr": cast_for_wire(self.label_corr, wire_dtype),
+            }
+        )
 
     @classmethod
     def read(cls, record: ArrayRecord, *, dim: int, classes: int, max_rank: int) -> FedranStats:
