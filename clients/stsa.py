@@ -15,6 +15,7 @@ so that the masks of every record cancel in the server's sum.
 from __future__ import annotations
 
 import torch
+from flwr.app import ArrayRecord
 
 from clients.job import ClientJob
 from clients.secure import mask
@@ -67,7 +68,7 @@ def handle_stats(job: ClientJob) -> StatsRes:
         return reply_with_backfill(job, stsa_statistics)
     asked = job.ins.owed_by_anyone()
 
-    def masked(stats: dict[int, Statistics]) -> dict[int, tuple[object, int]]:
+    def masked(stats: dict[int, Statistics]) -> dict[int, tuple[ArrayRecord, int]]:
         every = {**stats, **{t: zero_statistics(job, t) for t in asked if t not in stats}}
         flat = {
             f"{t}/{key}": tensor
@@ -80,4 +81,4 @@ def handle_stats(job: ClientJob) -> StatsRes:
             for t, s in every.items()
         }
 
-    return reply_with_backfill(job, stsa_statistics, masked)  # type: ignore[arg-type]
+    return reply_with_backfill(job, stsa_statistics, masked)

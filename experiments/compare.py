@@ -94,7 +94,7 @@ class ProgressHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             if record.msg == STAGE_ROUND_MSG and record.args:
-                stage, total, index, rounds, phase = record.args  # type: ignore[misc]
+                stage, total, index, rounds, phase = record.args  # type: ignore[misc]  # LogRecord.args is a tuple here: our own log call
                 self.rounds += 1
                 if self.bar.total != total:
                     self.bar.reset(total=total)
@@ -102,11 +102,11 @@ class ProgressHandler(logging.Handler):
                 self.bar.set_postfix_str(f"stage {stage}/{total} round {index}/{rounds} ({phase})", refresh=True)
             elif record.msg == STAGE_DONE_MSG and record.args:
                 self.stages += 1
-                stage, total = record.args[0], record.args[1]  # type: ignore[index]
+                stage, total = record.args[0], record.args[1]  # type: ignore[index]  # as above
                 if self.bar.total != total:
                     self.bar.reset(total=total)
                 self.bar.n = stage
-                self.bar.set_postfix_str(f"stage {stage}/{total}: {record.args[3]:.1f}%", refresh=True)  # type: ignore[index]
+                self.bar.set_postfix_str(f"stage {stage}/{total}: {record.args[3]:.1f}%", refresh=True)  # type: ignore[index]  # as above
         except Exception:  # a progress bar must never break a run
             pass
 

@@ -23,7 +23,7 @@ from fcl_flower.results import ResultsRecorder
 class _OneLineErrorParser(argparse.ArgumentParser):
     """Bad flags end like bad config values: one ``error: ...`` line on stderr, exit code 2."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> None:  # type: ignore[override]  # argparse says NoReturn; exit() does not return
         self.exit(2, f"error: {message} (see --help)\n")
 
 

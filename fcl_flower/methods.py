@@ -75,12 +75,36 @@ class MethodSpec:
 
 #: Run-config keys every method reads (data, protocol, backbone, infrastructure).
 COMMON_KNOBS: tuple[str, ...] = (
-    "strategy", "dataset", "data-root", "download", "num-tasks", "first-task-classes", "num-clients",
-    "beta", "partition", "class-fraction", "classes-per-task", "initial-clients", "joining-per-task",
-    "clients-per-round", "old-only-fraction", "seed", "backbone", "pretrained", "image-size",
-    "batch-size", "train-head", "wire-dtype", "out", "run-name", "round-timeout", "require-all-clients",
-    "round-retries", "resume", "device",
-)  # fmt: skip
+    "strategy",
+    "dataset",
+    "data-root",
+    "download",
+    "num-tasks",
+    "first-task-classes",
+    "num-clients",
+    "beta",
+    "partition",
+    "class-fraction",
+    "classes-per-task",
+    "initial-clients",
+    "joining-per-task",
+    "clients-per-round",
+    "old-only-fraction",
+    "seed",
+    "backbone",
+    "pretrained",
+    "image-size",
+    "batch-size",
+    "train-head",
+    "wire-dtype",
+    "out",
+    "run-name",
+    "round-timeout",
+    "require-all-clients",
+    "round-retries",
+    "resume",
+    "device",
+)
 #: Knobs of local SGD (stage 1 of the analytic methods, every task of the gradient ones).
 SGD_KNOBS = ("stage1-rounds", "local-epochs", "lr", "momentum", "weight-decay", "weighted-fedavg")
 GRADIENT_KNOBS = (*SGD_KNOBS, "rounds-per-task")
@@ -147,64 +171,114 @@ def _all(*groups: Iterable[str]) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------------------- the methods
-register(MethodSpec(
-    name="stsa", family=Family.ANALYTIC,
-    summary="STSA: exact Gram G and class sums C per client and stage; ridge in closed form",
-    strategy="strategies.stsa:STSAStrategy",
-    phases=(FEDAVG, Phase("stsa-stats", Kind.STATS, "clients.stsa:handle_stats")),
-    knobs=_all(RIDGE_KNOBS, SECURE_KNOBS), secure_aggregation=True, backfill=True,
-))  # fmt: skip
-register(MethodSpec(
-    name="stsa-e", family=Family.ANALYTIC,
-    summary="STSA-E: class sums and counts of dummy clients only; the server estimates G (Eq. 9)",
-    strategy="strategies.stsa_e:STSAEStrategy",
-    phases=(FEDAVG, Phase("stsa-e-stats", Kind.STATS, "clients.stsa_e:handle_stats")),
-    knobs=_all(RIDGE_KNOBS, ("dummy-clients", "k-mode")), backfill=True,
-))  # fmt: skip
-register(MethodSpec(
-    name="fedran", family=Family.ANALYTIC,
-    summary="FedRAN: truncated SVD of the Gram per client, QR-SVD merge, subspace ridge, pseudo-labels",
-    strategy="strategies.fedran:FedRANStrategy",
-    phases=(FEDAVG, Phase("fedran-stats", Kind.STATS, "clients.fedran:handle_stats")),
-    knobs=_all(RIDGE_KNOBS, ("rank", "rank-budget-bytes", "label-ratio", "pseudo-threshold")),
-))  # fmt: skip
-register(MethodSpec(
-    name="joint", family=Family.ANALYTIC,
-    summary="upper bound: the same features, ridge on all seen data pooled on the server",
-    strategy="strategies.joint:JointStrategy", phases=(FEDAVG,), knobs=RIDGE_KNOBS,
-))  # fmt: skip
-register(MethodSpec(
-    name="finetune", family=Family.GRADIENT, summary="lower bound: FedAvg fine-tuning task after task",
-    strategy="strategies.finetune:FinetuneStrategy", phases=(FEDAVG,), knobs=GRADIENT_KNOBS,
-    task_pool=True,
-))  # fmt: skip
-register(MethodSpec(
-    name="lwf", family=Family.GRADIENT, summary="Fed-LwF: FedAvg + distillation from the previous task's model",
-    strategy="strategies.lwf:LwFStrategy",
-    phases=(FEDAVG, Phase("lwf", Kind.TRAIN, "clients.lwf:handle_lwf")),
-    knobs=_all(GRADIENT_KNOBS, ("lwf-alpha", "lwf-temperature")), task_pool=True,
-))  # fmt: skip
-register(MethodSpec(
-    name="ewc", family=Family.GRADIENT, summary="Fed-EWC: FedAvg + a Fisher penalty aggregated over clients",
-    strategy="strategies.ewc:EWCStrategy",
-    phases=(FEDAVG, Phase("ewc", Kind.TRAIN, "clients.ewc:handle_ewc"),
-                   Phase("ewc-stats", Kind.STATS, "clients.ewc:handle_fisher")),
-    knobs=_all(GRADIENT_KNOBS, ("ewc-lambda", "ewc-fisher-max")), task_pool=True,
-))  # fmt: skip
-register(MethodSpec(
-    name="joint-gradient", family=Family.GRADIENT,
-    summary="upper bound: the same model and schedule trained on all seen data pooled on the server",
-    strategy="strategies.joint_gradient:JointGradientStrategy", phases=(), knobs=GRADIENT_KNOBS,
-))  # fmt: skip
-register(MethodSpec(
-    name="lga", family=Family.GRADIENT,
-    summary="LGA: class-balanced + self-distillation loss, proxy server picks the old model",
-    strategy="strategies.lga:LGAStrategy", phases=(Phase("lga", Kind.TRAIN, "clients.lga:handle_lga"),),
-    knobs=_all(GRADIENT_KNOBS, ("memory-size", "proxy-iterations")),
-))  # fmt: skip
-register(MethodSpec(
-    name="stamp", family=Family.GRADIENT,
-    summary="STAMP: temporal gradient matching on clients, spatial gradient matching on the server",
-    strategy="strategies.stamp:STAMPStrategy", phases=(Phase("stamp", Kind.TRAIN, "clients.stamp:handle_stamp"),),
-    knobs=_all(GRADIENT_KNOBS, ("memory-size", "gm-c")), task_pool=True,
-))  # fmt: skip
+register(
+    MethodSpec(
+        name="stsa",
+        family=Family.ANALYTIC,
+        summary="STSA: exact Gram G and class sums C per client and stage; ridge in closed form",
+        strategy="strategies.stsa:STSAStrategy",
+        phases=(FEDAVG, Phase("stsa-stats", Kind.STATS, "clients.stsa:handle_stats")),
+        knobs=_all(RIDGE_KNOBS, SECURE_KNOBS),
+        secure_aggregation=True,
+        backfill=True,
+    )
+)
+register(
+    MethodSpec(
+        name="stsa-e",
+        family=Family.ANALYTIC,
+        summary="STSA-E: class sums and counts of dummy clients only; the server estimates G (Eq. 9)",
+        strategy="strategies.stsa_e:STSAEStrategy",
+        phases=(FEDAVG, Phase("stsa-e-stats", Kind.STATS, "clients.stsa_e:handle_stats")),
+        knobs=_all(RIDGE_KNOBS, ("dummy-clients", "k-mode")),
+        backfill=True,
+    )
+)
+register(
+    MethodSpec(
+        name="fedran",
+        family=Family.ANALYTIC,
+        summary="FedRAN: truncated SVD of the Gram per client, QR-SVD merge, subspace ridge, pseudo-labels",
+        strategy="strategies.fedran:FedRANStrategy",
+        phases=(FEDAVG, Phase("fedran-stats", Kind.STATS, "clients.fedran:handle_stats")),
+        knobs=_all(RIDGE_KNOBS, ("rank", "rank-budget-bytes", "label-ratio", "pseudo-threshold")),
+    )
+)
+register(
+    MethodSpec(
+        name="joint",
+        family=Family.ANALYTIC,
+        summary="upper bound: the same features, ridge on all seen data pooled on the server",
+        strategy="strategies.joint:JointStrategy",
+        phases=(FEDAVG,),
+        knobs=RIDGE_KNOBS,
+    )
+)
+register(
+    MethodSpec(
+        name="finetune",
+        family=Family.GRADIENT,
+        summary="lower bound: FedAvg fine-tuning task after task",
+        strategy="strategies.finetune:FinetuneStrategy",
+        phases=(FEDAVG,),
+        knobs=GRADIENT_KNOBS,
+        task_pool=True,
+    )
+)
+register(
+    MethodSpec(
+        name="lwf",
+        family=Family.GRADIENT,
+        summary="Fed-LwF: FedAvg + distillation from the previous task's model",
+        strategy="strategies.lwf:LwFStrategy",
+        phases=(FEDAVG, Phase("lwf", Kind.TRAIN, "clients.lwf:handle_lwf")),
+        knobs=_all(GRADIENT_KNOBS, ("lwf-alpha", "lwf-temperature")),
+        task_pool=True,
+    )
+)
+register(
+    MethodSpec(
+        name="ewc",
+        family=Family.GRADIENT,
+        summary="Fed-EWC: FedAvg + a Fisher penalty aggregated over clients",
+        strategy="strategies.ewc:EWCStrategy",
+        phases=(
+            FEDAVG,
+            Phase("ewc", Kind.TRAIN, "clients.ewc:handle_ewc"),
+            Phase("ewc-stats", Kind.STATS, "clients.ewc:handle_fisher"),
+        ),
+        knobs=_all(GRADIENT_KNOBS, ("ewc-lambda", "ewc-fisher-max")),
+        task_pool=True,
+    )
+)
+register(
+    MethodSpec(
+        name="joint-gradient",
+        family=Family.GRADIENT,
+        summary="upper bound: the same model and schedule trained on all seen data pooled on the server",
+        strategy="strategies.joint_gradient:JointGradientStrategy",
+        phases=(),
+        knobs=GRADIENT_KNOBS,
+    )
+)
+register(
+    MethodSpec(
+        name="lga",
+        family=Family.GRADIENT,
+        summary="LGA: class-balanced + self-distillation loss, proxy server picks the old model",
+        strategy="strategies.lga:LGAStrategy",
+        phases=(Phase("lga", Kind.TRAIN, "clients.lga:handle_lga"),),
+        knobs=_all(GRADIENT_KNOBS, ("memory-size", "proxy-iterations")),
+    )
+)
+register(
+    MethodSpec(
+        name="stamp",
+        family=Family.GRADIENT,
+        summary="STAMP: temporal gradient matching on clients, spatial gradient matching on the server",
+        strategy="strategies.stamp:STAMPStrategy",
+        phases=(Phase("stamp", Kind.TRAIN, "clients.stamp:handle_stamp"),),
+        knobs=_all(GRADIENT_KNOBS, ("memory-size", "gm-c")),
+        task_pool=True,
+    )
+)

@@ -111,7 +111,7 @@ def run_in_process(cfg: RunConfig, tamper: Tamper | None = None) -> StagedStrate
         strategy.stage_weights.append(None if weights is None else weights.clone())
         return extra
 
-    strategy.end_stage = recording_end_stage  # type: ignore[method-assign]
+    strategy.end_stage = recording_end_stage  # type: ignore[method-assign]  # spies on each solve
     strategy.start(in_process_grid(cfg.num_clients, tamper))
     return strategy
 

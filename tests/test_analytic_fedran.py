@@ -347,7 +347,7 @@ def test_pad_label_corr_equals_wider_one_hot() -> None:
 
 
 def test_upload_numbers_reproduce_reported_mib() -> None:
-    mib = lambda m, r, c: 8 * upload_numbers(m, r, c) / 2**20  # noqa: E731
+    mib = lambda m, r, c: 8 * upload_numbers(m, r, c) / 2**20  # noqa: E731 (a one-line helper reads best as a lambda here)
     assert round(mib(2048, 512, 100), 2) == 9.57
     assert round(mib(2048, 512, 200), 2) == 11.13
     assert round(mib(8192, 2048, 100), 2) == 134.27

@@ -88,4 +88,4 @@ def test_bad_input_raises_one_line_errors():
     with pytest.raises(AnalyticInputError, match="at least 2"):
         estimator.result()  # global K needs two uploads, like estimate_gram
     with pytest.raises(AnalyticInputError, match="k_mode"):
-        GramEstimator(4, 2, k_mode="nope")  # type: ignore[arg-type]
+        GramEstimator(4, 2, k_mode="nope")  # type: ignore[arg-type]  # the bad value is the test

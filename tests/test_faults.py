@@ -109,7 +109,7 @@ def run(cfg: RunConfig, grid: LocalGrid | None = None) -> StagedStrategy:
         strategy.stage_weights.append(strategy.weights.clone())
         return extra
 
-    strategy.end_stage = recording  # type: ignore[method-assign]
+    strategy.end_stage = recording  # type: ignore[method-assign]  # the test spies on each solve
     strategy.start(grid)
     return strategy
 

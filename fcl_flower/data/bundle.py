@@ -77,6 +77,6 @@ def build_bundle(
         train_eval=train.with_transform(eval_transform),
         test=test,
         num_classes=int(num_classes),
-        image_shape=tuple(int(s) for s in image_shape),  # type: ignore[arg-type]
+        image_shape=(int(image_shape[0]), int(image_shape[1]), int(image_shape[2])),
         class_order=order,
     )

@@ -28,7 +28,7 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, y, test_size=TEST_FRACTION, stratify=y, random_state=SPLIT_SEED, shuffle=True
     )
-    out = tuple(np.ascontiguousarray(a) for a in (x_tr, y_tr, x_te, y_te))
-    for a in out:
+    x_tr, y_tr, x_te, y_te = (np.ascontiguousarray(a) for a in (x_tr, y_tr, x_te, y_te))
+    for a in (x_tr, y_tr, x_te, y_te):
         a.setflags(write=False)
-    return out  # type: ignore[return-value]
+    return x_tr, y_tr, x_te, y_te

@@ -89,9 +89,17 @@ def _load(name: str, root: str, download: bool, seed: int, image_size: int | Non
         tf = tensor_resize(image_size) if image_size is not None else None
         size = image_size or 8
         return build_bundle(
-            name, train_images=x_tr, train_labels=y_tr, test_images=x_te, test_labels=y_te, num_classes=10,
-            image_shape=(1, size, size), seed=seed, train_transform=tf, eval_transform=tf,
-        )  # fmt: skip
+            name,
+            train_images=x_tr,
+            train_labels=y_tr,
+            test_images=x_te,
+            test_labels=y_te,
+            num_classes=10,
+            image_shape=(1, size, size),
+            seed=seed,
+            train_transform=tf,
+            eval_transform=tf,
+        )
     if name == "synthetic":
         return make_synthetic(SyntheticSpec(), seed=seed, image_size=image_size)
     if name == "cifar100":
@@ -103,9 +111,17 @@ def _load(name: str, root: str, download: bool, seed: int, image_size: int | Non
             train_tf, eval_tf = vit_transforms(image_size)
             size = image_size
         return build_bundle(
-            name, train_images=x_tr, train_labels=y_tr, test_images=x_te, test_labels=y_te, num_classes=100,
-            image_shape=(3, size, size), seed=seed, train_transform=train_tf, eval_transform=eval_tf,
-        )  # fmt: skip
+            name,
+            train_images=x_tr,
+            train_labels=y_tr,
+            test_images=x_te,
+            test_labels=y_te,
+            num_classes=100,
+            image_shape=(3, size, size),
+            seed=seed,
+            train_transform=train_tf,
+            eval_transform=eval_tf,
+        )
     if name == "tiny-imagenet":
         x_tr, y_tr, x_te, y_te, k = tiny_imagenet_arrays(base, download)
         if image_size is None:
@@ -115,15 +131,30 @@ def _load(name: str, root: str, download: bool, seed: int, image_size: int | Non
             train_tf, eval_tf = vit_transforms(image_size, TINY_IMAGENET_MEAN, TINY_IMAGENET_STD)
             size = image_size
         return build_bundle(
-            name, train_images=x_tr, train_labels=y_tr, test_images=x_te, test_labels=y_te, num_classes=k,
-            image_shape=(3, size, size), seed=seed, train_transform=train_tf, eval_transform=eval_tf,
-        )  # fmt: skip
+            name,
+            train_images=x_tr,
+            train_labels=y_tr,
+            test_images=x_te,
+            test_labels=y_te,
+            num_classes=k,
+            image_shape=(3, size, size),
+            seed=seed,
+            train_transform=train_tf,
+            eval_transform=eval_tf,
+        )
     # imagenet-r: ViT only, ImageNet mean/std as in the STSA code
     classes, tr_paths, tr_y, te_paths, te_y = imagenet_r_files_at(base, download)
     size = image_size or IMAGENET_R_DEFAULT_SIZE
     train_tf, eval_tf = vit_transforms(size, IMAGENET_MEAN, IMAGENET_STD)
     return build_bundle(
-        name, train_images=tr_paths, train_labels=tr_y, test_images=te_paths, test_labels=te_y,
-        num_classes=len(classes), image_shape=(3, size, size), seed=seed, train_transform=train_tf,
+        name,
+        train_images=tr_paths,
+        train_labels=tr_y,
+        test_images=te_paths,
+        test_labels=te_y,
+        num_classes=len(classes),
+        image_shape=(3, size, size),
+        seed=seed,
+        train_transform=train_tf,
         eval_transform=eval_tf,
-    )  # fmt: skip
+    )
