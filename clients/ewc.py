@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from clients.fedavg import train_locally
 from clients.job import ClientJob
-from clients.lwf import regularised_sgd, server_arrays
+from clients.lwf import new_task_ce_from, server_arrays
 from fcl_flower.fcl.ewc import diagonal_fisher, ewc_penalty, trainable_parameters
 from fcl_flower.fcl.training import ExtraLoss
 from fcl_flower.models import IncrementalClassifier
@@ -41,7 +42,7 @@ def ewc_extra_loss(
 def handle_ewc(job: ClientJob) -> TrainRes:
     """Local SGD with the Fisher-weighted pull towards the previous task's global model."""
     fisher, anchor = server_arrays(job, "ewc_fisher"), server_arrays(job, "ewc_anchor")
-    return regularised_sgd(job, ewc_extra_loss(fisher, anchor, job.cfg.ewc_lambda, job.device))
+    return train_locally(job, ewc_extra_loss(fisher, anchor, job.cfg.ewc_lambda, job.device), new_task_ce_from(job))
 
 
 def local_fisher(job: ClientJob) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""FedRAN client: one pass over the local data, a rank-r Gram summary and the exact B (spec §2.5–2.6).
+"""FedRAN client: one pass over the local data, a rank-r Gram summary and the exact B (docs/methods/fedran.md §2.5–2.6).
 
 Per task the client extracts frozen backbone features Z, optionally pseudo-labels its unlabelled
 samples on Z (FedRAN-SSL, Algorithm 4), maps the kept samples to random features
@@ -7,11 +7,11 @@ H = ReLU(Z̃ P) and uploads
     basis U (M × r_k), singular values σ (r_k), B = HᵀY (M × C_t),
 
 with r_k = min(r, ñ, M) and C_t the number of classes seen so far: M·r_k + r_k + M·C_t numbers,
-the spec §3.1 count. G = HᵀH itself never leaves the client. The rank r is chosen by the server
+the docs/methods/fedran.md §3.1 count. G = HᵀH itself never leaves the client. The rank r is chosen by the server
 (:attr:`StatsIns.rank`) because a byte budget makes it depend on C_t (Eq. 12).
 
 The true labels of the unlabelled samples are read only to *report* how many accepted
-pseudo-labels are right (a simulation diagnostic, spec §6.10); they never enter H or B.
+pseudo-labels are right (a simulation diagnostic, docs/methods/fedran.md §6.10); they never enter H or B.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class FedRANClientStats:
 
 
 def labelled_mask(seed: int, task: int, partition: int, num_samples: int, ratio: float) -> Tensor:
-    """Which local samples are labelled: a seeded ρ fraction per (seed, task, client) (spec §1.3 [I]).
+    """Which local samples are labelled: a seeded ρ fraction per (seed, task, client) (docs/methods/fedran.md §1.3 [I]).
 
     Deterministic on every machine (CPU generator); ρ = 1 marks everything without drawing.
     """
@@ -107,7 +107,7 @@ def fedran_client_update(
 
     ``labelled`` marks D^ℓ. Prototypes come from the labelled Z only; an unlabelled sample joins
     with its prototype class iff its best cosine over the client's labelled classes is ≥ τ;
-    rejected ones are dropped (spec §2.5). Labelled + accepted samples then enter both the Gram
+    rejected ones are dropped (docs/methods/fedran.md §2.5). Labelled + accepted samples then enter both the Gram
     summary and B. With every sample labelled this is exactly plain FedRAN. Classes with fewer
     than ``min_count`` kept samples are then left out of both (fcl_flower/privacy/disclosure.py).
     """

@@ -14,7 +14,7 @@ task 1 on; in task 1 L_local = L_CB with all weights 1, i.e. plain CE). Per roun
 3. When the task id is new to this client: herd the exemplars of the tasks just finished with
    the received model (the end-of-task global model), shrinking old classes to the new quota.
 4. ``local-epochs`` of SGD on ``L_local = L_CB + L_SD`` (Eq. 7) over current data ∪ memory; the
-   Eq. 4 exponent uses this client's own class counts (spec A6.2); the teacher is the old model
+   Eq. 4 exponent uses this client's own class counts (docs/methods/lga_stamp.md A6.2); the teacher is the old model
    the server's proxy selected (:attr:`TrainIns.old_model`, cached in the state).
 5. In a client's first round of a task: per new class, the prototype (sample nearest the class
    mean) is perturbed (Eqs. 13-14) and the gradient of the shared LeNet Γ on it is uploaded in

@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 from flwr.app import ArrayRecord
 
+from clients.fedavg import train_locally
 from clients.job import ClientJob
 from fcl_flower.fcl.distill import frozen_teacher, kd_loss
-from fcl_flower.fcl.training import ExtraLoss, local_sgd
+from fcl_flower.fcl.training import ExtraLoss
 from fcl_flower.models import IncrementalClassifier
 from fcl_flower.protocol import ProtocolError, TrainIns, TrainRes, from_record
 
@@ -66,23 +67,8 @@ def lwf_extra_loss(teacher: torch.nn.Module, num_old: int, alpha: float, tempera
     return loss
 
 
-def regularised_sgd(job: ClientJob, extra: ExtraLoss) -> TrainRes:
-    """``local_sgd`` with the new-task cross-entropy plus ``extra`` (shared by LwF and EWC)."""
-    stats = local_sgd(
-        job.model,
-        job.local_data(eval_transform=False),
-        job.cfg,
-        lr=job.lr,
-        num_seen=job.num_seen,
-        device=job.device,
-        seed=job.round_seed(),
-        extra_loss=extra,
-        ce_from=new_task_ce_from(job),
-    )
-    return job.train_reply(stats.num_examples, stats.mean_loss)
-
-
 def handle_lwf(job: ClientJob) -> TrainRes:
     """Local SGD with distillation from the previous task's global model."""
     teacher = frozen_teacher(job.model, server_arrays(job, "teacher"), job.device)
-    return regularised_sgd(job, lwf_extra_loss(teacher, old_classes(job), job.cfg.lwf_alpha, job.cfg.lwf_temperature))
+    extra = lwf_extra_loss(teacher, old_classes(job), job.cfg.lwf_alpha, job.cfg.lwf_temperature)
+    return train_locally(job, extra, new_task_ce_from(job))

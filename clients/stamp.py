@@ -41,7 +41,7 @@ from fcl_flower.runtime import iter_features
 
 CORESET_STATE = "stamp-coreset"
 META_STATE = "stamp-state"
-PROTO_WEIGHT = 1.0  # λ_proto (spec B5.2)
+PROTO_WEIGHT = 1.0  # λ_proto (docs/methods/lga_stamp.md B5.2)
 
 
 def own_task_of_classes(job: ClientJob, through: int) -> dict[int, int]:

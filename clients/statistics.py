@@ -1,7 +1,7 @@
 """What every statistics client shares: W_rand, local random features, and the backfill reply.
 
 Features come from the frozen backbone in eval mode with test-time transforms (docs/methods/
-stsa.md §2.4). Backfill: a client that missed the statistics round of an earlier task (crashed,
+docs/methods/stsa.md §2.4). Backfill: a client that missed the statistics round of an earlier task (crashed,
 timed out, rejected) is asked for it again in a later statistics round
 (:attr:`StatsIns.backfill`); the client recomputes those tasks' statistics and returns them as
 :class:`~fcl_flower.protocol.Backfill` entries. Statistics are sums over samples, so once every

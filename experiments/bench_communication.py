@@ -95,7 +95,7 @@ def paper_settings() -> list[dict[str, Any]]:
         ("ViT ImageNet-R", 1250, 10, 200, 10, 21.00),
     )
     for name, m, d, c, tasks, paper in stsa_in_fedran:
-        # FedRAN's accounting (fedran.md §3.3): 8·(D+1)·M·C + 8·D·C with C = all classes
+        # FedRAN's accounting (docs/methods/fedran.md §3.3): 8·(D+1)·M·C + 8·D·C with C = all classes
         theirs = mib(8 * (d + 1) * m * c + 8 * d * c)
         ours = mib(stsa_e_upload_numbers(m, c // tasks, d) * 8)
         rows.append(

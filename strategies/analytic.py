@@ -19,7 +19,7 @@ import torch
 
 from fcl_flower.analytic import predict, random_features, random_projection
 from fcl_flower.analytic.heads import Head
-from fcl_flower.analytic.ridge import GCVRow
+from fcl_flower.analytic.ridge import GCVRow, RidgeState
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit
 from fcl_flower.protocol import Reply, StatsRes, UploadError
@@ -109,6 +109,12 @@ class AnalyticStrategy(StagedStrategy):
         super().load_state_dict(state)
         self.weights = state["weights"]
         self.model.eval()
+
+
+def solve_dense(ridge: RidgeState, num_seen: int, cfg: RunConfig) -> tuple[torch.Tensor, dict[str, Any]]:
+    """W from the summed statistics, γ fixed or by GCV (``ridge = auto``), and the result extras."""
+    weights, gamma, table = ridge.solve(num_seen, cfg.ridge_value())
+    return weights, ridge_extras(ridge.num_samples, gamma, table)
 
 
 def ridge_extras(num_samples: int, gamma: float, table: list[GCVRow]) -> dict[str, Any]:

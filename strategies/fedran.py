@@ -3,7 +3,7 @@
 Server state is (U_{1:t} ∈ R^{M×r}, σ_{1:t} ∈ R^r, B_{1:t} ∈ R^{M×C_t}) in float64: never an M×M
 matrix. Per stage the client summaries are folded in ascending client id (the spatial merge),
 then into the running summary (the temporal merge), B_{1:t} = pad(B_{1:t−1}) + Σ_k B_{k,t}
-exactly, and W = U (diag(σ²) + γI)⁻¹ UᵀB is re-solved (spec §2.7–2.8, Algorithm 1).
+exactly, and W = U (diag(σ²) + γI)⁻¹ UᵀB is re-solved (docs/methods/fedran.md §2.7–2.8, Algorithm 1).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class FedRANStrategy(AnalyticStrategy):
     """FedRAN and FedRAN-SSL as a staged Flower strategy (one upload per client per stage).
 
     Stage-1 adaptation (``stage1-rounds``): the paper keeps a *pretrained* backbone frozen for
-    the whole stream (spec §2.3, §6.2 mode (a): ``stage1-rounds 0``), except in its ViT table,
+    the whole stream (docs/methods/fedran.md §2.3, §6.2 mode (a): ``stage1-rounds 0``), except in its ViT table,
     where all methods first fine-tune on task 1 "following the prior ViT-based setting" (STSA's
     FedAvg first-stage adaptation, mode (b): ``stage1-rounds 10``). Both modes reuse the FedAvg
     rounds of :class:`AnalyticStrategy`; the project default of 10 suits the randomly

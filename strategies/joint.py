@@ -14,7 +14,7 @@ from fcl_flower.data import FederatedSplit
 from fcl_flower.protocol import StatsRes, UploadError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import iter_features
-from strategies.analytic import AnalyticStrategy, ridge_extras
+from strategies.analytic import AnalyticStrategy, solve_dense
 from strategies.base import Accepted, RoundPlan
 
 
@@ -40,17 +40,15 @@ class JointStrategy(AnalyticStrategy):
         stats = accumulator.result()
         assert stats.gram is not None
         self.ridge.add(classes, stats.gram, stats.class_sums, stats.num_samples)
-        weights, gamma, table = self.ridge.solve(self.num_seen(task), self.cfg.ridge_value())
-        return weights, {**ridge_extras(self.ridge.num_samples, gamma, table), "pooled": True}
+        weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
+        return weights, {**extra, "pooled": True}
 
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),
-            "gram": self.ridge.gram,
-            "class_sums": self.ridge.class_sums,
-            "num_samples": self.ridge.num_samples,
+            "ridge": self.ridge.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.ridge = RidgeState(state["gram"], state["class_sums"], int(state["num_samples"]))
+        self.ridge = RidgeState.from_state(state["ridge"])

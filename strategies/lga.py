@@ -3,7 +3,7 @@
 Global server: sample-weighted FedAvg of the clients' models, every round of every task (the
 clients train with LGA's own loss from task 1 on; phase ``lga``, see clients/lga.py).
 
-Proxy server (lives in this strategy object, as the spec's Part C suggests):
+Proxy server (lives in this strategy object, as the method notes' Part C suggest (docs/methods/lga_stamp.md)):
 
 * In a client's first round of a task it uploads, per new class, the gradient of the shared
   LeNet Γ on its perturbed prototype (ArrayRecord ``lga-proto``). The proxy infers the label by

@@ -31,7 +31,7 @@ from fcl_flower.privacy.secagg import unmask_sum
 from fcl_flower.protocol import Instruction, StatsIns, StatsRes
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaStats
 from fcl_flower.results import ResultsRecorder
-from strategies.analytic import AnalyticStrategy, ridge_extras
+from strategies.analytic import AnalyticStrategy, solve_dense
 from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundPlan
 from strategies.secure import SecureRounds
@@ -105,8 +105,7 @@ class STSAStrategy(AnalyticStrategy):
 
     # ---------------------------------------------------------------- solve
     def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        weights, gamma, table = self.ridge.solve(self.num_seen(task), self.cfg.ridge_value())
-        extra = ridge_extras(self.ridge.num_samples, gamma, table)
+        weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
         if self.cfg.secure_aggregation:
             extra["secure_aggregation"] = True
         return weights, {**extra, **self.backfill.extras()}
@@ -114,13 +113,11 @@ class STSAStrategy(AnalyticStrategy):
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),
-            "gram": self.ridge.gram,
-            "class_sums": self.ridge.class_sums,
-            "num_samples": self.ridge.num_samples,
+            "ridge": self.ridge.state_dict(),
             "missing": self.backfill.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.ridge = RidgeState(state["gram"], state["class_sums"], int(state["num_samples"]))
+        self.ridge = RidgeState.from_state(state["ridge"])
         self.backfill.load_state_dict(state.get("missing", {}))

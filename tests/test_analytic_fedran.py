@@ -1,7 +1,7 @@
 """FedRAN math: low-rank Gram summaries, QR-SVD merges, subspace ridge, pseudo-labelling.
 
 Every check compares against a direct centralised computation written here (exact Gram, dense
-ridge solve, dense SVD, explicit cosine loop), or against the bounds of spec §2.11.
+ridge solve, dense SVD, explicit cosine loop), or against the bounds of docs/methods/fedran.md §2.11.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def _assert_one_line_error(exc: pytest.ExceptionInfo, *needles: str) -> None:
 
 
 def _reference_partition(labels, num_clients, beta, rng, min_size=1):
-    """The STSA code's procedure, written literally from spec stsa.md §1.2 with python lists."""
+    """The STSA code's procedure, written literally from docs/methods/stsa.md §1.2 with python lists."""
     n = len(labels)
     while True:
         batches = [[] for _ in range(num_clients)]

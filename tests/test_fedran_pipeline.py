@@ -4,7 +4,7 @@ The strategies run their real Flower hooks (configure_train → ClientApp → ag
 fcl_flower.local_grid.LocalGrid, which hands each message to the real ClientApp, so no Ray:
 digits, a seeded small CNN with no stage-1 training, random features M = 96 (< d = 128).
 References are computed here from the raw backbone features: the centralised ridge
-(G* + γI)⁻¹ B* by torch.linalg.solve, explicit prototype loops, the spec §3.1 byte formula.
+(G* + γI)⁻¹ B* by torch.linalg.solve, explicit prototype loops, the docs/methods/fedran.md §3.1 byte formula.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def runs(tmp_path_factory):
 
 
 def expected_pseudo_labels(z_lab, y_lab, z_unl, tau):
-    """Prototype pseudo-labels by explicit loops (spec §2.5): (accepted mask, labels)."""
+    """Prototype pseudo-labels by explicit loops (docs/methods/fedran.md §2.5): (accepted mask, labels)."""
     classes = sorted(set(y_lab.tolist()))
     protos = {c: z_lab[y_lab == c].mean(dim=0) for c in classes}
     protos = {c: p / p.norm() for c, p in protos.items()}

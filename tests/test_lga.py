@@ -150,7 +150,7 @@ def test_compensation_weights_follow_eq3_directions() -> None:
         v3[0] += 0.5
         w3 = compensation_weights(v3, groups, a, clamp=None)
         assert w3[0] > w[0] and torch.all(w3[1:6] < w[1:6]) and torch.allclose(w3[6:], w[6:])
-    # equal magnitudes in every group -> all weights equal (spec C2); a = 0 -> all ones
+    # equal magnitudes in every group -> all weights equal (docs/methods/lga_stamp.md C2); a = 0 -> all ones
     assert torch.allclose(
         compensation_weights(torch.full((16,), 0.4), groups, 0.5), torch.ones(16, dtype=torch.float64)
     )

@@ -1,4 +1,4 @@
-"""LGA's client protocol beyond the data split (spec lga_stamp.md A1.2, A1.3): per-round client
+"""LGA's client protocol beyond the data split (docs/methods/lga_stamp.md A1.2, A1.3): per-round client
 sampling among the joined clients and the Z_o clients that get no data of a task.
 
 Checks: the per-round sample has the requested size, contains only joined clients, is seeded

@@ -1,4 +1,4 @@
-"""The LGA paper's data protocols (spec lga_stamp.md A1.3, A1.4); STAMP's task pool is in
+"""The LGA paper's data protocols (docs/methods/lga_stamp.md A1.3, A1.4); STAMP's task pool is in
 tests/test_task_pool.py.
 
 Checks: LGA class subsets give every client floor(fraction * c_t) whole classes of the task

@@ -1,4 +1,4 @@
-"""STAMP's limitless task pool (spec lga_stamp.md B1.1-B1.4): data, metrics, config and one run.
+"""STAMP's limitless task pool (docs/methods/lga_stamp.md B1.1-B1.4): data, metrics, config and one run.
 
 Checks: every client's task sequence is its own seeded permutation of all classes (tiled when
 T * cpt exceeds the classes), tasks of a client are disjoint, clients differ; a client holds

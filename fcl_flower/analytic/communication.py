@@ -1,8 +1,8 @@
-"""Upload sizes of the analytic methods, in numbers and bytes (spec §3; fedran.md §3.1).
+"""Upload sizes of the analytic methods, in numbers and bytes (docs/methods/stsa.md §3; docs/methods/fedran.md §3.1).
 
 All counts are per client per stage (uploads only; downloads are not counted, as in the
 papers). ``paper_table5`` recomputes STSA's Table 5: per-stage numbers × 4 bytes (float32)
-× 10 stages, in MiB (2²⁰ bytes) — the paper's "MB" are MiB (spec §3.2).
+× 10 stages, in MiB (2²⁰ bytes) — the paper's "MB" are MiB (docs/methods/stsa.md §3.2).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def stsa_e_upload_numbers(rf_dim: int, classes_in_task: int, dummy_clients: int)
 
 
 def fedran_upload_numbers(rf_dim: int, rank: int, num_classes: int) -> int:
-    """FedRAN {V, σ, B}: M·r + r + M·C (fedran.md §3.1, Table 7).
+    """FedRAN {V, σ, B}: M·r + r + M·C (docs/methods/fedran.md §3.1, Table 7).
 
     ``num_classes`` is C_t = |C_{1:t}|, the number of classes seen so far (B is M × C_t), not
     the task's c_t. ``rank`` is the effective r_{k,t} = min(r, ñ_{k,t}, M).
@@ -86,7 +86,7 @@ class Table5Row:
 def paper_table5(stages: int = 10, wire_dtype: str = "float32") -> list[Table5Row]:
     """STSA Table 5 communication: ResNet18 (M=5000, K_D=50) and ViT (M=1250, K_D=10), c_t=10.
 
-    Expected (spec §3.2): 955.58 / 95.39 / 60.08 / 4.77 MiB.
+    Expected (docs/methods/stsa.md §3.2): 955.58 / 95.39 / 60.08 / 4.77 MiB.
     """
     settings = (
         ("ResNet18, CIFAR-100, 10 tasks, M=5000, K_D=50", 5000, 10, 50),

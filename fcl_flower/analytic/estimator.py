@@ -1,4 +1,4 @@
-"""STSA-E: estimating the Gram matrix from class sums and counts (spec §2.9, Eq. 9).
+"""STSA-E: estimating the Gram matrix from class sums and counts (docs/methods/stsa.md §2.9, Eq. 9).
 
 Each (dummy) client k uploads only C_k (M × c, class-wise feature sums) and n_k (c counts).
 For class i, with n = Σ_k n_k, S = Σ_k C_k (columns i), Eq. 9 reads
@@ -6,7 +6,7 @@ For class i, with n = Σ_k n_k, S = Σ_k C_k (columns i), Eq. 9 reads
     Ĝ^(i) = A_i Σ_k C_k C_kᵀ / n_k  −  B_i S Sᵀ,
     A_i = (n − 1)/(K − 1),   B_i = (n − K)/((K − 1) n),
 
-and Ĝ = Σ_i Ĝ^(i). Equivalently (spec §2.9, "interpretable form", when B_i is not clipped)
+and Ĝ = Σ_i Ĝ^(i). Equivalently (docs/methods/stsa.md §2.9, "interpretable form", when B_i is not clipped)
 
     Ĝ^(i) = n m mᵀ + (n − 1)/(K − 1) Σ_k n_k (m_k − m)(m_k − m)ᵀ,  m_k = C_k/n_k, m = S/n:
 
@@ -219,7 +219,7 @@ def split_into_dummy_clients(
 ) -> list[Tensor]:
     """Index sets of K_D dummy clients: a random permutation cut into equal contiguous chunks.
 
-    As in the reference code (spec §2.9): step = n // K_D, chunk j = perm[j·step:(j+1)·step],
+    As in the reference code (docs/methods/stsa.md §2.9): step = n // K_D, chunk j = perm[j·step:(j+1)·step],
     the last chunk also takes the remainder; not stratified by class. If n < K_D the first
     K_D − 1 chunks are empty (they still count in global K). Pass exactly one of ``seed`` /
     ``generator`` so the split is reproducible.

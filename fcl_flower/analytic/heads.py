@@ -1,4 +1,4 @@
-"""Inference heads on random features (spec §2.8).
+"""Inference heads on random features (docs/methods/stsa.md §2.8).
 
 The paper implies the dot-product head argmax_c Φᵀw_c; the reference code uses a cosine head
 (class columns of W L2-normalised), which is what reproduces the paper's numbers. Normalising

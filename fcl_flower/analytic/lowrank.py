@@ -1,4 +1,4 @@
-"""Low-rank Gram summaries and their QR-SVD merge (FedRAN, spec §2.6–§2.7, §2.11).
+"""Low-rank Gram summaries and their QR-SVD merge (FedRAN, docs/methods/fedran.md §2.6–§2.7, §2.11).
 
 A client never uploads its M×M Gram G = HᵀH. It uploads a rank-r factor (U, σ) with
 G ≈ U diag(σ²) Uᵀ: M·r + r numbers instead of M². The server folds these factors together with
@@ -239,7 +239,7 @@ def merge_summaries(summaries: Sequence[LowRankSummary], rank: int, *, stacked: 
     """Spatial merge of several summaries in the order given (use ascending client id).
 
     Default (the paper's Algorithm 1): a left fold of :func:`merge_pair`, truncating to ``rank``
-    after every step. ``stacked=True`` (optional extension, spec §2.7 [I]): one QR-SVD of all
+    after every step. ``stacked=True`` (optional extension, docs/methods/fedran.md §2.7 [I]): one QR-SVD of all
     blocks side by side, so at most one truncation. When nothing is truncated both give exactly
     Σ U_k Σ_k² U_kᵀ whatever the order; the factor itself is then order-invariant up to signs and
     rotations inside tied singular values. With truncation the sequential result depends on the
@@ -291,7 +291,7 @@ def merge_two_level(
 
 
 def rank_for_budget(budget_bytes: int, rf_dim: int, num_classes: int, bytes_per_number: int) -> int:
-    """Largest rank whose upload fits the byte budget, spec Eq. 12, capped at M.
+    """Largest rank whose upload fits the byte budget, Eq. 12 (docs/methods/fedran.md), capped at M.
 
     r = ⌊(𝔅/b − M·C)/(M + 1)⌋, computed in integers as ⌊(𝔅 − b·M·C)/(b·(M + 1))⌋. Ranks above M
     cannot occur (r_k = min(r, ñ, M)), hence the cap. Raises when the budget cannot hold B

@@ -1,7 +1,7 @@
 """Symmetric packing of the Gram matrix for upload.
 
 G = ΦᵀΦ is symmetric, so only its upper triangle (diagonal included) needs to travel:
-M(M+1)/2 numbers instead of M² (the paper counts M²; spec §3.1). Order is row-major:
+M(M+1)/2 numbers instead of M² (the paper counts M²; docs/methods/stsa.md §3.1). Order is row-major:
 G[0,0..M-1], G[1,1..M-1], …, G[M-1,M-1]. Rows are copied one slice at a time so no
 M(M+1)/2 index tensor is ever built (that would be 200 MB of int64 at M = 5000).
 """

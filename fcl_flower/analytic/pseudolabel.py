@@ -1,4 +1,4 @@
-"""Prototype pseudo-labelling of FedRAN-SSL (spec §2.5, Eqs. 13–15, Algorithm 4).
+"""Prototype pseudo-labelling of FedRAN-SSL (docs/methods/fedran.md §2.5, Eqs. 13–15, Algorithm 4).
 
 Runs on a client, on frozen *backbone* features Z (not on the random features H), once per task:
 ℓ2-normalised class means of the labelled features are the prototypes; an unlabelled feature
@@ -8,7 +8,7 @@ this task, so a client never invents a class it has not seen. Rejected samples a
 Accepted samples join the labelled ones in both H (hence the Gram summary) and B.
 
 Which samples are labelled is not specified by the paper; :func:`select_labelled` marks a seeded
-uniformly random fraction ρ per client and task (spec §1.3 [I]).
+uniformly random fraction ρ per client and task (docs/methods/fedran.md §1.3 [I]).
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def select_labelled(num_samples: int, ratio: float, generator: torch.Generator) 
 
 
 def pseudo_label_report(accepted: Tensor, predicted: Tensor, true_labels: Tensor) -> dict[str, float]:
-    """Acceptance and pseudo-label accuracy over the unlabelled rows (spec §6.10 logging).
+    """Acceptance and pseudo-label accuracy over the unlabelled rows (docs/methods/fedran.md §6.10 logging).
 
     Keys: ``total``, ``accepted``, ``correct`` (accepted and equal to the hidden true label),
     ``acceptance_rate`` (accepted/total) and ``precision`` (correct/accepted; 0 if none accepted).

@@ -1,4 +1,4 @@
-"""Random ReLU feature map R(f) = ReLU(f · W_rand) of STSA (spec §2.3, Eq. 1).
+"""Random ReLU feature map R(f) = ReLU(f · W_rand) of STSA (docs/methods/stsa.md §2.3, Eq. 1).
 
 The projection is regenerated from a shared integer seed by every client and by the server, so
 it never travels over the wire. It is drawn from a CPU ``torch.Generator`` in float64: the same

@@ -1,10 +1,10 @@
-"""Closed-form ridge classifier on aggregated statistics (spec §2.7, Eqs. 6–8, 10).
+"""Closed-form ridge classifier on aggregated statistics (docs/methods/stsa.md §2.7, Eqs. 6–8, 10).
 
 W = (G + γI)⁻¹ C is the exact joint ridge solution when G = ΦᵀΦ and C = ΦᵀY are the pooled
 statistics, so the federated solve loses nothing. It is solved by Cholesky (G + γI is
 symmetric positive definite for γ > 0), never by an explicit inverse.
 
-``select_ridge_gcv`` is an extra, not in the paper (which fixes γ = 1e4 / 1e6, spec §6 item 3):
+``select_ridge_gcv`` is an extra, not in the paper (which fixes γ = 1e4 / 1e6, docs/methods/stsa.md §6 item 3):
 generalised cross-validation computed from the statistics alone, so the server can pick γ
 without any validation data.
 """
@@ -184,6 +184,16 @@ class RidgeState:
         self.gram += gram
         self.class_sums[:, classes.start : classes.stop] += class_sums
         self.num_samples += int(num_samples)
+
+    def state_dict(self) -> dict[str, Tensor | int]:
+        return {"gram": self.gram, "class_sums": self.class_sums, "num_samples": self.num_samples}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Tensor | int]) -> RidgeState:
+        gram, sums = state["gram"], state["class_sums"]
+        if not isinstance(gram, Tensor) or not isinstance(sums, Tensor):
+            raise AnalyticInputError("ridge state needs the gram and class_sums tensors")
+        return cls(gram, sums, int(state["num_samples"]))
 
     def solve(self, num_seen: int, ridge: float | None) -> tuple[Tensor, float, list[GCVRow]]:
         """(W over the first ``num_seen`` classes, γ, GCV table): ``ridge`` None selects γ by GCV."""

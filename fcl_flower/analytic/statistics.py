@@ -1,4 +1,4 @@
-"""Additive class statistics of STSA (spec §2.4–2.6, Eqs. 2–5).
+"""Additive class statistics of STSA (docs/methods/stsa.md §2.4–2.6, Eqs. 2–5).
 
 A client summarises its random features Φ (n × M) and labels by
     G = ΦᵀΦ (M × M),  C = ΦᵀY (M × num_classes),  counts = column sums of Y.
@@ -9,7 +9,7 @@ the statistics of its parts. That single fact gives both aggregations:
 * temporal (Eq. 4): summing over stages equals the joint statistics of all tasks so far.
 
 C uses *global* class columns (labels are global class ids 0..num_classes-1), so the
-paper's column concatenation [C_{1:t-1}, C_t] is the same plain sum (spec §6 item 11), and
+paper's column concatenation [C_{1:t-1}, C_t] is the same plain sum (docs/methods/stsa.md §6 item 11), and
 ``aggregate`` serves both aggregations.
 """
 

@@ -1,4 +1,4 @@
-"""Closed-form FedRAN classifier in the retained subspace (spec §2.8, Eqs. 25–29; Theorem 2).
+"""Closed-form FedRAN classifier in the retained subspace (docs/methods/fedran.md §2.8, Eqs. 25–29; Theorem 2).
 
 The server keeps only the sketch G̃ = U diag(σ²) Uᵀ and the exact label statistic B = Σ_k H_kᵀ Y_k.
 Restricting the ridge weights to span(U), W = U W̃, turns the normal equations into a diagonal

@@ -5,7 +5,7 @@ Per-task partition seeding. Task t's training samples are partitioned with the g
 ``(seed, t)`` and independent of every other task (and of how many tasks were built before).
 The STSA code instead calls ``setup_seed(seed)`` right before partitioning each task, so with
 equal class counts (CIFAR-100) every task receives the *same* client-by-class proportion
-pattern; spec stsa.md §1.2 / §6 #12 calls both defensible and recommends independent
+pattern; docs/methods/stsa.md §1.2 / §6 #12 calls both defensible and recommends independent
 partitions, which is what we do.
 
 ``partition`` picks the per-task partitioner: "dirichlet" (default, the project protocol),
@@ -150,7 +150,7 @@ class FederatedSplit:
         initial_clients: int,
         old_only_fraction: float,
     ) -> None:
-        """STAMP's limitless task pool (spec lga_stamp.md B1.4): per-client task sequences."""
+        """STAMP's limitless task pool (docs/methods/lga_stamp.md B1.4): per-client task sequences."""
         if first_task_classes:
             raise DatasetError("partition task-pool has no large first task; set first-task-classes to 0")
         if 0 < initial_clients < num_clients or old_only_fraction:

@@ -66,7 +66,7 @@ def class_subset_partition(
     """LGA label skew: per client, all samples of a random ``fraction`` of the task's classes.
 
     Returns one int64 array of positions into ``labels`` per client (shuffled). Samples are
-    duplicated across clients that share a class (LGA code, spec A1.4).
+    duplicated across clients that share a class (LGA code, docs/methods/lga_stamp.md A1.4).
     """
     num_clients = _positive_int("num_clients", num_clients)
     if not isinstance(fraction, numbers.Real) or not 0.0 < float(fraction) <= 1.0:
@@ -86,7 +86,7 @@ def class_subset_partition(
 
 
 def join_tasks(num_clients: int, num_tasks: int, initial: int, per_task: int) -> np.ndarray:
-    """First task (0-based) at which each client holds data; LGA's joining clients (spec A1.3).
+    """First task (0-based) at which each client holds data; LGA's joining clients (docs/methods/lga_stamp.md A1.3).
 
     ``initial == 0`` means no joining: every client is active from task 0. Otherwise clients
     ``0..initial-1`` join at task 0 and client ``initial + j`` at task ``1 + j // per_task``; every

@@ -1,7 +1,7 @@
 """Label-skewed Dirichlet partition of one task's training samples over K clients.
 
 This follows the procedure of the STSA code (``utils/data_manager.py::partition_data``,
-spec stsa.md §1.2), step for step:
+docs/methods/stsa.md §1.2), step for step:
 
 * for every class c (in ascending label order): shuffle its samples, draw p ~ Dir(beta * 1_K),
   zero p_k for every client that already holds >= N/K samples (the *balancing cap*), renormalise,

@@ -107,7 +107,7 @@ def _load(name: str, root: str, download: bool, seed: int, image_size: int | Non
         if image_size is None:
             train_tf, eval_tf = cifar_transforms()
             size = 32
-        else:  # CIFAR-224 has no normalisation in the STSA code (spec §4.1)
+        else:  # CIFAR-224 has no normalisation in the STSA code (docs/methods/stsa.md §4.1)
             train_tf, eval_tf = vit_transforms(image_size)
             size = image_size
         return build_bundle(

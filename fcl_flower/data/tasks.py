@@ -1,7 +1,7 @@
 """Splitting the class-order positions 0..num_classes-1 into consecutive tasks.
 
 Because labels are already class-order positions, a task is simply a ``range`` of labels.
-Two schemes (spec stsa.md §4.1): equal tasks (e.g. CIFAR-100, 10 x 10), or a larger first
+Two schemes (docs/methods/stsa.md §4.1): equal tasks (e.g. CIFAR-100, 10 x 10), or a larger first
 task followed by equal tasks (e.g. 50 base classes + 10 x 5, "large first task", Table 4).
 """
 

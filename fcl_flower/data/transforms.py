@@ -1,7 +1,7 @@
-"""Train / eval transforms per dataset, as in the STSA code (spec stsa.md §4.1).
+"""Train / eval transforms per dataset, as in the STSA code (docs/methods/stsa.md §4.1).
 
 Why two transforms per dataset: gradient training (stage 1) uses augmentation, while the
-analytic statistics are computed with eval transforms (spec §2.4), so every bundle carries both.
+analytic statistics are computed with eval transforms (docs/methods/stsa.md §2.4), so every bundle carries both.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def vit_transforms(
     """ViT transforms: RandomResizedCrop(scale 0.05..1) + flip; eval bicubic resize + centre crop.
 
     The eval resize keeps the 256/224 ratio of the STSA code for any ``image_size``.
-    ``mean``/``std`` = None gives inputs in [0, 1] (the code's CIFAR-224 quirk, spec §4.1).
+    ``mean``/``std`` = None gives inputs in [0, 1] (the code's CIFAR-224 quirk, docs/methods/stsa.md §4.1).
     """
     tail: list = [T.ToTensor()]
     if mean is not None and std is not None:

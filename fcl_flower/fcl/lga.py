@@ -2,7 +2,7 @@
 
 Dong et al., "No One Left Behind: Real-World Federated Class-Incremental Learning", TPAMI 2024
 ([P-LGA] §4.1), with the official code ``github.com/JiahuaDong/LGA`` ([CODE-LGA]) where the
-paper is ambiguous. Spec: ``shared/specs/lga_stamp.md`` Part A. Equation numbers are the
+paper is ambiguous. Method notes: ``docs/methods/lga_stamp.md`` Part A. Equation numbers are the
 paper's. The proxy-server pieces (§4.2, Eqs. 9-14) live in :mod:`fcl_flower.fcl.lga_proxy`.
 
 Conventions
@@ -22,7 +22,7 @@ Equations implemented
 (4)  V_kappa^s = mean of |V_i|^a over the same samples, a = C^o / (C^o + C^t)
 (5)  L_CB = (1/B) sum_i w_i CE_i,  w_i = |V_i|^a / V^s_{kappa(i)}
 (6)  L_SD = (1/B) sum_i w_i sum_kappa D(Yhat_i[S_kappa], P_i[S_kappa])   (safe form, see below)
-(7)  L_local = gamma1 L_CB + gamma2 L_SD;  (1, 0) in task 1, (1, 1) afterwards  [spec A2.9]
+(7)  L_local = gamma1 L_CB + gamma2 L_SD;  (1, 0) in task 1, (1, 1) afterwards  [docs/methods/lga_stamp.md A2.9]
 (8)  H = mean_i entropy(P_i);  new task  <=>  H^r - H^{r-1} >= r_e = 1.2
 
 Departures (from the paper, and where [CODE-LGA] is followed instead)
@@ -32,7 +32,7 @@ Departures (from the paper, and where [CODE-LGA] is followed instead)
 * Eq. 5 groups with no sample in the batch are skipped (they would divide 0 by 0); a group
   whose sharpened mean is 0 gets weight 0 before the clamp (all its CE terms are 0 anyway).
 * Eq. 6 as printed is ill-posed (KL(P || Yhat) with zero entries in the one-hot part of Yhat,
-  unnormalised slices, garbled weight). We use the spec's SAFE form (A6.4): per task slice,
+  unnormalised slices, garbled weight). We use the SAFE form of docs/methods/lga_stamp.md A6.4: per task slice,
   renormalise both slices and use ``KL(Yhat_slice || P_slice)``. For an old slice this is
   ``KL(softmax(z_old[S]) || softmax(z[S]))``; for the current slice Yhat is one-hot when the
   sample is a new-class sample (giving the within-slice CE) and all-zero for an exemplar of an
@@ -44,7 +44,7 @@ Departures (from the paper, and where [CODE-LGA] is followed instead)
   sigmoid(z_old)).
 * Exponent ``a``: the paper prints per-client counts C_l^o / (C_l^o + C_l^t); [CODE-LGA] uses
   the global t/(t+1). ``exponent=None`` uses the global counts from ``task_ends``; the client
-  glue should pass :func:`sharpening_exponent` of its own class counts (spec A6.2).
+  glue should pass :func:`sharpening_exponent` of its own class counts (docs/methods/lga_stamp.md A6.2).
 * Eq. 8 prints I(p) = sum p log p (a sign typo): we use the entropy -sum p log p in nats with
   an exact ``log_softmax`` (the code adds 1e-5 inside the log). The paper's ``>=`` is used
   (the code has ``>``). By default the first observation counts as a transition, matching
@@ -346,7 +346,7 @@ def lga_local_loss(
 ) -> LGALoss:
     """Eq. 7: ``L_local = gamma1 L_CB + gamma2 L_SD`` with one shared set of Eq. 5 weights.
 
-    Defaults follow spec A2.9: (gamma1, gamma2) = (1, 0) in the first task
+    Defaults follow docs/methods/lga_stamp.md A2.9: (gamma1, gamma2) = (1, 0) in the first task
     (``len(task_ends) == 1``) and (1, 1) afterwards. With no ``old_logits`` (no old model yet)
     gamma2 defaults to 0; asking for gamma2 > 0 without an old model is an error.
     """

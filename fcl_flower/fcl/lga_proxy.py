@@ -1,4 +1,4 @@
-"""LGA proxy-server pieces (global anti-forgetting), [P-LGA] §4.2, spec A2.7.
+"""LGA proxy-server pieces (global anti-forgetting), [P-LGA] §4.2, docs/methods/lga_stamp.md A2.7.
 
 Client side: pick one prototype image per new class (A2.7a), perturb it (Eqs. 13-14) and send
 the gradient of the shared gradient-encoding LeNet Gamma on it (A2.7c).
@@ -28,7 +28,7 @@ Departures (from the paper, and where [CODE-LGA] is followed instead)
 * Eq. 11: noise ``omega * N(0, sigma^2)`` with the Eq. 11 norm constraint enforced by rejection
   sampling as in [CODE-LGA]; after ``max_tries`` rejections the last draw is scaled onto the
   constraint boundary so the loop always ends. sigma^2 is the per-class feature variance of the
-  reconstructed images under the scored model (the proxy has nothing else, spec A6.9);
+  reconstructed images under the scored model (the proxy has nothing else, docs/methods/lga_stamp.md A6.9);
   [CODE-LGA] uses the squared variance as the std (a quirk we do not copy).
 * Eq. 12 is implemented as printed (recursive omega); [CODE-LGA] fixes the radius once.
 * Best-model selection scores every candidate (no 6-round warm-up as in [CODE-LGA]); ties go to
@@ -123,7 +123,6 @@ class GradientEncoder(nn.Module):
             size = (size + 2 * (kernel_size // 2) - kernel_size) // s + 1
         self.body = nn.Sequential(*layers)
         self.fc = nn.Linear(channels * size * size, num_classes)
-        self.input_shape = (in_channels, image_size, image_size)
         gen = torch.Generator().manual_seed(int(seed))
         with torch.no_grad():
             for p in self.parameters():

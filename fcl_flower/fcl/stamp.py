@@ -1,8 +1,8 @@
 """STAMP: spatio-temporal gradient matching with a prototypical coreset (pure torch pieces).
 
 Nguyen, Nguyen, Pham, "Improving Generalization in Heterogeneous Federated Continual Learning
-via Spatio-Temporal Gradient Matching with Prototypical Coreset" ([P-ST]); spec
-``shared/specs/lga_stamp.md`` Part B. Equation numbers are the paper's.
+via Spatio-Temporal Gradient Matching with Prototypical Coreset" ([P-ST]); method notes:
+``docs/methods/lga_stamp.md`` Part B. Equation numbers are the paper's.
 
 Gradient matching (GM, Eq. 2 / Alg. 1 lines 19-20 and 30-31) is CAGrad (Liu et al., 2021):
 given vectors g_1..g_N and their (weighted) mean g0, it returns
@@ -35,10 +35,10 @@ returns a direction to SUBTRACT.
 
 Departures
 ----------
-* Eq. 2 prints GM without the g0 term; we use Alg. 1's full CAGrad form ``g0 + ...`` (spec B6.1)
-  and the mean (Eq. 2), not Alg. 1 line 18's sum (spec B6.3; the sum only rescales).
-* The paper's "g_G . g_i <= 0" is a sign typo for ">= 0" (spec B6.2); see the guarantee above.
-* ``rescale=True`` (default) divides d by ``1 + c^2`` as [CODE-ST*] does (spec B6.1).
+* Eq. 2 prints GM without the g0 term; we use Alg. 1's full CAGrad form ``g0 + ...`` (docs/methods/lga_stamp.md B6.1)
+  and the mean (Eq. 2), not Alg. 1 line 18's sum (docs/methods/lga_stamp.md B6.3; the sum only rescales).
+* The paper's "g_G . g_i <= 0" is a sign typo for ">= 0" (docs/methods/lga_stamp.md B6.2); see the guarantee above.
+* ``rescale=True`` (default) divides d by ``1 + c^2`` as [CODE-ST*] does (docs/methods/lga_stamp.md B6.1).
 * Dual solver: accelerated projected gradient on the simplex in the N x N Gram space (float64)
   with backtracking and best-iterate tracking, instead of [CODE-ST*]'s SGD on softmax logits
   with lr 25 and StepLR; it stops on a relative duality gap of 1e-7 (``iterations`` is only a
@@ -52,17 +52,17 @@ Departures
   constraint (``<0, d> = 0`` for every d) and are left out of the dual; they still count in g0.
   If ||g0|| = 0 the result is 0.
 * Temporal matching normalises every task vector to the current-task vector's norm before the
-  solve (spec B6.7, App. D.2.1's "gradient normalisation"); with no old task it returns the
+  solve (docs/methods/lga_stamp.md B6.7, App. D.2.1's "gradient normalisation"); with no old task it returns the
   current vector unchanged (there is nothing to match).
 * Spatial matching accepts optional FedAvg weights (example counts) for g0; Alg. 1 uses the
   uniform mean, the default. Optional normalisation of client deltas (Fig. 8) is off by default.
 * Coreset (Eq. 6): the learnable coefficients A are read as a binary selection of exactly
   K = ``budget_per_class`` samples, chosen by greedy herding towards p^l, the running
-  count-weighted class mean of Eq. 6 (spec B5.2/B6.8); herding is the greedy minimiser of Eq. 6's
+  count-weighted class mean of Eq. 6 (docs/methods/lga_stamp.md B5.2/B6.8); herding is the greedy minimiser of Eq. 6's
   objective. MixStyle (Eq. 7) is provided as a function but not wired into the selection
-  (its trigger and lambda are unspecified; spec B6.8).
+  (its trigger and lambda are unspecified; docs/methods/lga_stamp.md B6.8).
 * ProtoNet (Eq. 8): standard ProtoNet, softmax over ``-d`` (the printed ``exp(+d)`` is a typo,
-  spec B6.9); support/query split within the batch: the last ``n_query`` samples of each class
+  docs/methods/lga_stamp.md B6.9); support/query split within the batch: the last ``n_query`` samples of each class
   (default half of them) are queries, classes with a single sample are skipped.
 """
 
@@ -156,7 +156,7 @@ def assign_flat_grads(model: nn.Module, flat: Tensor) -> None:
 
 def task_gradient(model: nn.Module, x: Tensor, y: Tensor, *, num_seen: int | None = None) -> Tensor:
     """Flat gradient of the mean CE of ``model`` on one batch (Alg. 1 line 16, Eq. 4 with coreset
-    images through the full network, spec B6.6). Does not touch ``.grad``."""
+    images through the full network, docs/methods/lga_stamp.md B6.6). Does not touch ``.grad``."""
     params = trainable_parameters(model)
     if not params:
         raise FCLInputError("model has no trainable parameters")
@@ -353,7 +353,7 @@ def gradient_match_result(
             duality gap is below 1e-7 (typically tens of iterations; hard rank-deficient
             instances with N > P and large c need a few hundred).
         rescale: divide d by ``1 + c^2`` ([CODE-ST*]).
-        normalize: first scale every vector to the mean input norm (spec B5.2 / Fig. 8).
+        normalize: first scale every vector to the mean input norm (docs/methods/lga_stamp.md B5.2 / Fig. 8).
     """
     g = _stack(grads)
     if not math.isfinite(c) or c < 0:
@@ -439,7 +439,7 @@ def temporal_match(
     All inputs are loss gradients (ascent directions); for the current task pass the
     pseudo-gradient ``theta_received - theta_after_local_training``. Apply the result as
     ``theta <- theta_received - eta * d``. With ``normalize`` every old-task gradient is scaled
-    to the current vector's norm first (spec B6.7), so the step keeps the local step's size.
+    to the current vector's norm first (docs/methods/lga_stamp.md B6.7), so the step keeps the local step's size.
     With no old task the current vector is returned unchanged.
     """
     cur = torch.as_tensor(current_grad).reshape(-1)
@@ -476,7 +476,7 @@ def spatial_match(
     """SAM, server side (Eq. 5): conflict-averse aggregate of client deltas ``theta_u - theta``.
 
     Returns the update to ADD to the global model (``theta <- theta + eta * d``, eta = 1 by
-    default, spec B6.4). c = 0 gives (weighted) FedAvg exactly.
+    default, docs/methods/lga_stamp.md B6.4). c = 0 gives (weighted) FedAvg exactly.
     """
     return gradient_match(
         client_updates, c, weights=weights, iterations=iterations, rescale=rescale, normalize=normalize

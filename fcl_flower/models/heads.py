@@ -57,7 +57,6 @@ class IncrementalClassifier(nn.Module):
             raise ModelError(f"unknown head {head!r}; valid heads: {', '.join(HEADS)}")
         self.backbone = backbone
         self.num_classes = int(num_classes)
-        self.head_kind = head
         dim = backbone.feature_dim
         self.head: nn.Module = CosineHead(dim, num_classes) if head == "cosine" else nn.Linear(dim, num_classes)
 
