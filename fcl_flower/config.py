@@ -9,6 +9,7 @@ through :class:`RunConfig`, so a knob has one name (``num-tasks`` in TOML and me
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -110,6 +111,16 @@ class RunConfig:
         24, "Secure aggregation: fixed-point fraction bits (rounding error 2^-(f+1) per entry)."
     )
     secagg_min_clients: int = _knob(2, "Secure aggregation: fewest participants a client accepts in a masked round.")
+    feature_clip: float = _knob(
+        0.0,
+        "Analytic methods: scale every sample's random features to L2 norm at most this bound B "
+        "(0: no clipping). Gives the server's upload check tr(G) <= n B^2 and the per-sample sensitivity of DP noise.",
+    )
+    secagg_signed_keys: bool = _knob(
+        False,
+        "Secure aggregation: every client signs its round keys with its SuperNode key and checks its peers' "
+        "signatures against the operator's list (node config secagg-signing-key, secagg-trusted-keys).",
+    )
     min_class_count: int = _knob(
         1,
         "Clients upload statistics only of classes with at least this many samples (1: all; 3 makes single samples unidentifiable).",
@@ -232,6 +243,8 @@ class RunConfig:
             raise ConfigError(f"pseudo-threshold is a cosine, in [-1, 1] (got {self.pseudo_threshold})")
         if self.round_timeout <= 0:
             raise ConfigError(f"round-timeout must be > 0 seconds (got {self.round_timeout})")
+        if not (self.feature_clip >= 0 and math.isfinite(self.feature_clip)):
+            raise ConfigError(f"feature-clip must be a finite number >= 0 (got {self.feature_clip})")
         if self.min_class_count < 1:
             raise ConfigError(f"min-class-count must be >= 1 (got {self.min_class_count})")
         if not 8 <= self.secagg_fraction_bits <= 48:

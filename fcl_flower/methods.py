@@ -40,6 +40,8 @@ class Kind(StrEnum):
     TRAIN = "train"
     STATS = "query.stats"
     KEYS = "query.keys"
+    SHARES = "query.shares"
+    UNMASK = "query.unmask"
     INFO = "query.info"
 
 
@@ -108,8 +110,8 @@ COMMON_KNOBS: tuple[str, ...] = (
 #: Knobs of local SGD (stage 1 of the analytic methods, every task of the gradient ones).
 SGD_KNOBS = ("stage1-rounds", "local-epochs", "lr", "momentum", "weight-decay", "weighted-fedavg")
 GRADIENT_KNOBS = (*SGD_KNOBS, "rounds-per-task")
-RIDGE_KNOBS = (*SGD_KNOBS, "rf-dim", "ridge", "head", "min-class-count")
-SECURE_KNOBS = ("secure-aggregation", "secagg-fraction-bits", "secagg-min-clients")
+RIDGE_KNOBS = (*SGD_KNOBS, "rf-dim", "ridge", "head", "min-class-count", "feature-clip")
+SECURE_KNOBS = ("secure-aggregation", "secagg-fraction-bits", "secagg-min-clients", "secagg-signed-keys")
 
 FEDAVG = Phase("fedavg", Kind.TRAIN, "clients.fedavg:handle_fedavg")
 

@@ -17,7 +17,13 @@ from typing import Any, ClassVar, cast
 import numpy as np
 import torch
 
-from fcl_flower.analytic import predict, random_features, random_projection
+from fcl_flower.analytic import (
+    AnalyticInputError,
+    NotPositiveDefiniteError,
+    predict,
+    random_features,
+    random_projection,
+)
 from fcl_flower.analytic.heads import Head
 from fcl_flower.analytic.ridge import GCVRow, RidgeState
 from fcl_flower.config import RunConfig
@@ -25,7 +31,7 @@ from fcl_flower.data import FederatedSplit
 from fcl_flower.protocol import Reply, StatsRes, UploadError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import iter_features
-from strategies.base import Accepted, RoundPlan, StagedStrategy
+from strategies.base import Accepted, RoundPlan, StagedStrategy, StageFailed
 from strategies.fedavg import FedAvg
 
 FEDAVG_PHASE = "fedavg"
@@ -83,24 +89,34 @@ class AnalyticStrategy(StagedStrategy):
     def end_stage(self, task: int) -> dict[str, Any]:
         self.model.eval()  # frozen from here on: no later round trains it (keys stay the same
         # on both sides, so the broadcast state still matches the clients' models)
-        self.weights, extra = self.solve(task)
+        try:
+            self.weights, extra = self.solve(task)
+        except (AnalyticInputError, NotPositiveDefiniteError) as err:
+            raise StageFailed(f"the ridge solve failed: {err}") from None
+        return {**extra, **self.pop_withheld()}
+
+    def pop_withheld(self) -> dict[str, Any]:
+        """Samples withheld under min-class-count in this stage (never silent)."""
         withheld, self._withheld = self._withheld, {}
-        if withheld:  # samples withheld under min-class-count are never silent
-            extra["withheld_samples"] = dict(sorted(withheld.items()))
-        return extra
+        return {"withheld_samples": dict(sorted(withheld.items()))} if withheld else {}
+
+    def stage_failed(self, task: int, reason: str) -> dict[str, Any]:
+        return {**super().stage_failed(task, reason), **self.pop_withheld()}
 
     def test_features(self, task: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Random features and labels of the test data of every class seen after ``task``."""
         phis, labels = [], []
         for features, y in iter_features(self.model, self.split.seen_test(task), self.cfg, self.device):
-            phis.append(random_features(features, self.projection))
+            phis.append(random_features(features, self.projection, self.cfg.feature_clip))
             labels.append(y)
         return torch.cat(phis), torch.cat(labels)
 
     def predict_seen(self, task: int) -> tuple[np.ndarray, np.ndarray]:
-        assert self.weights is not None, "end_stage solves before evaluation"
+        """Predictions of the current classifier; after a failed first stage there is none yet and
+        every prediction is class 0 (the accuracy then says so)."""
         phi, labels = self.test_features(task)
-        return predict(phi, self.weights, cast(Head, self.cfg.head)).numpy(), labels.numpy()
+        weights = self.weights if self.weights is not None else torch.zeros(phi.shape[1], 1, dtype=torch.float64)
+        return predict(phi, weights, cast(Head, self.cfg.head)).numpy(), labels.numpy()
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "weights": self.weights}

@@ -36,7 +36,7 @@ class JointStrategy(AnalyticStrategy):
         accumulator = StatisticsAccumulator(self.rf_dim, len(classes), with_gram=True)
         pooled = self.split.task_train(task, eval_transform=True)
         for features, y in iter_features(self.model, pooled, self.cfg, self.device):
-            accumulator.update(random_features(features, self.projection), y - classes.start)
+            accumulator.update(random_features(features, self.projection, self.cfg.feature_clip), y - classes.start)
         stats = accumulator.result()
         assert stats.gram is not None
         self.ridge.add(classes, stats.gram, stats.class_sums, stats.num_samples)

@@ -2,6 +2,12 @@
 
 After each stage the server state is checkpointed atomically, so ``resume`` continues from the
 next stage and ends with the same classifier as an uninterrupted run.
+
+Failures caused by clients never crash the run. A training round with no acceptable reply leaves
+the model as it was; a stage that cannot produce a classifier (:class:`StageFailed`: no valid
+statistics, a sum that fails its checks, a secure sum that cannot be opened) keeps the previous
+classifier and is recorded as failed, with the reason, in results.json (``extra.failed``). With
+``require-all-clients`` either stops the run with one line (:class:`RunFailed`).
 """
 
 from __future__ import annotations
@@ -15,11 +21,17 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
+from fcl_flower.methods import Kind
 from fcl_flower.results import StageRecord, format_stage_table
+from strategies.base import RoundFailed, StageFailed
 from strategies.checkpoint import resumable_config
 
 if TYPE_CHECKING:
     from strategies.base import StagedStrategy
+
+
+class RunFailed(RuntimeError):
+    """A round or stage failed while ``require-all-clients`` asks for every client in every round."""
 
 
 def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Result:
@@ -32,24 +44,21 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
         began = time.perf_counter()
         strategy.accounting.reset()
         plans = strategy.plan_stage(task)
-        for plan in plans:
-            strategy.begin_round(plan)
+        try:
+            for plan in plans:
+                run_one_round(strategy, grid, plan, timeout, result)
+            extra = strategy.end_stage(task)
+        except StageFailed as failure:
+            if cfg.require_all_clients:
+                raise RunFailed(f"stage {task + 1} failed: {failure} (require-all-clients is set)") from None
             log(
-                INFO,
-                "[stage %d/%d] round %d/%d (%s)",
+                WARNING,
+                "[stage %d/%d] failed, the previous classifier is kept: %s",
                 task + 1,
                 strategy.num_tasks,
-                plan.index + 1,
-                plan.total,
-                plan.phase,
+                failure,
             )
-            replies = strategy.run_round(grid, plan, timeout)
-            arrays, metrics = strategy.aggregate_train(strategy.server_round, replies)
-            if metrics is not None:
-                result.train_metrics_clientapp[strategy.server_round] = metrics
-            if arrays is not None:
-                result.arrays = arrays
-        extra = strategy.end_stage(task)
+            extra = strategy.stage_failed(task, str(failure))
         record = stage_record(strategy, task, rounds=len(plans), began=began, extra=extra)
         strategy.recorder.add(record)
         save(strategy, task)
@@ -73,6 +82,33 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
     log(INFO, "\n%s", format_stage_table(strategy.recorder.stages))
     log(INFO, "results: %s", strategy.recorder.path)
     return result
+
+
+def run_one_round(strategy: StagedStrategy, grid: Grid, plan: Any, timeout: float, result: Result) -> None:
+    strategy.begin_round(plan)
+    log(
+        INFO,
+        "[stage %d/%d] round %d/%d (%s)",
+        plan.task + 1,
+        strategy.num_tasks,
+        plan.index + 1,
+        plan.total,
+        plan.phase,
+    )
+    replies = strategy.run_round(grid, plan, timeout)
+    try:
+        arrays, metrics = strategy.aggregate_train(strategy.server_round, replies)
+    except RoundFailed as failure:
+        if strategy.cfg.require_all_clients:
+            raise RunFailed(f"{failure} (require-all-clients is set)") from None
+        if plan.kind is not Kind.TRAIN:  # a statistics round without statistics: no classifier
+            raise StageFailed(f"{failure}: no statistics") from None
+        log(WARNING, "%s: the model is left as it was", failure)
+        return
+    if metrics is not None:
+        result.train_metrics_clientapp[strategy.server_round] = metrics
+    if arrays is not None:
+        result.arrays = arrays
 
 
 def stage_record(

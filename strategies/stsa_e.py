@@ -55,7 +55,7 @@ class STSAEStrategy(AnalyticStrategy):
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
         stats = self.read_payload(plan.task, reply.arrays)
-        late = self.backfill.read(client, reply, self.read_payload, secure=False)
+        late = self.backfill.read(client, reply, self.read_payload)
         if int(stats.counts.sum()) != reply.num_examples:
             raise UploadError("counts do not add up to num-examples")
         for task, (payload, count) in late.items():

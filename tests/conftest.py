@@ -71,6 +71,11 @@ def sent_header(message: Message) -> Header:
     return Header.from_record(message.content.config_records[HEADER])
 
 
+def round_messages(messages: list[Message]) -> list[Message]:
+    """The messages of the rounds themselves, without the nodes' first-contact ``query.info``."""
+    return [m for m in messages if m.metadata.message_type != "query.info"]
+
+
 def in_process_grid(num_clients: int, tamper: Tamper | None = None) -> LocalGrid:
     """A LocalGrid with node ids NODE_BASE.. whose replies pass through ``tamper(task, phase, replies)``."""
 

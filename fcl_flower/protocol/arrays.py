@@ -18,6 +18,9 @@ from flwr.common.serde import recorddict_to_proto
 from fcl_flower.protocol.errors import UploadError
 
 WIRE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: What an upload's arrays may be: real floats and signed integers (no complex, no unsigned, no bool,
+#: no float16 whose range a sum overflows at 65504).
+ACCEPTED_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64", "int8", "int16", "int32", "int64"))
 
 
 def to_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
@@ -67,8 +70,8 @@ def read_tensor(
 ) -> torch.Tensor:
     """Fetch one array from an untrusted reply and check it; raise UploadError if it is bad."""
     data = _fetch(record, key)
-    if data.dtype == object or not np.issubdtype(data.dtype, np.number):
-        raise UploadError(f"array '{key}' has non-numeric dtype {data.dtype}")
+    if data.dtype not in ACCEPTED_DTYPES:
+        raise UploadError(f"array '{key}' has dtype {data.dtype}; uploads are float32/float64 or signed integers")
     tensor = torch.from_numpy(np.array(data, copy=True))
     if shape is not None and tuple(tensor.shape) != tuple(shape):
         raise UploadError(f"array '{key}' has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
