@@ -18,6 +18,7 @@ from fcl_flower.models import ModelError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import federated_split
 from strategies import build_strategy
+from strategies.checkpoint import run_folder_lock
 
 USER_ERRORS = (ConfigError, DatasetError, ModelError)
 
@@ -27,7 +28,8 @@ def run_experiment(grid: Grid, cfg: RunConfig) -> ResultsRecorder:
     split = federated_split(cfg)
     recorder = ResultsRecorder(cfg.output_dir, cfg.strategy, cfg.to_mapping())
     strategy = build_strategy(cfg, split, recorder)
-    strategy.start(grid)
+    with run_folder_lock(cfg.output_dir):
+        strategy.start(grid)
     return recorder
 
 

@@ -42,6 +42,7 @@ from clients.node_data import NodeConfigError, OwnSplit, load_folder, node_data
 from experiments.export_partitions import export_partitions
 from fcl_flower.config import RunConfig
 from fcl_flower.runtime import federated_split
+from fcl_flower.state_io import load_state
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -310,7 +311,7 @@ def test_deployed_run_equals_simulation(federation, tmp_path) -> None:
 
 def _final_weights(cfg: RunConfig) -> torch.Tensor:
     """W after the last stage, from the server's checkpoint in the run's output folder."""
-    checkpoint = torch.load(cfg.output_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    checkpoint = load_state(cfg.output_dir / "checkpoint.json")
     assert checkpoint["completed_tasks"] == cfg.num_tasks
     return checkpoint["state"]["weights"]
 

@@ -24,6 +24,7 @@ from fcl_flower.data import DatasetError, FederatedSplit, load_dataset
 from fcl_flower.data.task_pool import client_task_classes, resolve_classes_per_task, task_pool_classes
 from fcl_flower.metrics import forgetting, summarise_clients, task_pool_accuracy
 from fcl_flower.protocol import parse_instruction
+from fcl_flower.state_io import load_state
 from tests.conftest import round_messages, run_locally
 
 
@@ -196,7 +197,7 @@ def test_final_scores_equal_a_direct_evaluation(runs):
     cfg, _, result = runs["stamp"]
     split = federated_split(cfg)
     model = build_model(cfg, split)
-    model.load_state_dict(torch.load(cfg.output_dir / "checkpoint.pt", weights_only=False)["state"]["model"])
+    model.load_state_dict(load_state(cfg.output_dir / "checkpoint.json")["state"]["model"])
     final = result["stages"][-1]["extra"]["per_client"]
     for u in range(NUM_CLIENTS):
         for i in range(NUM_TASKS):
