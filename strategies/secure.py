@@ -180,11 +180,16 @@ class SecureRounds:
                 client = host.identify(node, reply)
             except ProtocolError as err:
                 log(WARNING, "Rejected %s from node %d in round %d: %s", header.phase, node, host.server_round, err)
-                host.accounting.reject(f"node-{node}", f"{header.phase}: {err}")
+                host.accounting.reject(self._name(host, node), f"{header.phase}: {err}")
                 continue
             host.accounting.accept(client, 0, message_bytes(message.content))
             answers[node] = reply
         return answers
+
+    @staticmethod
+    def _name(host: SecureHost, node: int) -> str:
+        client = host.nodes.client_of.get(node)
+        return f"node-{node}" if client is None else f"client-{client}"
 
     def _collect_keys(
         self, host: SecureHost, grid: Grid, plan: Any, header: Header, timeout: float
@@ -197,7 +202,7 @@ class SecureRounds:
             assert isinstance(reply, KeysRes)
             if len(reply.keys.c) != KEY_BYTES or len(reply.keys.s) != KEY_BYTES:
                 log(WARNING, "node %d sent keys that are not %d-byte X25519 keys; it is left out", node, KEY_BYTES)
-                host.accounting.reject(f"node-{node}", f"secure key round: no {KEY_BYTES}-byte public keys")
+                host.accounting.reject(self._name(host, node), f"secure key round: no {KEY_BYTES}-byte public keys")
                 continue
             keys[node] = reply.keys
         return keys
@@ -222,7 +227,7 @@ class SecureRounds:
         for node, reply in answers.items():
             assert isinstance(reply, SharesRes)
             if set(reply.shares) != set(keys):
-                host.accounting.reject(f"node-{node}", "secure shares round: not one share per participant")
+                host.accounting.reject(self._name(host, node), "secure shares round: not one share per participant")
                 continue
             bundles[node] = reply.shares
         return bundles
@@ -262,7 +267,7 @@ class SecureRounds:
         for node, reply in answers.items():
             assert isinstance(reply, UnmaskRes)
             if set(reply.seed_shares) != set(survivors) or set(reply.key_shares) != set(dropped):
-                host.accounting.reject(f"node-{node}", "secure unmask round: not the shares asked for")
+                host.accounting.reject(self._name(host, node), "secure unmask round: not the shares asked for")
                 continue
             for target, share in reply.seed_shares.items():
                 seed_shares[target].append(share)
