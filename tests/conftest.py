@@ -26,7 +26,7 @@ from fcl_flower.runtime import federated_split
 from strategies import build_strategy
 from strategies.base import StagedStrategy
 
-NODE_BASE = 1000  # node ids differ from partition ids, as on a real SuperLink
+NODE_BASE = 2**64 - 1000  # node ids differ from partition ids and, as on a real SuperLink, use all 64 bits
 
 
 def small_config(tmp: Path, **changes) -> RunConfig:

@@ -46,10 +46,11 @@ BITS = 24
 
 
 class Round:
-    """n participants with sparse node ids: their key pairs, seeds and decrypted shares."""
+    """n participants with sparse node ids over Flower's whole uint64 range (real SuperNodes get
+    random 64-bit ids): their key pairs, seeds and decrypted shares."""
 
     def __init__(self, count: int, context: bytes = b"", min_clients: int = 2) -> None:
-        self.nodes = [1000 + 7 * k for k in range(count)]
+        self.nodes = [2**64 - 1 - 7919 * k if k % 2 else 1000 + 7 * k for k in range(count)]
         self.context = context or round_context("run", 1, 2, 3, 0, self.nodes)
         self.c = {n: generate_keypair() for n in self.nodes}
         self.s = {n: generate_keypair() for n in self.nodes}

@@ -246,8 +246,8 @@ def open_shares(
 def _bundle(src: int, dst: int, seed_share: bytes, key_share: bytes) -> bytes:
     return b"".join(
         [
-            src.to_bytes(8, "little", signed=True),
-            dst.to_bytes(8, "little", signed=True),
+            src.to_bytes(8, "little"),
+            dst.to_bytes(8, "little"),
             len(seed_share).to_bytes(4, "little"),
             seed_share,
             key_share,
@@ -260,8 +260,8 @@ def _unbundle(plaintext: bytes) -> tuple[int, int, bytes, bytes]:
         raise SecureAggregationError("a share bundle is too short")
     size = int.from_bytes(plaintext[16:20], "little")
     return (
-        int.from_bytes(plaintext[:8], "little", signed=True),
-        int.from_bytes(plaintext[8:16], "little", signed=True),
+        int.from_bytes(plaintext[:8], "little"),
+        int.from_bytes(plaintext[8:16], "little"),
         plaintext[20 : 20 + size],
         plaintext[20 + size :],
     )
