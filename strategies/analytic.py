@@ -12,6 +12,8 @@ server and every client: it never travels. Siblings: stsa, stsa-e, fedran, joint
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar, cast
 
 import numpy as np
@@ -24,6 +26,7 @@ from fcl_flower.analytic import (
     random_features,
     random_projection,
 )
+from fcl_flower.analytic.checks import StatisticsRejected
 from fcl_flower.analytic.heads import Head
 from fcl_flower.analytic.ridge import GCVRow, RidgeState
 from fcl_flower.config import RunConfig
@@ -48,6 +51,12 @@ class AnalyticStrategy(StagedStrategy):
         self.rf_dim = feature_dim if self.projection is None else int(self.projection.shape[1])
         self.weights: torch.Tensor | None = None
         self._withheld: dict[str, int] = {}  # samples each client kept back under min-class-count
+
+    @property
+    def feature_bounds(self) -> dict[str, Any]:
+        """What the checks of :mod:`fcl_flower.analytic.checks` may assume of every feature vector:
+        its norm bound (``feature-clip``, 0 = none) and its sign (random ReLU features are >= 0)."""
+        return {"norm_bound": self.cfg.feature_clip, "nonnegative": self.projection is not None}
 
     # ---------------------------------------------------------------- what a sibling says
     @abstractmethod
@@ -125,6 +134,15 @@ class AnalyticStrategy(StagedStrategy):
         super().load_state_dict(state)
         self.weights = state["weights"]
         self.model.eval()
+
+
+@contextmanager
+def upload_checks() -> Iterator[None]:
+    """Statistics that no dataset can produce reject the upload, with the check's one-line reason."""
+    try:
+        yield
+    except StatisticsRejected as err:
+        raise UploadError(str(err)) from None
 
 
 def solve_dense(ridge: RidgeState, num_seen: int, cfg: RunConfig) -> tuple[torch.Tensor, dict[str, Any]]:

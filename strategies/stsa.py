@@ -38,7 +38,7 @@ from fcl_flower.protocol import Instruction, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaStats
 from fcl_flower.results import ResultsRecorder
 from strategies.accounting import client_name
-from strategies.analytic import AnalyticStrategy, solve_dense
+from strategies.analytic import AnalyticStrategy, solve_dense, upload_checks
 from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundPlan, StageFailed
 from strategies.secure import SecureRounds
@@ -80,18 +80,15 @@ class STSAStrategy(AnalyticStrategy):
     # ---------------------------------------------------------------- replies
     def check(self, stats: StsaStats, num_examples: int) -> None:
         """The upload is the statistics of some dataset of ``num_examples`` samples (see module doc)."""
-        try:
+        with upload_checks():
             check_counts(stats.counts, num_examples)
             check_gram_statistics(
                 unpack_upper(stats.gram_packed.to(torch.float64), self.rf_dim),
                 stats.class_sums,
                 stats.counts,
                 relative_tolerance=wire_epsilon(stats.gram_packed.dtype),
-                norm_bound=self.cfg.feature_clip,
-                nonnegative=self.projection is not None,
+                **self.feature_bounds,
             )
-        except StatisticsRejected as err:
-            raise UploadError(str(err)) from None
 
     def read_plain(self, task: int, record: ArrayRecord) -> StsaStats:
         shapes = {"packed": packed_length(self.rf_dim), "dim": self.rf_dim, "classes": len(self.split.tasks[task])}
@@ -165,8 +162,7 @@ class STSAStrategy(AnalyticStrategy):
                 counts,
                 relative_tolerance=wire_epsilon(torch.float64),
                 absolute_tolerance=len(replies) * 2.0 ** -(self.cfg.secagg_fraction_bits + 1),
-                norm_bound=self.cfg.feature_clip,
-                nonnegative=self.projection is not None,
+                **self.feature_bounds,
             )
         except StatisticsRejected as err:
             raise StageFailed(f"the opened secure sum fails its checks: {err}") from None

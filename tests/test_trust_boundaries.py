@@ -124,6 +124,40 @@ def test_stsa_e_counts_of_a_foreign_dtype_are_rejected(clean, tmp_path, dtype) -
     rejected_then_fault_free(strategy, clean["stsa-e"], 1, f"dtype {np.dtype(dtype)}")
 
 
+def test_negative_stsa_e_class_sums_are_rejected(clean, tmp_path) -> None:
+    """Random ReLU features are >= 0, so are their class sums."""
+    strategy = run_in_process(
+        config(tmp_path, strategy="stsa-e", dummy_clients=2),
+        corrupt(1, lambda m: put(m, "class-sums", -array(m, "class-sums"))),
+    )
+    rejected_then_fault_free(strategy, clean["stsa-e"], 1, "negative entries")
+
+
+FEDRAN_ATTACKS = {
+    # name: (config changes, how the upload is changed, words of the rejection)
+    "label-corr-x1000": ({}, lambda m: put(m, "label-corr", array(m, "label-corr") * 1000), "exceeds σ₁·√n"),
+    "sigma-x1000-with-clip": (
+        {"feature_clip": 1.0},
+        lambda m: put(m, "singular-values", array(m, "singular-values") * 1000),
+        "Σσ² exceeds n·B²",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FEDRAN_ATTACKS))
+def test_a_poisoned_fedran_upload_is_rejected_alone(tmp_path, name) -> None:
+    """FedRAN does not backfill: the client is left out of that stage with the reason, the others
+    are merged, and every stage is solved."""
+    changes, change, reason = FEDRAN_ATTACKS[name]
+    cfg = config(tmp_path, strategy="fedran", rank=20, **changes)
+    strategy = run_in_process(cfg, corrupt(1, change))
+    stages = strategy.recorder.stages
+    assert reason in stages[BAD_TASK].left_out["client-1"]
+    assert sorted(stages[BAD_TASK].extra["rank"]["clients"]) == ["client-0", "client-2"]
+    assert len(strategy.stage_weights) == cfg.num_tasks
+    assert all(not stage.left_out for t, stage in enumerate(stages) if t != BAD_TASK)
+
+
 def test_statistics_of_task_0_replayed_in_task_1_are_rejected(clean, tmp_path) -> None:
     """The replayed reply carries task 0's header (it was built for that round): refused at parse."""
     stored: dict[int, Message] = {}

@@ -135,3 +135,68 @@ def check_gram_statistics(
         raise StatisticsRejected(
             "[[G, C], [Cᵀ, diag(counts)]] is not positive semidefinite: no dataset has these statistics"
         )
+
+
+def check_class_sums(
+    class_sums: Tensor,
+    counts: Tensor,
+    *,
+    relative_tolerance: float,
+    norm_bound: float = 0.0,
+    nonnegative: bool = False,
+) -> None:
+    """STSA-E: class sums s_c = Σ_{i: y_i = c} φ_i (shape (..., M, c)) of counts n_c (shape (..., c)).
+
+    A cell with no sample has a zero sum; with ReLU features no entry is negative; with a
+    feature norm bound B every ‖s_c‖ ≤ n_c B (triangle inequality). Without a bound, any
+    finite sums of non-empty cells are possible: docs/privacy.md says what that leaves open.
+    """
+    if tuple(class_sums.shape[:-2]) + tuple(class_sums.shape[-1:]) != tuple(counts.shape):
+        raise StatisticsRejected(
+            f"class sums {tuple(class_sums.shape)} and counts {tuple(counts.shape)} do not fit together"
+        )
+    sums, n = class_sums.to(torch.float64), counts.to(torch.float64)
+    check_magnitude("class sums", sums)
+    if nonnegative and bool((sums < 0).any()):
+        raise StatisticsRejected("class sums have negative entries (random ReLU features are >= 0)")
+    lengths = torch.linalg.vector_norm(sums, dim=-2)
+    if bool(((n == 0) & (lengths > 0)).any()):
+        raise StatisticsRejected("a class with no sample has a non-zero sum")
+    if norm_bound > 0:
+        slack = 4.0 * sums.shape[-2] * relative_tolerance
+        if bool((lengths > n * norm_bound * (1.0 + slack)).any()):
+            raise StatisticsRejected(f"a class sum is longer than n_c·B for B = {norm_bound:g}")
+
+
+def check_lowrank_statistics(
+    singular_values: Tensor,
+    label_corr: Tensor,
+    num_samples: int,
+    *,
+    relative_tolerance: float,
+    norm_bound: float = 0.0,
+    nonnegative: bool = False,
+) -> None:
+    """FedRAN: the top singular values σ of H (n × M) and B = HᵀY, Y one-hot (‖Y‖_F² = n).
+
+    ‖B‖_F = ‖HᵀY‖_F ≤ ‖H‖₂ ‖Y‖_F = σ₁ √n (σ₁ is kept by every rank-r ≥ 1 sketch, and is 0 when
+    nothing is kept); with ReLU features B ≥ 0; with a feature norm bound B_φ:
+    Σσ² ≤ ‖H‖_F² ≤ n B_φ² and ‖B‖_F ≤ Σ_c ‖B_c‖ ≤ n B_φ.
+    """
+    sigma, corr = singular_values.to(torch.float64), label_corr.to(torch.float64)
+    check_magnitude("singular values", sigma)
+    check_magnitude("label correlations", corr)
+    if nonnegative and bool((corr < 0).any()):
+        raise StatisticsRejected("B = HᵀY has negative entries (random ReLU features are >= 0)")
+    slack = 1.0 + 4.0 * (corr.shape[0] + corr.shape[1]) * relative_tolerance
+    top = float(sigma.max()) if sigma.numel() else 0.0
+    length = float(torch.linalg.vector_norm(corr))
+    if length > top * math.sqrt(num_samples) * slack:
+        raise StatisticsRejected(
+            f"‖B‖_F = {length:.4g} exceeds σ₁·√n = {top * math.sqrt(num_samples):.4g}: B is not HᵀY for this H"
+        )
+    if norm_bound > 0:
+        if float((sigma * sigma).sum()) > num_samples * norm_bound * norm_bound * slack:
+            raise StatisticsRejected(f"Σσ² exceeds n·B² for the feature norm bound B = {norm_bound:g}")
+        if length > num_samples * norm_bound * slack:
+            raise StatisticsRejected(f"‖B‖_F exceeds n·B for the feature norm bound B = {norm_bound:g}")

@@ -1,7 +1,8 @@
 """Arrays in Flower records: tensors in, tensors out, checked, and how many bytes that took.
 
 Clients are untrusted: everything the server reads from a reply goes through
-:func:`read_tensor`, which checks presence, shape and finiteness and raises
+:func:`read_tensor`, which checks presence, dtype, shape, finiteness and magnitude (at most
+``MAGNITUDE_LIMIT`` = 1e150, so float64 sums of squares cannot overflow) and raises
 :class:`UploadError` (one line naming the problem) instead of letting a bad upload reach the
 aggregate.
 """
@@ -15,6 +16,7 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
+from fcl_flower.analytic.checks import MAGNITUDE_LIMIT
 from fcl_flower.protocol.errors import UploadError
 
 WIRE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -81,8 +83,11 @@ def read_tensor(
         raise UploadError(f"array '{key}' must be floating point, got {tensor.dtype}")
     if floating is False and tensor.is_floating_point():
         raise UploadError(f"array '{key}' must be integer, got {tensor.dtype}")
-    if finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
-        raise UploadError(f"array '{key}' contains NaN or inf")
+    if finite and tensor.is_floating_point():
+        if not torch.isfinite(tensor).all():
+            raise UploadError(f"array '{key}' contains NaN or inf")
+        if tensor.numel() and float(tensor.abs().max()) > MAGNITUDE_LIMIT:
+            raise UploadError(f"array '{key}' has an entry beyond {MAGNITUDE_LIMIT:g} in magnitude")
     if nonnegative and (tensor < 0).any():
         raise UploadError(f"array '{key}' has negative entries")
     return tensor

@@ -31,7 +31,10 @@ def read_state(record: ArrayRecord, expected: Mapping[str, Tensor]) -> dict[str,
     """A model state (or a Fisher) with exactly the keys and shapes of ``expected``."""
     if set(record.keys()) != set(expected):
         raise UploadError("model state keys differ from the global model's")
-    return {key: read_tensor(record, key, shape=tuple(value.shape)) for key, value in expected.items()}
+    return {
+        key: read_tensor(record, key, shape=tuple(value.shape), floating=value.is_floating_point())
+        for key, value in expected.items()
+    }
 
 
 def read_fisher(record: ArrayRecord, expected: Mapping[str, Tensor]) -> dict[str, Tensor]:
