@@ -168,3 +168,28 @@ def test_lowrank_checks() -> None:
         check_lowrank_statistics(3 * sigma, corr, n, relative_tolerance=EPS32, norm_bound=1.0)
     with pytest.raises(StatisticsRejected, match="negative"):
         check_lowrank_statistics(sigma, -corr, n, relative_tolerance=EPS32, nonnegative=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_an_honest_opened_secure_sum_passes_with_fewer_samples_than_features(seed: int) -> None:
+    """Under secure aggregation each entry is rounded to fixed point (δ = 2^-(f+1) per client): a
+    rank-deficient sum (5 clients × 20 samples < M = 300) has zero eigenvalues that this rounding
+    pushes below zero, and the absolute tolerance must cover it."""
+    bits, clients = 16, 5
+    g = torch.zeros(300, 300, dtype=torch.float64)
+    c = torch.zeros(300, 4, dtype=torch.float64)
+    n = torch.zeros(4, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(clients):
+        phi = torch.randn(20, 300, generator=gen, dtype=torch.float64).relu()
+        y = torch.nn.functional.one_hot(torch.randint(0, 4, (20,), generator=gen), 4).to(torch.float64)
+        rounded = [torch.round(t * 2**bits) / 2**bits for t in (phi.T @ phi, phi.T @ y)]
+        g, c, n = g + rounded[0], c + rounded[1], n + y.sum(0)
+    check_gram_statistics(
+        g,
+        c,
+        n,
+        relative_tolerance=wire_epsilon(torch.float64),
+        absolute_tolerance=clients * 2.0 ** -(bits + 1),
+        nonnegative=True,
+    )

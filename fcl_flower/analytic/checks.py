@@ -18,10 +18,11 @@ secure aggregation, on the opened sum, which is again such a Gram):
 * with a feature norm bound B > 0 (clients clip ‖φ_i‖ ≤ B): tr G ≤ n B² and ‖C_c‖ ≤ n_c B.
 
 Tolerance. Uploads are rounded to the wire dtype (relative error ε: 2⁻²⁴ for float32, 2⁻⁵³ for
-float64) and, under secure aggregation, to fixed point (absolute error δ per entry). On the
-scaled matrix R = D^{-1/2} J D^{-1/2} (unit diagonal) these perturb the eigenvalues by at most
-‖E‖_F ≤ (M + c)·(ε + δ/min_i J_ii); the check adds ``4 (M + c) ε`` (relative) and ``4 (M + c) δ``
-(absolute, before scaling) to the diagonal. A matrix whose smallest eigenvalue is above minus
+float64) and, under secure aggregation, to fixed point (absolute error δ per entry, summed over
+the participants). An absolute error E moves the eigenvalues of J by at most ‖E‖_F ≤ (M + c) δ,
+so the check first adds ``4 (M + c) δ`` to the diagonal of J; a relative error moves those of the
+scaled R = D^{-1/2} J D^{-1/2} (unit diagonal) by at most (M + c) ε, so it then adds
+``4 (M + c) ε`` to the diagonal of R. A matrix whose smallest eigenvalue is above minus
 that tolerance passes: the check catches every upload that no dataset can produce up to
 rounding, not a plausible but false dataset (docs/privacy.md lists what it cannot catch).
 """
@@ -116,7 +117,8 @@ def check_gram_statistics(
         sums = torch.linalg.vector_norm(c, dim=0)
         if bool((sums > n * norm_bound * (1.0 + slack_rel) + math.sqrt(dim) * absolute_tolerance).any()):
             raise StatisticsRejected(f"a class sum is longer than n_c·B for B = {norm_bound:g}")
-    scale = diag.clamp_min(0.0) + slack_abs
+    joint.diagonal().add_(slack_abs)  # absolute rounding δ per entry: ‖E‖₂ ≤ ‖E‖_F ≤ (M + c) δ
+    scale = torch.diagonal(joint).clamp_min(0.0)
     empty = scale <= 0
     if bool(empty.any()):  # a zero diagonal forces its whole row and column to zero
         if bool(joint[empty].abs().max() > 0):
