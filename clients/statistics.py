@@ -16,6 +16,7 @@ delete old data cannot backfill, and its missing stages stay recorded as missing
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 import torch
@@ -42,8 +43,17 @@ Encode = Callable[[dict[int, Statistics]], dict[int, tuple[ArrayRecord, int]]]
 
 
 def projection_for(job: ClientJob) -> torch.Tensor | None:
-    """W_rand regenerated from the run seed; it never travels."""
-    return random_projection(job.model.backbone.feature_dim, job.cfg.rf_dim, seed=job.cfg.seed)
+    """W_rand regenerated from the run seed; it never travels (kept per process: a simulated
+    client answers many messages, and the current and owed tasks of one reply share it)."""
+    return _projection(job.model.backbone.feature_dim, job.cfg.rf_dim, job.cfg.seed)
+
+
+@lru_cache(maxsize=2)
+def _projection(feature_dim: int, rf_dim: int, seed: int) -> torch.Tensor | None:
+    projection = random_projection(feature_dim, rf_dim, seed=seed)
+    if projection is not None:
+        projection.requires_grad_(False)
+    return projection
 
 
 def effective_rf_dim(feature_dim: int, rf_dim: int) -> int:

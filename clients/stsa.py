@@ -26,17 +26,19 @@ from clients.statistics import (
     reply_with_backfill,
     task_data,
 )
-from fcl_flower.analytic import StatisticsAccumulator, pack_upper, random_features
+from fcl_flower.analytic import StatisticsAccumulator, random_features
 from fcl_flower.privacy.disclosure import per_class_counts
-from fcl_flower.protocol import SecAggRound, StatsIns, StatsRes
+from fcl_flower.protocol import WIRE_DTYPES, SecAggRound, StatsIns, StatsRes
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaStats
 from fcl_flower.runtime import iter_features
 
 
-def stsa_statistics(job: ClientJob, task: int) -> Statistics:
+def stsa_statistics(job: ClientJob, task: int, wire: torch.dtype = torch.float64) -> Statistics:
     """Spatial statistics S_{t,k} = {G_{t,k}, C_{t,k}, n_c} of this client's data of ``task``.
 
     Samples of classes held fewer than ``min-class-count`` times are left out of G, C and the counts.
+    G is accumulated in float64 and packed (upper triangle of the symmetrised G) straight into
+    ``wire``: the float32 upload never exists as a float64 copy first.
     """
     classes = job.split.tasks[task]
     projection = projection_for(job)
@@ -48,19 +50,22 @@ def stsa_statistics(job: ClientJob, task: int) -> Statistics:
     for features, y in iter_features(job.model, data, job.cfg, job.device):
         keep = disclosed[y - classes.start]
         accumulator.update(random_features(features[keep], projection, job.cfg.feature_clip), y[keep] - classes.start)
-    stats = accumulator.result()
-    assert stats.gram is not None
+    gram = accumulator.packed_gram(wire)
+    stats = accumulator.result(with_gram=False)
     kept = (counts * disclosed).to(torch.float64)
-    return Statistics(
-        StsaStats(pack_upper(stats.gram), stats.class_sums, kept), stats.num_samples, int(counts[~disclosed].sum())
-    )
+    return Statistics(StsaStats(gram, stats.class_sums, kept), stats.num_samples, int(counts[~disclosed].sum()))
+
+
+def wire_statistics(job: ClientJob, task: int) -> Statistics:
+    """:func:`stsa_statistics` with G packed in the run's wire dtype (a plain upload)."""
+    return stsa_statistics(job, task, WIRE_DTYPES[job.cfg.wire_dtype])
 
 
 def handle_stats(job: ClientJob) -> StatsRes:
     """STSA statistics of the current task and of any owed earlier task; masked in a secure round."""
     assert isinstance(job.ins, StatsIns)
     if job.ins.secagg is None:
-        return reply_with_backfill(job, stsa_statistics)
+        return reply_with_backfill(job, wire_statistics)
     return masked_stats(job, job.ins.secagg)
 
 

@@ -193,3 +193,53 @@ def test_an_honest_opened_secure_sum_passes_with_fewer_samples_than_features(see
         absolute_tolerance=clients * 2.0 ** -(bits + 1),
         nonnegative=True,
     )
+
+
+# ------------------------------------------------------------------------------ float32 first
+def _packed_call(g, c, n, fast: bool, **kwargs) -> str | None:
+    from fcl_flower.analytic.checks import check_packed_statistics
+    from fcl_flower.analytic.packing import pack_upper
+
+    try:
+        check_packed_statistics(pack_upper(g).float(), c.float(), n, relative_tolerance=EPS32, fast=fast, **kwargs)
+    except StatisticsRejected as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(BAD_GRAM))
+def test_the_float32_first_path_rejects_what_the_float64_test_rejects(name: str) -> None:
+    """The same attacks, as packed float32 uploads, through the float32-first check and the
+    float64-only one: the same verdict and the same reason."""
+    if name in ("shapes", "1e200"):  # not representable as a float32 packed upload of this shape
+        return
+    phi, _ = dataset(3, n=200, classes=3)
+    y = torch.nn.functional.one_hot(torch.tensor([0] * 150 + [1] * 40 + [2] * 10), 3).to(torch.float64)
+    g, c, n = BAD_GRAM[name][0](*stsa_stats(phi, y))
+    nonnegative = name == "negative entries"
+    fast, slow = (_packed_call(g, c, n, mode, nonnegative=nonnegative) for mode in (True, False))
+    assert fast is not None and fast == slow
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_honest_float32_uploads_pass_the_float32_factorisation(seed: int) -> None:
+    """Honest float32 uploads, rank-deficient (n < M) and full-rank, at M = 400: accepted, and by
+    the float32 factorisation itself (the float64 fallback is not needed)."""
+    from unittest import mock
+
+    from fcl_flower.analytic import checks
+
+    calls: list[torch.dtype] = []
+    real = checks._positive_factor
+
+    def spy(*args):
+        calls.append(args[-1])
+        return real(*args)
+
+    for n_samples in (150, 1200):
+        phi, y = dataset(seed, n=n_samples, features=64, dim=400, classes=10)
+        g, c, n = stsa_stats(phi, y)
+        calls.clear()
+        with mock.patch.object(checks, "_positive_factor", spy):
+            assert _packed_call(g, c, n, True, nonnegative=True) is None
+        assert calls == [torch.float32]

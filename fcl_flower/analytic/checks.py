@@ -25,14 +25,37 @@ scaled R = D^{-1/2} J D^{-1/2} (unit diagonal) by at most (M + c) ε, so it then
 ``4 (M + c) ε`` to the diagonal of R. A matrix whose smallest eigenvalue is above minus
 that tolerance passes: the check catches every upload that no dataset can produce up to
 rounding, not a plausible but false dataset (docs/privacy.md lists what it cannot catch).
+
+Float32 first (float32 uploads). The PSD test is one Cholesky factorisation of the (M + c)² scaled
+matrix per upload, the server's largest cost per reply. For uploads rounded to float32 (ε = 2⁻²⁴,
+slack s = 4 (M + c) ε) it first factorises R + (s/2)·I in float32, at half the time and memory:
+
+* if that factorisation fails, the float64 test of R + s·I decides, exactly as before: a float32
+  failure never rejects an upload;
+* if it succeeds, R + (s/2)·I + E = L̂L̂ᵀ ⪰ 0 for the float32 rounding E of forming R and of the
+  factorisation, so λ_min(R) ≥ −s/2 − ‖E‖₂: the upload passes the float64 test too whenever
+  ‖E‖₂ ≤ s/2 = 2 (M + c) 2⁻²⁴. Since ‖R‖₂ ≤ tr R = M + c, that holds whenever the factorisation's
+  normwise backward error stays below 2⁻²³ ‖R‖₂: the usual behaviour of Cholesky (errors of a few
+  units of roundoff times ‖R‖₂; honest uploads pass it in tests/test_upload_checks.py),
+  though the worst-case bound is (M + c) times larger. So an upload that the float64 test rejects
+  can be accepted only if its smallest eigenvalue lies within the float32 rounding of the
+  threshold: the checks catch the same impossible statistics (tests/test_upload_checks.py plays
+  every attack through both paths).
+
+Float64 uploads (ε = 2⁻⁵³) and opened secure sums are tested in float64 only (their slack is far
+below what float32 can resolve). J is never formed in full: its scaled upper triangle is built from
+the packed upload one block of rows at a time into one buffer, factorised in place.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from .packing import diagonal_of_packed, pack_upper, packed_blocks, row_offset
 
 MAGNITUDE_LIMIT = 1e150  # entries beyond this could overflow float64 in sums of squares (1e300 < 1.8e308)
 
@@ -55,9 +78,14 @@ def check_counts(counts: Tensor, num_samples: int) -> None:
 
 
 def check_magnitude(name: str, tensor: Tensor, limit: float = MAGNITUDE_LIMIT) -> None:
-    if not bool(torch.isfinite(tensor).all()):
+    """Finite and at most ``limit`` in absolute value (one pass, no temporary: NaN propagates
+    into both the minimum and the maximum)."""
+    if not tensor.numel():
+        return
+    low, high = (float(v) for v in torch.aminmax(tensor))
+    if not (math.isfinite(low) and math.isfinite(high)):
         raise StatisticsRejected(f"{name} contains NaN or inf")
-    peak = float(tensor.abs().max()) if tensor.numel() else 0.0
+    peak = max(-low, high)
     if peak > limit:
         raise StatisticsRejected(f"{name} has an entry of magnitude {peak:.3g} > {limit:g}")
 
@@ -80,9 +108,11 @@ def check_gram_statistics(
     """Raise StatisticsRejected unless (G, C, n_c) are the blocks of a PSD Gram (see module doc).
 
     ``relative_tolerance`` ε and ``absolute_tolerance`` δ are per-entry rounding errors; the
-    scaled PSD test allows eigenvalues down to ``-4 (M + c) (ε + δ / d_min)``.
+    scaled PSD test allows eigenvalues down to ``-4 (M + c) (ε + δ / d_min)``. G is a full matrix
+    here (symmetrised first); the server checks uploads in their packed form with
+    :func:`check_packed_statistics`.
     """
-    dim, classes = int(gram.shape[0]), int(class_sums.shape[1])
+    dim, classes = int(gram.shape[0]), int(class_sums.shape[1]) if class_sums.dim() == 2 else -1
     if (
         tuple(gram.shape) != (dim, dim)
         or tuple(class_sums.shape) != (dim, classes)
@@ -92,51 +122,148 @@ def check_gram_statistics(
             f"shapes G {tuple(gram.shape)}, C {tuple(class_sums.shape)}, "
             f"counts {tuple(counts.shape)} do not fit together"
         )
-    g, c, n = gram.to(torch.float64), class_sums.to(torch.float64), counts.to(torch.float64)
-    for name, tensor in (("G", g), ("class sums", c), ("counts", n)):
+    g = gram.to(torch.float64)
+    check_packed_statistics(
+        pack_upper(0.5 * (g + g.T)),
+        class_sums,
+        counts,
+        relative_tolerance=relative_tolerance,
+        absolute_tolerance=absolute_tolerance,
+        norm_bound=norm_bound,
+        nonnegative=nonnegative,
+    )
+
+
+def check_packed_statistics(
+    gram_packed: Tensor,
+    class_sums: Tensor,
+    counts: Tensor,
+    *,
+    relative_tolerance: float,
+    absolute_tolerance: float = 0.0,
+    norm_bound: float = 0.0,
+    nonnegative: bool = False,
+    fast: bool = True,
+) -> None:
+    """:func:`check_gram_statistics` on the packed upper triangle of G, as uploaded.
+
+    Lean: J is never formed in full. Its scaled upper triangle is built one block of rows at a
+    time (checking Cauchy–Schwarz on the way) into one (M + c)² buffer that is factorised in
+    place. ``fast`` (float32 uploads): a float32 factorisation with half the slack decides first
+    (see the module doc, "Float32 first"); when it fails, the float64 test decides as before.
+    """
+    dim, classes = (int(class_sums.shape[0]), int(class_sums.shape[1])) if class_sums.dim() == 2 else (-1, -1)
+    if (
+        gram_packed.dim() != 1
+        or dim < 0
+        or gram_packed.numel() != dim * (dim + 1) // 2
+        or tuple(counts.shape) != (classes,)
+    ):
+        raise StatisticsRejected(
+            f"shapes G packed {tuple(gram_packed.shape)}, C {tuple(class_sums.shape)}, "
+            f"counts {tuple(counts.shape)} do not fit together"
+        )
+    c, n = class_sums.to(torch.float64), counts.to(torch.float64)
+    for name, tensor in (("G", gram_packed), ("class sums", c), ("counts", n)):
         check_magnitude(name, tensor)
     if nonnegative:
         floor = -absolute_tolerance
-        if bool((g < floor).any()) or bool((c < floor).any()):
+        if _low(gram_packed) < floor or _low(c) < floor:
             raise StatisticsRejected("G or the class sums have negative entries (random ReLU features are >= 0)")
     size = dim + classes
     slack_rel = 4.0 * size * relative_tolerance
     slack_abs = 4.0 * size * absolute_tolerance
-    joint = torch.zeros(size, size, dtype=torch.float64)
-    joint[:dim, :dim] = 0.5 * (g + g.T)
-    joint[:dim, dim:] = c
-    joint[dim:, :dim] = c.T
-    joint[dim:, dim:] = torch.diag(n)
-    diag = torch.diagonal(joint).clone()
+    diag = torch.cat([diagonal_of_packed(gram_packed, dim).to(torch.float64), n])
     if bool((diag < -slack_abs).any()):
         raise StatisticsRejected("G has a negative diagonal entry (a sum of squares)")
     if norm_bound > 0:
         bound = norm_bound * norm_bound * (1.0 + slack_rel)
-        if float(torch.diagonal(g).sum()) > float(n.sum()) * bound + slack_abs * dim:
+        if float(diag[:dim].sum()) > float(n.sum()) * bound + slack_abs * dim:
             raise StatisticsRejected(f"trace(G) exceeds n·B² for the feature norm bound B = {norm_bound:g}")
         sums = torch.linalg.vector_norm(c, dim=0)
         if bool((sums > n * norm_bound * (1.0 + slack_rel) + math.sqrt(dim) * absolute_tolerance).any()):
             raise StatisticsRejected(f"a class sum is longer than n_c·B for B = {norm_bound:g}")
-    joint.diagonal().add_(slack_abs)  # absolute rounding δ per entry: ‖E‖₂ ≤ ‖E‖_F ≤ (M + c) δ
-    scale = torch.diagonal(joint).clamp_min(0.0)
+    scale = (diag + slack_abs).clamp_min(0.0)  # absolute rounding δ per entry: ‖E‖₂ ≤ ‖E‖_F ≤ (M + c) δ
     empty = scale <= 0
     if bool(empty.any()):  # a zero diagonal forces its whole row and column to zero
-        if bool(joint[empty].abs().max() > 0):
-            raise StatisticsRejected("a feature or class with zero energy has non-zero sums")
-        keep = ~empty
-        joint, scale = joint[keep][:, keep], scale[keep]
-    inv = scale.rsqrt()
-    scaled = joint * inv.unsqueeze(0) * inv.unsqueeze(1)
-    if bool((scaled.abs() > 1.0 + slack_rel + 1e-12).any()):
-        raise StatisticsRejected(
-            "an entry breaks Cauchy-Schwarz |J_ij| <= sqrt(J_ii J_jj): class sums too large for G and the counts"
-        )
-    scaled.diagonal().add_(slack_rel)
-    _, info = torch.linalg.cholesky_ex(scaled)
-    if int(info) != 0:
+        _check_zero_energy(gram_packed, c, empty)
+    inv = torch.where(empty, 0.0, scale.rsqrt())
+    float32_first = fast and relative_tolerance >= FLOAT32_EPSILON and absolute_tolerance == 0.0
+    if float32_first and _positive_factor(
+        gram_packed, c, n, inv, empty, slack_abs, slack_rel, 0.5 * slack_rel, torch.float32
+    ):
+        return
+    if not _positive_factor(gram_packed, c, n, inv, empty, slack_abs, slack_rel, slack_rel, torch.float64):
         raise StatisticsRejected(
             "[[G, C], [Cᵀ, diag(counts)]] is not positive semidefinite: no dataset has these statistics"
         )
+
+
+FLOAT32_EPSILON = 2.0**-24  # wire_epsilon(torch.float32): uploads this coarse may be tested in float32
+
+
+def _low(tensor: Tensor) -> float:
+    return float(tensor.min()) if tensor.numel() else 0.0
+
+
+def _check_zero_energy(gram_packed: Tensor, c: Tensor, empty: Tensor) -> None:
+    """Rows/columns of J whose diagonal is zero must be zero (before anything is scaled)."""
+    dim = int(c.shape[0])
+    rows, classes = empty[:dim].numpy(), empty[dim:].numpy()
+    packed, sums = gram_packed.numpy(), c.numpy()
+    nonzero = bool(np.any(sums[rows] != 0)) or bool(np.any(sums[:, classes] != 0))
+    for a, b, mask in packed_blocks(dim):
+        if nonzero or not rows[a:].any():
+            continue
+        block = np.zeros(mask.shape, dtype=packed.dtype)  # G[a:b, a:]: an entry is zero-checked if
+        block[mask] = packed[row_offset(a, dim) : row_offset(b, dim)]  # its row or its column is empty
+        nonzero = bool(np.any(block[rows[a:b]] != 0)) or bool(np.any(block[:, rows[a:]] != 0))
+    if nonzero:
+        raise StatisticsRejected("a feature or class with zero energy has non-zero sums")
+
+
+def _positive_factor(
+    gram_packed: Tensor,
+    c: Tensor,
+    n: Tensor,
+    inv: Tensor,
+    empty: Tensor,
+    slack_abs: float,
+    slack_rel: float,
+    shift: float,
+    dtype: torch.dtype,
+) -> bool:
+    """Build the upper triangle of R = D^{-1/2} J D^{-1/2} + shift·I in ``dtype`` (rows and columns
+    of zero energy become unit rows, i.e. are left out), checking |R_ij| <= 1 + slack_rel on the
+    way; True if it has a Cholesky factor."""
+    dim, size = int(c.shape[0]), int(inv.shape[0])
+    limit = 1.0 + slack_rel + 1e-12
+    joint = torch.empty(size, size, dtype=dtype)
+    out, packed, sums, w = joint.numpy(), gram_packed.numpy(), c.numpy(), inv.numpy()
+    for a, b, mask in packed_blocks(dim):
+        block = np.zeros(mask.shape, dtype=np.float64)
+        block[mask] = packed[row_offset(a, dim) : row_offset(b, dim)]
+        rows = np.arange(b - a)
+        block[rows, rows] += slack_abs
+        block *= w[None, a:dim]
+        block *= w[a:b, None]
+        corner = sums[a:b] * w[None, dim:]
+        corner *= w[a:b, None]
+        for part in (block, corner):
+            if part.size and max(float(part.max()), -float(part.min())) > limit:
+                raise StatisticsRejected(
+                    "an entry breaks Cauchy-Schwarz |J_ij| <= sqrt(J_ii J_jj): "
+                    "class sums too large for G and the counts"
+                )
+        out[a:b, a:dim] = block
+        out[a:b, dim:] = corner
+    out[dim:, dim:] = np.diag((n.numpy() + slack_abs) * w[dim:] * w[dim:])
+    diagonal = np.einsum("ii->i", out)  # a writable view of the diagonal
+    diagonal += shift
+    diagonal[empty.numpy()] = 1.0  # a zero row and column: its unit diagonal leaves the rest's test unchanged
+    info = torch.zeros((), dtype=torch.int32)
+    torch.linalg.cholesky_ex(joint, upper=True, out=(joint, info))
+    return int(info) == 0
 
 
 def check_class_sums(

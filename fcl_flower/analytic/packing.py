@@ -2,18 +2,39 @@
 
 G = ΦᵀΦ is symmetric, so only its upper triangle (diagonal included) needs to travel:
 M(M+1)/2 numbers instead of M² (the paper counts M²; docs/methods/stsa.md §3.1). Order is row-major:
-G[0,0..M-1], G[1,1..M-1], …, G[M-1,M-1]. Rows are copied one slice at a time so no
-M(M+1)/2 index tensor is ever built (that would be 200 MB of int64 at M = 5000).
+G[0,0..M-1], G[1,1..M-1], …, G[M-1,M-1].
+
+Every function works on blocks of rows, vectorised: rows a..b-1 of the upper triangle are the
+packed entries ``offset(a) .. offset(b)``, and within the rectangle ``G[a:b, a:]`` they are the
+positions of a triangular mask, in row-major order. So no M(M+1)/2 index tensor is ever built
+(that would be 400 MB of int64 at M = 10000), no Python loop runs per row, and no full M × M
+temporary is made: the client packs the symmetrised G straight from its accumulator, the server
+adds packed sums straight into its running G.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import numpy as np
 import torch
 from torch import Tensor
 
 from .errors import AnalyticInputError
 
-__all__ = ["pack_upper", "packed_length", "unpack_upper"]
+__all__ = [
+    "add_packed_",
+    "diagonal_of_packed",
+    "pack_symmetrised",
+    "pack_upper",
+    "packed_blocks",
+    "packed_length",
+    "row_offset",
+    "unpack_upper",
+]
+
+_BLOCK_ELEMENTS = 1 << 22  # ~4 M entries per block: 32 MiB of float64, a 4 MiB mask
+_TILE = 256  # square tiles of transposed copies: 512 KiB of float64 each
 
 
 def packed_length(dim: int) -> int:
@@ -23,17 +44,62 @@ def packed_length(dim: int) -> int:
     return dim * (dim + 1) // 2
 
 
-def pack_upper(gram: Tensor) -> Tensor:
-    """Row-major upper triangle (incl. diagonal) of a square matrix as a 1-D tensor."""
+def row_offset(row: int, dim: int) -> int:
+    """Where row ``row`` of the upper triangle starts in the packed vector."""
+    return row * dim - row * (row - 1) // 2
+
+
+def packed_blocks(dim: int, block_elements: int = _BLOCK_ELEMENTS) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(first row a, end row b, mask) per block: ``mask`` marks the upper-triangle positions of the
+    rectangle rows a..b-1 × columns a..dim-1, which hold packed entries row_offset(a)..row_offset(b)."""
+    rows = max(1, block_elements // max(dim, 1))
+    for a in range(0, dim, rows):
+        b = min(dim, a + rows)
+        yield a, b, np.triu(np.ones((b - a, dim - a), dtype=bool))
+
+
+def _check_square(gram: Tensor, what: str) -> int:
     if gram.dim() != 2 or gram.shape[0] != gram.shape[1]:
-        raise AnalyticInputError(f"pack_upper needs a square matrix, got shape {tuple(gram.shape)}")
-    dim = int(gram.shape[0])
-    out = torch.empty(packed_length(dim), dtype=gram.dtype, device=gram.device)
-    offset = 0
-    for row in range(dim):
-        width = dim - row
-        out[offset : offset + width] = gram[row, row:]
-        offset += width
+        raise AnalyticInputError(f"{what} needs a square matrix, got shape {tuple(gram.shape)}")
+    return int(gram.shape[0])
+
+
+def _check_packed(packed: Tensor, dim: int) -> None:
+    if packed.dim() != 1:
+        raise AnalyticInputError(f"packed Gram must be 1-D, got shape {tuple(packed.shape)}")
+    expected = packed_length(dim)
+    if packed.numel() != expected:
+        raise AnalyticInputError(f"packed Gram has {packed.numel()} entries, expected {expected} for dim {dim}")
+
+
+def _np(tensor: Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor (boolean-mask indexing is several times faster in NumPy)."""
+    return tensor.detach().cpu().numpy()
+
+
+def pack_upper(gram: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Row-major upper triangle (incl. diagonal) of a square matrix as a 1-D tensor (in ``dtype``)."""
+    dim = _check_square(gram, "pack_upper")
+    out = torch.empty(packed_length(dim), dtype=dtype or gram.dtype)
+    g, o = _np(gram), out.numpy()
+    for a, b, mask in packed_blocks(dim):
+        o[row_offset(a, dim) : row_offset(b, dim)] = g[a:b, a:][mask]
+    return out
+
+
+def pack_symmetrised(gram: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``pack_upper(0.5 * (G + Gᵀ))``, entry for entry the same numbers, without building the full
+    symmetrised matrix: only the upper triangle is formed, one block of rows at a time (G from a
+    BLAS product is symmetric only up to rounding; the client uploads the symmetrised values)."""
+    dim = _check_square(gram, "pack_symmetrised")
+    out = torch.empty(packed_length(dim), dtype=dtype or gram.dtype)
+    g, o = _np(gram), out.numpy()
+    for a, b, mask in packed_blocks(dim, _TILE * dim):
+        block = g[a:b, a:].copy()
+        for c in range(a, dim, _TILE):  # + Gᵀ, one square tile at a time (cache-friendly transposes)
+            block[:, c - a : c - a + _TILE] += g[c : c + _TILE, a:b].T
+        block *= 0.5
+        o[row_offset(a, dim) : row_offset(b, dim)] = block[mask]
     return out
 
 
@@ -43,16 +109,43 @@ def unpack_upper(packed: Tensor, dim: int) -> Tensor:
     Raises ``AnalyticInputError`` (a ValueError) when the length is not dim(dim+1)/2, which is
     how the server rejects a truncated or mis-sized upload.
     """
-    if packed.dim() != 1:
-        raise AnalyticInputError(f"packed Gram must be 1-D, got shape {tuple(packed.shape)}")
-    expected = packed_length(dim)
-    if packed.numel() != expected:
-        raise AnalyticInputError(f"packed Gram has {packed.numel()} entries, expected {expected} for dim {dim}")
-    out = torch.zeros(dim, dim, dtype=packed.dtype, device=packed.device)
-    offset = 0
-    for row in range(dim):
-        width = dim - row
-        out[row, row:] = packed[offset : offset + width]
-        offset += width
-    # Mirror the strict upper triangle into the lower one.
-    return out + torch.triu(out, diagonal=1).T
+    _check_packed(packed, dim)
+    out = torch.zeros(dim, dim, dtype=packed.dtype)
+    o, p = out.numpy(), _np(packed)
+    for a, b, mask in packed_blocks(dim):
+        o[a:b, a:][mask] = p[row_offset(a, dim) : row_offset(b, dim)]
+    _mirror_upper(o)
+    return out
+
+
+def add_packed_(gram: Tensor, packed: Tensor) -> Tensor:
+    """``gram += unpack_upper(packed)`` in place, for a symmetric ``gram``, without the unpacked
+    temporary: the upper triangle receives the packed values, the lower one their mirror (the
+    same numbers ``gram + unpack_upper(packed)`` has, since ``gram`` is symmetric)."""
+    dim = _check_square(gram, "add_packed_")
+    _check_packed(packed, dim)
+    g, p = _np(gram), _np(packed)
+    for a, b, mask in packed_blocks(dim):
+        rows = g[a:b, a:]
+        rows[mask] += p[row_offset(a, dim) : row_offset(b, dim)]
+    _mirror_upper(g)
+    return gram
+
+
+def diagonal_of_packed(packed: Tensor, dim: int) -> Tensor:
+    """G_ii from the packed upper triangle."""
+    _check_packed(packed, dim)
+    rows = torch.arange(dim, dtype=torch.int64)
+    return packed[rows * dim - rows * (rows - 1) // 2]
+
+
+def _mirror_upper(out: np.ndarray, tile: int = _TILE) -> None:
+    """Copy the strict upper triangle onto the lower one in place, in square tiles (a transposed
+    copy of whole row blocks walks memory with a large stride and is several times slower)."""
+    dim = int(out.shape[0])
+    for a in range(0, dim, tile):
+        b = min(dim, a + tile)
+        for c in range(0, a, tile):
+            out[a:b, c : min(dim, c + tile)] = out[c : min(dim, c + tile), a:b].T
+        square = out[a:b, a:b]
+        square[...] = np.triu(square) + np.triu(square, 1).T

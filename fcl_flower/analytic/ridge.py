@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .errors import AnalyticInputError, NotPositiveDefiniteError
+from .packing import add_packed_
 
 __all__ = [
     "GCVRow",
@@ -185,6 +186,12 @@ class RidgeState:
             self.gram += gram
         self.class_sums[:, classes.start : classes.stop] += class_sums
         self.num_samples += int(num_samples)
+
+    def add_packed(self, classes: range, gram_packed: Tensor | None, class_sums: Tensor, num_samples: int) -> None:
+        """:meth:`add` with G_t as its packed upper triangle: the same numbers, without unpacking it."""
+        self.add(classes, None, class_sums, num_samples)  # checks the shapes first
+        if gram_packed is not None:
+            add_packed_(self.gram, gram_packed)
 
     def state_dict(self) -> dict[str, Tensor | int]:
         return {"gram": self.gram, "class_sums": self.class_sums, "num_samples": self.num_samples}

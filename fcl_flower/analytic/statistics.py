@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .errors import AnalyticInputError
+from .packing import pack_symmetrised
 
 __all__ = ["ClassStatistics", "StatisticsAccumulator", "accumulate_over_stages", "aggregate"]
 
@@ -132,9 +133,18 @@ class StatisticsAccumulator:
         self._counts += torch.bincount(labels, minlength=self.num_classes)
         self._num_samples += int(phi.shape[0])
 
-    def result(self) -> ClassStatistics:
-        """Copy of the statistics so far; G is symmetrised to remove BLAS rounding asymmetry."""
-        gram = None if self._gram is None else 0.5 * (self._gram + self._gram.T)
+    def packed_gram(self, dtype: torch.dtype = torch.float64) -> Tensor:
+        """The upload form of G: the packed upper triangle of 0.5·(G + Gᵀ) (the same numbers as
+        ``pack_upper(result().gram)``), built straight from the accumulator in ``dtype`` without
+        forming the symmetrised M × M matrix (packing.pack_symmetrised)."""
+        if self._gram is None:
+            raise AnalyticInputError("this accumulator has no Gram matrix (with_gram=False)")
+        return pack_symmetrised(self._gram, dtype)
+
+    def result(self, with_gram: bool = True) -> ClassStatistics:
+        """Copy of the statistics so far; G is symmetrised to remove BLAS rounding asymmetry
+        (``with_gram=False``: without G, e.g. after :meth:`packed_gram`)."""
+        gram = None if self._gram is None or not with_gram else 0.5 * (self._gram + self._gram.T)
         return ClassStatistics(
             gram=gram,
             class_sums=self._class_sums_t.T.contiguous(),

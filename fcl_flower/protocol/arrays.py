@@ -5,16 +5,24 @@ Clients are untrusted: everything the server reads from a reply goes through
 ``MAGNITUDE_LIMIT`` = 1e150, so float64 sums of squares cannot overflow) and raises
 :class:`UploadError` (one line naming the problem) instead of letting a bad upload reach the
 aggregate.
+
+Nothing is copied or serialised more often than needed. An Array holds its values as the bytes
+of an ``.npy`` file; :func:`npy_view` reads the header and looks at the values in place (Flower's
+``Array.numpy()`` copies them), the checks are single-pass reductions without temporaries, and
+:func:`message_bytes` computes the size the reply has as a protobuf from the record structure and
+the arrays' lengths instead of serialising it again.
 """
 
 from __future__ import annotations
 
+import io
+import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, RecordDict
-from flwr.common.serde import recorddict_to_proto
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.common.serde import config_record_to_proto, metric_record_to_proto
 
 from fcl_flower.analytic.checks import MAGNITUDE_LIMIT
 from fcl_flower.protocol.errors import UploadError
@@ -23,6 +31,8 @@ WIRE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 #: What an upload's arrays may be: real floats and signed integers (no complex, no unsigned, no bool,
 #: no float16 whose range a sum overflows at 65504).
 ACCEPTED_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64", "int8", "int16", "int32", "int64"))
+_NPY_MAGIC = b"\x93NUMPY"
+_MAX_NPY_HEADER = 10_000  # an .npy header of our arrays is ~128 bytes; numpy's own default limit
 
 
 def to_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
@@ -40,26 +50,111 @@ def cast_for_wire(tensor: torch.Tensor, wire_dtype: str) -> torch.Tensor:
     return tensor.to(WIRE_DTYPES[wire_dtype]) if tensor.is_floating_point() else tensor
 
 
+# ------------------------------------------------------------------------------------ .npy bytes
+def npy_layout(data: bytes) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """(dtype, shape, Fortran order, offset of the values) of an ``.npy`` buffer; ValueError if it
+    is not one, or if its length is not exactly header + values."""
+    if len(data) < 10 or data[:6] != _NPY_MAGIC:
+        raise ValueError("not an .npy buffer")
+    head = io.BytesIO(data[: min(len(data), 12 + _MAX_NPY_HEADER)])
+    version = np.lib.format.read_magic(head)
+    dtype: np.dtype
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(head, max_header_size=_MAX_NPY_HEADER)
+    elif version in ((2, 0), (3, 0)):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(head, max_header_size=_MAX_NPY_HEADER)
+    else:  # pragma: no cover - read_magic already refuses unknown versions
+        raise ValueError(f"unsupported .npy version {version}")
+    if dtype.hasobject:
+        raise ValueError("object arrays are not accepted")
+    offset = head.tell()
+    if len(data) != offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        raise ValueError("buffer length does not match its header")
+    return dtype, tuple(int(s) for s in shape), bool(fortran), offset
+
+
+def npy_view(array: Array) -> np.ndarray:
+    """The values of a serialised Array, read in place: a read-only view of its bytes, no copy."""
+    data = array.data
+    dtype, shape, fortran, offset = npy_layout(data)
+    flat = np.frombuffer(data, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)), offset=offset)
+    return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
+
+
+def _as_tensor(values: np.ndarray) -> torch.Tensor:
+    """A torch view of a read-only array (torch warns that it must not be written to: nothing does)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(values)
+
+
+# ------------------------------------------------------------------------------------ byte counts
 def payload_bytes(content: RecordDict) -> int:
     """Numeric payload of all arrays in a message, measured from the serialised arrays.
 
     Each serialised Array is an .npy buffer: header + raw data. We count the raw data (what the
-    papers' formulas count), read back from the buffer itself, not from our own bookkeeping.
+    papers' formulas count): the buffer's length less its header, read from the buffer itself, not
+    from our own bookkeeping.
     """
     total = 0
     for record in content.array_records.values():
         for array in record.values():
-            data = array.numpy()
-            assert len(array.data) >= data.nbytes  # header + data
-            total += data.nbytes
+            _, _, _, offset = npy_layout(array.data)
+            total += len(array.data) - offset
     return total
 
 
+def _varint_size(value: int) -> int:
+    size = 1
+    while value >= 0x80:
+        value >>= 7
+        size += 1
+    return size
+
+
+def _field(tag_size: int, length: int) -> int:
+    """Bytes of a length-delimited field (bytes, string, sub-message) whose content is ``length`` long."""
+    return tag_size + _varint_size(length) + length
+
+
+def _array_proto_size(array: Array) -> int:
+    """Bytes of flwr.proto.Array {dtype=1, shape=2 (packed int32), stype=3, data=4}."""
+    size = 0
+    for text in (array.dtype, array.stype):
+        if text:
+            size += _field(1, len(text.encode("utf-8")))
+    if array.shape:
+        packed = sum(_varint_size(s) if s >= 0 else 10 for s in array.shape)
+        size += _field(1, packed)
+    if array.data:
+        size += _field(1, len(array.data))
+    return size
+
+
 def message_bytes(content: RecordDict) -> int:
-    """Size of the whole serialised reply (protobuf), arrays, metrics and framing included."""
-    return recorddict_to_proto(content).ByteSize()
+    """Size of the whole serialised reply as a protobuf (flwr.proto.RecordDict: arrays, metrics,
+    configs and framing), computed from the record structure without serialising it again: equal
+    to ``recorddict_to_proto(content).ByteSize()`` (tests/test_wire_bytes.py), without a copy of
+    the arrays."""
+    total = 0
+    for key, record in content.items():
+        key_size = _field(1, len(key.encode("utf-8"))) if key else 0
+        if isinstance(record, ArrayRecord):
+            body = 0
+            for name, array in record.items():
+                item = (_field(1, len(name.encode("utf-8"))) if name else 0) + _field(1, _array_proto_size(array))
+                body += _field(1, item)
+        elif isinstance(record, MetricRecord):
+            body = metric_record_to_proto(record).ByteSize()
+        elif isinstance(record, ConfigRecord):
+            body = config_record_to_proto(record).ByteSize()
+        else:
+            raise ValueError(f"unsupported record type: {type(record).__name__}")
+        total += _field(1, key_size + _field(1, body))
+    return total
 
 
+# ------------------------------------------------------------------------------------ reading
 def read_tensor(
     record: ArrayRecord,
     key: str,
@@ -69,44 +164,59 @@ def read_tensor(
     floating: bool | None = None,
     finite: bool = True,
     nonnegative: bool = False,
+    copy: bool = True,
 ) -> torch.Tensor:
-    """Fetch one array from an untrusted reply and check it; raise UploadError if it is bad."""
-    data = _fetch(record, key)
-    if data.dtype not in ACCEPTED_DTYPES:
-        raise UploadError(f"array '{key}' has dtype {data.dtype}; uploads are float32/float64 or signed integers")
-    tensor = torch.from_numpy(np.array(data, copy=True))
-    if shape is not None and tuple(tensor.shape) != tuple(shape):
-        raise UploadError(f"array '{key}' has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
-    if ndim is not None and tensor.ndim != ndim:
-        raise UploadError(f"array '{key}' has {tensor.ndim} dims, expected {ndim}")
-    if floating is True and not tensor.is_floating_point():
-        raise UploadError(f"array '{key}' must be floating point, got {tensor.dtype}")
-    if floating is False and tensor.is_floating_point():
-        raise UploadError(f"array '{key}' must be integer, got {tensor.dtype}")
-    if finite and tensor.is_floating_point():
-        if not torch.isfinite(tensor).all():
-            raise UploadError(f"array '{key}' contains NaN or inf")
-        if tensor.numel() and float(tensor.abs().max()) > MAGNITUDE_LIMIT:
-            raise UploadError(f"array '{key}' has an entry beyond {MAGNITUDE_LIMIT:g} in magnitude")
-    if nonnegative and (tensor < 0).any():
-        raise UploadError(f"array '{key}' has negative entries")
-    return tensor
+    """Fetch one array from an untrusted reply and check it; raise UploadError if it is bad.
+
+    ``copy=False`` returns a read-only view of the message's bytes (no copy): for large arrays that
+    are only read (summed, checked), never written to.
+    """
+    values = _fetch(record, key)
+    if values.dtype not in ACCEPTED_DTYPES:
+        raise UploadError(f"array '{key}' has dtype {values.dtype}; uploads are float32/float64 or signed integers")
+    if shape is not None and tuple(values.shape) != tuple(shape):
+        raise UploadError(f"array '{key}' has shape {tuple(values.shape)}, expected {tuple(shape)}")
+    if ndim is not None and values.ndim != ndim:
+        raise UploadError(f"array '{key}' has {values.ndim} dims, expected {ndim}")
+    is_float = values.dtype.kind == "f"
+    if floating is True and not is_float:
+        raise UploadError(f"array '{key}' must be floating point, got {_torch_name(values.dtype)}")
+    if floating is False and is_float:
+        raise UploadError(f"array '{key}' must be integer, got {_torch_name(values.dtype)}")
+    tensor = _as_tensor(values)
+    if tensor.numel() and ((finite and is_float) or nonnegative):
+        low, high = (float(v) for v in torch.aminmax(tensor))  # one pass; NaN propagates to both
+        if finite and is_float:
+            if not (np.isfinite(low) and np.isfinite(high)):
+                raise UploadError(f"array '{key}' contains NaN or inf")
+            if max(-low, high) > MAGNITUDE_LIMIT:
+                raise UploadError(f"array '{key}' has an entry beyond {MAGNITUDE_LIMIT:g} in magnitude")
+        if nonnegative and low < 0:
+            raise UploadError(f"array '{key}' has negative entries")
+    return tensor.clone() if copy else tensor
 
 
-def read_ring(record: ArrayRecord, key: str, *, shape: Sequence[int]) -> np.ndarray:
+def read_ring(record: ArrayRecord, key: str, *, shape: Sequence[int], copy: bool = True) -> np.ndarray:
     """Fetch one masked secure-aggregation array (uint64 ring elements) and check its shape."""
-    data = _fetch(record, key)
-    if data.dtype != np.uint64:
-        raise UploadError(f"masked array '{key}' has dtype {data.dtype}, expected uint64")
-    if tuple(data.shape) != tuple(shape):
-        raise UploadError(f"array '{key}' has shape {tuple(data.shape)}, expected {tuple(shape)}")
-    return np.array(data, copy=True)
+    values = _fetch(record, key)
+    if values.dtype != np.uint64:
+        raise UploadError(f"masked array '{key}' has dtype {values.dtype}, expected uint64")
+    if tuple(values.shape) != tuple(shape):
+        raise UploadError(f"array '{key}' has shape {tuple(values.shape)}, expected {tuple(shape)}")
+    return np.array(values, copy=True) if copy else values
+
+
+def _torch_name(dtype: np.dtype) -> str:
+    return str(torch.from_numpy(np.zeros(0, dtype=dtype)).dtype)
 
 
 def _fetch(record: ArrayRecord, key: str) -> np.ndarray:
     if key not in record:
         raise UploadError(f"missing array '{key}'")
+    array = record[key]
     try:
-        return record[key].numpy()
+        if array.stype != "numpy.ndarray":
+            raise ValueError(f"serialisation type '{array.stype}'")
+        return npy_view(array)
     except Exception as exc:  # malformed buffer
         raise UploadError(f"array '{key}' cannot be decoded ({type(exc).__name__})") from None

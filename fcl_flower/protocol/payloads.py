@@ -66,11 +66,13 @@ class StsaStats:
 
     @classmethod
     def read(cls, record: ArrayRecord, *, packed: int, dim: int, classes: int) -> StsaStats:
-        """G stays packed at wire precision until summed; C and the counts become float64."""
+        """G stays packed at wire precision until summed, read in place (a read-only view of the
+        reply's bytes: it is only checked and added, never written to); C and the counts become
+        float64 copies."""
         _exact_keys(record, cls.KEYS)
         counts = read_tensor(record, "counts", shape=(classes,), nonnegative=True).to(torch.float64)
         return cls(
-            read_tensor(record, "gram-packed", shape=(packed,), floating=True),
+            read_tensor(record, "gram-packed", shape=(packed,), floating=True, copy=False),
             read_tensor(record, "class-sums", shape=(dim, classes), floating=True).to(torch.float64),
             counts,
         )
@@ -93,10 +95,10 @@ class MaskedStsaStats:
     @classmethod
     def read(cls, record: ArrayRecord, *, packed: int, dim: int, classes: int) -> MaskedStsaStats:
         _exact_keys(record, StsaStats.KEYS)
-        return cls(
-            read_ring(record, "gram-packed", shape=(packed,)),
-            read_ring(record, "class-sums", shape=(dim, classes)),
-            read_ring(record, "counts", shape=(classes + 1,)),
+        return cls(  # read in place: the server only adds them into its ring sums
+            read_ring(record, "gram-packed", shape=(packed,), copy=False),
+            read_ring(record, "class-sums", shape=(dim, classes), copy=False),
+            read_ring(record, "counts", shape=(classes + 1,), copy=False),
         )
 
 

@@ -1,0 +1,84 @@
+"""The lean readers of fcl_flower/protocol/arrays.py agree with Flower's own, to the byte.
+
+``message_bytes`` computes a reply's protobuf size from its structure (no second serialisation),
+``payload_bytes`` the arrays' raw data from their .npy headers (no copy), ``read_tensor`` reads
+the values in place: each must equal what Flower's serialisation and ``Array.numpy()`` give.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.common.serde import recorddict_to_proto
+
+from fcl_flower.protocol import UploadError, message_bytes, payload_bytes, read_tensor
+from fcl_flower.protocol.arrays import npy_view
+
+
+def contents() -> list[RecordDict]:
+    rng = np.random.default_rng(0)
+    sizes = [0, 1, 15, 16, 127, 128, 2047, 2048, 16_383, 16_384, 300_000]  # around the varint boundaries
+    out = [
+        RecordDict(),
+        RecordDict({"arrays": ArrayRecord()}),
+        RecordDict({"metrics": MetricRecord({"partition-id": 3, "num-examples": 10, "loss": 0.25})}),
+        RecordDict({"header": ConfigRecord({"run-id": "x", "round": 2, "flag": True, "blob": b"\x00\x01"})}),
+    ]
+    for n in sizes:
+        arrays = {
+            "gram-packed": Array(rng.random(n).astype(np.float32)),
+            "class-sums": Array(rng.random((n // 3 + 1, 3))),
+            "counts": Array(np.arange(n % 7, dtype=np.int64)),
+            "": Array(np.zeros((0, 4))),
+        }
+        out.append(
+            RecordDict(
+                {
+                    "header": ConfigRecord({"run-id": "stsa-abc", "phase": "stsa-stats", "task": 1}),
+                    "arrays": ArrayRecord(arrays),
+                    "backfill-0": ArrayRecord({"x": Array(rng.random(n))}),
+                    "metrics": MetricRecord({"partition-id": 1, "num-examples": n}),
+                }
+            )
+        )
+    big = torch.rand(1_100_000, dtype=torch.float64)  # > 2 MiB arrays: a 4-byte length prefix
+    out.append(RecordDict({"arrays": ArrayRecord({"w": big, "b": big[:5].float()})}))
+    return out
+
+
+@pytest.mark.parametrize("index", range(len(contents())))
+def test_message_bytes_equals_the_protobuf_size(index: int) -> None:
+    content = contents()[index]
+    assert message_bytes(content) == recorddict_to_proto(content).ByteSize()
+
+
+@pytest.mark.parametrize("index", range(len(contents())))
+def test_payload_bytes_equals_the_arrays_nbytes(index: int) -> None:
+    content = contents()[index]
+    expected = sum(a.numpy().nbytes for r in content.array_records.values() for a in r.values())
+    assert payload_bytes(content) == expected
+
+
+def test_views_equal_flowers_own_reading_and_copy_nothing() -> None:
+    rng = np.random.default_rng(1)
+    for values in (rng.random((5, 7)), rng.random(10).astype(np.float32), np.asfortranarray(rng.random((4, 3)))):
+        array = Array(values)
+        view = npy_view(array)
+        assert np.array_equal(view, array.numpy()) and view.dtype == values.dtype
+        assert not view.flags.writeable  # a view of the message's bytes, not a copy
+    record = ArrayRecord({"g": Array(rng.random(100).astype(np.float32))})
+    shared = read_tensor(record, "g", copy=False)
+    owned = read_tensor(record, "g")
+    assert torch.equal(shared, owned)
+    owned += 1  # the default is a private, writable copy
+    assert not torch.equal(shared, owned)
+
+
+def test_a_truncated_or_padded_buffer_is_rejected() -> None:
+    array = Array(np.arange(10, dtype=np.float64))
+    for data in (array.data[:-8], array.data + b"\x00" * 8, b"\x93NUMPY garbage", b""):
+        broken = Array(dtype=array.dtype, shape=array.shape, stype=array.stype, data=data)
+        with pytest.raises(UploadError, match="cannot be decoded"):
+            read_tensor(ArrayRecord({"x": broken}), "x")
