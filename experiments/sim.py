@@ -74,7 +74,7 @@ def run_local(cfg: RunConfig) -> ResultsRecorder:
     from fcl_flower.local_grid import LocalGrid
     from strategies.app import run_experiment
 
-    return run_experiment(LocalGrid(client_app, cfg.num_clients), cfg)
+    return run_experiment(LocalGrid(client_app, cfg.num_clients, record=False), cfg)
 
 
 def simulate(cfg: RunConfig, *, num_cpus: float = 1.0, num_gpus: float | None = None, verbose: bool = False) -> Path:

@@ -6,13 +6,20 @@ serialises nothing and hides nothing: each message goes to the real ClientApp of
 with that node's own Context (node config and persistent state), and the reply comes back as
 a Message. ``unavailable`` lets a test switch nodes off to simulate crashed SuperNodes, and
 ``tamper`` lets it change replies in flight (an attacker on a client, or on the wire). It is
-also the "no framework" baseline of the framework-overhead benchmark and the in-process engine
-of ``compare.py --engine local``.
+also the in-process engine of ``compare.py --engine local`` and of the framework-overhead
+benchmark.
+
+Both halves of Flower's Grid work: ``send_and_receive`` delivers at once, and
+``push_messages`` / ``pull_messages`` deliver a pushed message when its reply is first pulled,
+so a server that pulls a bounded window of replies (strategies/stream.py) holds a bounded number
+of them here too, and never waits: :meth:`LocalGrid.outstanding` says which pushed messages may
+still be answered (a message delivered to an unavailable node never will).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from uuid import uuid4
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -35,11 +42,13 @@ class LocalGrid(Grid):
         run_id: int = 1,
         first_node_id: int = 1,
         tamper: Tamper | None = None,
+        record: bool = True,
     ) -> None:
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 0, run_id
         self.client_app = client_app
         self.tamper = tamper
         self.unavailable: set[int] = set()  # node ids that do not answer (crashed SuperNodes)
+        self.record = record  # keep every message and reply (tests inspect them; runs should not)
         self.sent: list[Message] = []  # every message delivered, for inspection in tests
         self.replies: list[Message] = []
         self.contexts = {
@@ -53,29 +62,54 @@ class LocalGrid(Grid):
             for k in range(num_nodes)
         }
         self._run: Run | None = None
+        self._queued: dict[str, Message] = {}  # pushed, not yet pulled (delivered when pulled)
 
     # -- what the strategies use --------------------------------------------------------
     def get_node_ids(self) -> Iterable[int]:
         return [n for n in self.contexts if n not in self.unavailable]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.deliver(list(messages))
+
+    def deliver(self, messages: Sequence[Message]) -> list[Message]:
+        """Run each message's ClientApp now; the replies that come back (tampered with, if set)."""
         replies = []
         delivered = []
         for message in messages:
             node_id = message.metadata.dst_node_id
             if node_id in self.unavailable or node_id not in self.contexts:
                 continue  # like a SuperNode that never answers before the timeout
-            self.sent.append(message)
+            if self.record:
+                self.sent.append(message)
             delivered.append(message)
             try:
                 reply = self.client_app(message, self.contexts[node_id])
             except Exception as exc:  # the ClientApp raised: Flower replies with an Error
                 reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
             replies.append(reply)
-        self.replies.extend(replies)
+        if self.record:
+            self.replies.extend(replies)
         if self.tamper is not None and delivered:
             replies = self.tamper(delivered, replies)
         return replies
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for message in messages:
+            message_id = str(uuid4())
+            message.metadata.__dict__["_message_id"] = message_id  # as Flower's InMemoryGrid does
+            self._queued[message_id] = message
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Deliver the requested pushed messages now and return their replies."""
+        batch = [self._queued.pop(m) for m in message_ids if m in self._queued]
+        return self.deliver(batch) if batch else []
+
+    def outstanding(self, message_ids: Iterable[str]) -> list[str]:
+        """The pushed messages among ``message_ids`` that may still be answered (not delivered yet)."""
+        return [m for m in message_ids if m in self._queued]
 
     # -- the rest of the Grid interface -------------------------------------------------
     def set_run(self, run: Run) -> None:
@@ -91,9 +125,3 @@ class LocalGrid(Grid):
         self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
     ) -> Message:
         return Message(content=content, message_type=message_type, dst_node_id=dst_node_id, group_id=group_id)
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise NotImplementedError("LocalGrid delivers synchronously: use send_and_receive")
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise NotImplementedError("LocalGrid delivers synchronously: use send_and_receive")

@@ -34,7 +34,7 @@ from fcl_flower.data import FederatedSplit
 from fcl_flower.protocol import Reply, StatsRes, UploadError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import iter_features
-from strategies.base import Accepted, RoundPlan, StagedStrategy, StageFailed
+from strategies.base import Accepted, RoundFold, RoundPlan, StagedStrategy, StageFailed
 from strategies.fedavg import FedAvg
 
 FEDAVG_PHASE = "fedavg"
@@ -84,15 +84,35 @@ class AnalyticStrategy(StagedStrategy):
             raise UploadError("expected a statistics reply")
         return self.read_stats(plan, f"client-{reply.client}", reply)
 
+    def stats_fold(self, plan: RoundPlan) -> RoundFold | None:
+        """A method whose statistics round can be folded reply by reply returns its fold here (then
+        :meth:`aggregate_stats` is never called); None: the replies are aggregated together."""
+        return None
+
+    def round_fold(self, plan: RoundPlan) -> RoundFold | None:
+        if plan.phase == FEDAVG_PHASE:
+            return None
+        fold = self.stats_fold(plan)
+        return None if fold is None else _CountWithheld(self, fold)
+
     def aggregate_round(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
         if plan.phase == FEDAVG_PHASE:
             self.fedavg.aggregate([r.payload for r in replies], [r.num_examples for r in replies])
             return
+        fold = self.round_fold(plan)
+        if fold is not None:  # the same fold as when the replies stream in
+            for r in replies:
+                fold.add(r)
+            fold.finish()
+            return
         for r in replies:
-            withheld = r.reply.withheld if isinstance(r.reply, StatsRes) else 0
-            if withheld:
-                self._withheld[r.client] = self._withheld.get(r.client, 0) + withheld
+            self.note_withheld(r)
         self.aggregate_stats(plan, replies)
+
+    def note_withheld(self, reply: Accepted[Any]) -> None:
+        withheld = reply.reply.withheld if isinstance(reply.reply, StatsRes) else 0
+        if withheld:
+            self._withheld[reply.client] = self._withheld.get(reply.client, 0) + withheld
 
     # ---------------------------------------------------------------- solve + evaluate
     def end_stage(self, task: int) -> dict[str, Any]:
@@ -134,6 +154,20 @@ class AnalyticStrategy(StagedStrategy):
         super().load_state_dict(state)
         self.weights = state["weights"]
         self.model.eval()
+
+
+class _CountWithheld:
+    """A method's statistics fold, plus the samples each reply says it withheld."""
+
+    def __init__(self, strategy: AnalyticStrategy, fold: RoundFold) -> None:
+        self.strategy, self.fold = strategy, fold
+
+    def add(self, item: Accepted[Any]) -> None:
+        self.strategy.note_withheld(item)
+        self.fold.add(item)
+
+    def finish(self) -> None:
+        self.fold.finish()
 
 
 @contextmanager

@@ -15,7 +15,7 @@ A method (one subclass per registry entry) says *what* happens:
 
 This class owns the protocol (headers, parsing, rejection of bad replies) and delegates the
 rest to components with one job each: the stage loop (:mod:`strategies.loop`), node waiting,
-identity and sampling (:mod:`strategies.nodes`), sending and retries (:mod:`strategies.rounds`),
+identity and sampling (:mod:`strategies.nodes`), streaming replies and retries (:mod:`strategies.stream`),
 accounting (:mod:`strategies.accounting`) and checkpoints (:mod:`strategies.checkpoint`).
 """
 
@@ -26,7 +26,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -60,7 +60,7 @@ from fcl_flower.runtime import build_model, resolve_device
 from strategies.accounting import StageAccounting, client_name, client_order
 from strategies.checkpoint import CheckpointStore
 from strategies.nodes import NodeDirectory
-from strategies.rounds import send_round
+from strategies.stream import ReplyStream, exchange
 
 P = TypeVar("P")
 
@@ -94,6 +94,15 @@ class Accepted(Generic[P]):
     num_examples: int
     payload: P
     reply: Reply | None = None
+
+
+class RoundFold(Protocol):
+    """Folds a round's accepted replies into the server state one at a time, in client order,
+    so that none has to be kept (:meth:`StagedStrategy.round_fold`)."""
+
+    def add(self, item: Accepted[Any]) -> None: ...
+
+    def finish(self) -> None: ...
 
 
 class StagedStrategy(Strategy):
@@ -134,6 +143,12 @@ class StagedStrategy(Strategy):
     @abstractmethod
     def aggregate_round(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
         """Fold the accepted replies of one round (in client order) into the server state."""
+
+    def round_fold(self, plan: RoundPlan) -> RoundFold | None:
+        """A fold that adds each accepted reply of ``plan``'s round as it arrives (in client order)
+        and drops it; None (the default): the round's replies are kept and handed to
+        :meth:`aggregate_round` together. Both must give the same numbers."""
+        return None
 
     def end_stage(self, task: int) -> dict[str, Any]:
         """Work after the last round of a stage (e.g. a ridge solve); returns result extras."""
@@ -252,7 +267,7 @@ class StagedStrategy(Strategy):
         header = Header(self.run_id, "info", plan.task, plan.task + 1, self.server_round, 0)
         ins = InfoIns(header, self.cfg)
         claims: dict[int, int] = {}
-        for message in grid.send_and_receive([ins.to_message(n) for n in node_ids], timeout=self.cfg.round_timeout):
+        for message in exchange(grid, [ins.to_message(n) for n in node_ids], self.cfg.round_timeout):
             node = message.metadata.src_node_id
             try:
                 if node not in node_ids:
@@ -287,25 +302,42 @@ class StagedStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Parse and check every reply, account its bytes, reject bad ones by name, aggregate the rest."""
+        """Parse and check every reply, account its bytes, reject bad ones by name, aggregate the rest.
+
+        ``replies`` may be a :class:`~strategies.stream.ReplyStream`: replies handed on in client
+        order as they arrive. Then a method with a :meth:`round_fold` adds each accepted reply at
+        once and drops it, so the server never holds more than the stream's window of replies.
+        """
         plan = self._require_plan()
-        accepted: list[Accepted[Any]] = []
+        fold = self.round_fold(plan) if getattr(replies, "ordered", False) else None
+        kept: list[Accepted[Any]] = []
+        clients: list[str] = []
+        examples = 0
         for message in replies:
             try:
-                item = self.accept(plan, message, {a.client for a in accepted})
+                item = self.accept(plan, message, set(clients))
             except UploadError as err:
                 self.reject(message, err, server_round)
                 continue
             self.accounting.accept(item.client, payload_bytes(message.content), message_bytes(message.content))
-            accepted.append(item)
-        if not accepted:
+            clients.append(item.client)
+            examples += item.num_examples
+            if fold is not None:
+                fold.add(item)
+            else:
+                kept.append(item)
+            del item, message  # a folded reply is dropped here
+        if not clients:
             raise RoundFailed(f"round {server_round}: no valid reply")
         # Replies arrive in whatever order the nodes finish; aggregating in client order makes
         # every float sum (and any seeded shuffle of the replies) independent of that order.
-        accepted.sort(key=lambda a: client_order(a.client))
-        self.accounting.contributed(server_round, [a.client for a in accepted])
-        self.aggregate_round(plan, accepted)
-        metrics = MetricRecord({"num-clients": len(accepted), "num-examples": sum(a.num_examples for a in accepted)})
+        self.accounting.contributed(server_round, sorted(clients, key=client_order))
+        if fold is not None:
+            fold.finish()
+        else:
+            kept.sort(key=lambda a: client_order(a.client))
+            self.aggregate_round(plan, kept)
+        metrics = MetricRecord({"num-clients": len(clients), "num-examples": examples})
         return self.global_arrays(), metrics
 
     def configure_evaluate(
@@ -388,37 +420,63 @@ class StagedStrategy(Strategy):
         )
         self.accounting.reject(client, str(err))
 
-    def missing_clients(self, replies: list[Message]) -> set[str]:
-        """The clients this round was sent to that have no (well-formed) reply among ``replies``."""
-        plan = self._require_plan()
-        seen = set()
-        for message in replies:
-            sent = self._sent.get(message.metadata.src_node_id)
-            if sent is None or message.has_error():
-                continue
-            try:
-                seen.add(client_name(parse_reply(message, sent, plan.kind).client))
-            except ProtocolError:
-                continue
-        return self._round_expected - seen
-
     # ------------------------------------------------------------------ one round
     def begin_round(self, plan: RoundPlan) -> None:
         self.server_round += 1
         self._plan = plan
         self._sent = {}
 
-    def run_round(self, grid: Grid, plan: RoundPlan, timeout: float) -> list[Message]:
-        """Send the round; with ``require-all-clients``, re-send it to the nodes that did not answer."""
-        return send_round(
+    def run_round(self, grid: Grid, plan: RoundPlan, timeout: float) -> Iterable[Message]:
+        """The round's replies as a stream (strategies/stream.py): pulled as they arrive, in client
+        order; with ``require-all-clients`` a node that does not answer gets the round again."""
+        first = self.messages(grid, plan, 0, set())
+        nodes = self.in_client_order([m.metadata.dst_node_id for m in first])
+
+        def build(attempt: int, targets: list[int]) -> list[Message]:
+            if attempt == 0:
+                wanted = set(targets)
+                return [m for m in first if m.metadata.dst_node_id in wanted]
+            return self.messages(grid, plan, attempt, set(), only=set(targets))
+
+        return ReplyStream(
             grid,
-            lambda attempt, exclude: self.messages(grid, plan, attempt, exclude),
-            self.missing_clients,
+            build,
+            nodes,
             timeout=timeout,
             require_all=self.cfg.require_all_clients,
             retries=self.cfg.round_retries,
+            answered=self.well_formed,
             server_round=self.server_round,
+            missing_names=self.names_of,
         )
+
+    def in_client_order(self, nodes: list[int]) -> list[int]:
+        """``nodes`` sorted by the client each serves (nodes not mapped yet last, by id)."""
+
+        def key(node: int) -> tuple[int, str]:
+            client = self.nodes.client_of.get(node)
+            return client_order(client_name(client)) if client is not None else (1 << 31, f"{node:020d}")
+
+        return sorted(nodes, key=key)
+
+    def names_of(self, nodes: list[int]) -> list[str]:
+        return [self.nodes_name(node) for node in nodes]
+
+    def nodes_name(self, node: int) -> str:
+        client = self.nodes.client_of.get(node)
+        return f"node-{node}" if client is None else client_name(client)
+
+    def well_formed(self, message: Message) -> bool:
+        """Whether a reply answers this round (the rule ``require-all-clients`` re-sends by)."""
+        plan = self._require_plan()
+        sent = self._sent.get(message.metadata.src_node_id)
+        if sent is None or message.has_error():
+            return False
+        try:
+            parse_reply(message, sent, plan.kind)
+        except ProtocolError:
+            return False
+        return True
 
     def _require_plan(self) -> RoundPlan:
         if self._plan is None:

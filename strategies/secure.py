@@ -8,8 +8,10 @@ With ``secure-aggregation`` the statistics round of a stage is four exchanges
 2. ``query.shares``: U1's keys to every node of U1; each answers with Shamir shares of its
    self-mask seed and mask key, one encrypted bundle per participant. U2: the nodes that did.
 3. ``query.stats`` to U2, each node with the bundles addressed to it: every client uploads its
-   statistics masked. Every reply is screened (parsed, identified, shapes checked); U3: the
-   ones that passed. A reply that fails is treated like a dropout.
+   statistics masked. Every reply is screened (parsed, identified, shapes checked) as it
+   arrives and handed on to be summed in the ring and dropped (:meth:`SecureRounds.run` is a
+   stream, strategies/stream.py); U3: the ones that passed. A reply that fails is treated like
+   a dropout.
 4. ``query.unmask`` to U3: survivors reveal their shares of U3's self-mask seeds and of the
    mask keys of U2 \\ U3. With ≥ t shares the server rebuilds them and opens Σ_{U3} x_k (the
    method does, from :attr:`SecureRounds.opening`).
@@ -26,7 +28,7 @@ instructions, identifies nodes and screens replies.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from logging import WARNING
 from typing import Any, Protocol
@@ -58,6 +60,7 @@ from fcl_flower.protocol import (
 from strategies.accounting import StageAccounting
 from strategies.base import StageFailed
 from strategies.nodes import NodeDirectory
+from strategies.stream import ReplyStream, exchange
 
 KEYS_PHASE, SHARES_PHASE, UNMASK_PHASE = "secagg-keys", "secagg-shares", "secagg-unmask"
 
@@ -91,6 +94,8 @@ class SecureHost(Protocol):
 
     def identify(self, node: int, reply: Reply) -> str: ...
 
+    def in_client_order(self, nodes: list[int]) -> list[int]: ...
+
 
 @dataclass(frozen=True)
 class Opening:
@@ -108,8 +113,9 @@ class SecureRounds:
         self.current: SecAggRound | None = None  # the round whose masked replies are being read
         self.opening: Opening | None = None
 
-    def run(self, host: SecureHost, grid: Grid, plan: Any, timeout: float) -> list[Message]:
-        """The screened masked replies of the survivors; :attr:`opening` opens their sum."""
+    def run(self, host: SecureHost, grid: Grid, plan: Any, timeout: float) -> Iterator[Message]:
+        """The screened masked replies of the survivors, as they arrive; once the last one is
+        handed on, the unmask step runs and :attr:`opening` opens their sum."""
         self.current, self.opening = None, None
         header = host.header(plan, 0)
         keys = self._collect_keys(host, grid, plan, header, timeout)
@@ -133,10 +139,18 @@ class SecureRounds:
             shares = {src: bundles[src][node] for src in bundles}
             return dataclasses.replace(stats_ins, secagg=dataclasses.replace(self.current, shares=shares))
 
-        replies = list(
-            grid.send_and_receive(host.messages(grid, plan, 0, set(), build=build, only=set(bundles)), timeout=timeout)
-        )
-        good = self._screen(host, plan, replies)
+        def messages(attempt: int, nodes: list[int]) -> list[Message]:
+            return host.messages(grid, plan, 0, set(), build=build, only=set(nodes))
+
+        good: dict[int, str] = {}
+        for message in ReplyStream(grid, messages, host.in_client_order(list(bundles)), timeout=timeout):
+            try:
+                item = host.accept(plan, message, set(good.values()))
+            except ProtocolError as err:
+                host.reject(message, err, host.server_round)
+                continue
+            good[message.metadata.src_node_id] = item.client
+            yield message  # summed in the ring by the strategy, then dropped
         if len(good) < threshold:
             raise StageFailed(f"{len(good)} valid masked upload(s), the threshold is {threshold}: nothing is opened")
         dropped = sorted(set(bundles) - set(good))
@@ -155,7 +169,6 @@ class SecureRounds:
             )
         seeds, dropped_keys = self._unmask(host, grid, plan, header, sorted(good), dropped, threshold, timeout)
         self.opening = Opening(seeds, dropped_keys, {n: k.s for n, k in participants.items()}, context)
-        return list(good.values())
 
     # ---------------------------------------------------------------- the steps
     def _exchange(
@@ -171,9 +184,7 @@ class SecureRounds:
     ) -> dict[int, Reply]:
         """Send one step, parse and identify every reply; bad ones are logged and left out."""
         answers: dict[int, Reply] = {}
-        for message in grid.send_and_receive(
-            host.messages(grid, plan, 0, set(), build=build, only=only, side=True), timeout=timeout
-        ):
+        for message in exchange(grid, host.messages(grid, plan, 0, set(), build=build, only=only, side=True), timeout):
             node = message.metadata.src_node_id
             try:
                 reply = parse_reply(message, header, kind)
@@ -231,20 +242,6 @@ class SecureRounds:
                 continue
             bundles[node] = reply.shares
         return bundles
-
-    def _screen(self, host: SecureHost, plan: Any, replies: list[Message]) -> dict[int, Message]:
-        """The masked replies that would be accepted, by node."""
-        good: dict[int, Message] = {}
-        clients: set[str] = set()
-        for message in replies:
-            try:
-                item = host.accept(plan, message, clients)
-            except ProtocolError as err:
-                host.reject(message, err, host.server_round)
-                continue
-            clients.add(item.client)
-            good[message.metadata.src_node_id] = message
-        return good
 
     def _unmask(
         self,

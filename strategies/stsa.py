@@ -22,14 +22,16 @@ the same checks; a late client's statistics then ride inside its next regular ma
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
-from fcl_flower.analytic import packed_length, unpack_upper
-from fcl_flower.analytic.checks import StatisticsRejected, check_counts, check_gram_statistics, wire_epsilon
+from fcl_flower.analytic import packed_length
+from fcl_flower.analytic.checks import StatisticsRejected, check_counts, check_packed_statistics, wire_epsilon
 from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit
@@ -40,10 +42,83 @@ from fcl_flower.results import ResultsRecorder
 from strategies.accounting import client_name
 from strategies.analytic import AnalyticStrategy, solve_dense, upload_checks
 from strategies.backfill import Backfill
-from strategies.base import Accepted, RoundPlan, StageFailed
+from strategies.base import Accepted, RoundFold, RoundPlan, StageFailed
 from strategies.secure import SecureRounds
+from strategies.stream import InOrder
 
 MASKED_NAMES = ("gram-packed", "class-sums", "counts")
+
+
+class TaskSum:
+    """Running Σ_k of one task's uploads: packed G and class sums in float64, and n."""
+
+    def __init__(self, dim: int, classes: int) -> None:
+        self.gram = torch.zeros(packed_length(dim), dtype=torch.float64)
+        self.sums = torch.zeros(dim, classes, dtype=torch.float64)
+        self.count = 0
+
+    def add(self, stats: StsaStats, num_examples: int) -> None:
+        self.gram += stats.gram_packed  # summed in float64
+        self.sums += stats.class_sums
+        self.count += num_examples
+
+    def into(self, ridge: RidgeState, classes: range) -> None:
+        ridge.add_packed(classes, self.gram, self.sums, self.count)
+
+
+class PlainFold:
+    """A plain statistics round, streamed: every accepted upload (and the late statistics it
+    carries) is added to running sums and dropped; at the end the sums go into the ridge state
+    in the order :meth:`STSAStrategy.add_statistics` and the backfill fold always used, so the
+    numbers equal those of summing the sorted list."""
+
+    def __init__(self, strategy: STSAStrategy, plan: RoundPlan) -> None:
+        self.strategy, self.plan = strategy, plan
+        self.current = TaskSum(strategy.rf_dim, len(strategy.split.tasks[plan.task]))
+        self.late: dict[int, tuple[TaskSum, list[str]]] = {}
+        self.clients: set[str] = set()
+
+    def add(self, item: Accepted[Any]) -> None:
+        self.current.add(item.payload["stats"], item.num_examples)
+        for task, (payload, count) in item.payload["late"].items():
+            total, clients = self.late.setdefault(
+                task, (TaskSum(self.strategy.rf_dim, len(self.strategy.split.tasks[task])), [])
+            )
+            total.add(payload, count)
+            clients.append(item.client)
+        self.clients.add(item.client)
+
+    def finish(self) -> None:
+        strategy = self.strategy
+        self.current.into(strategy.ridge, strategy.split.tasks[self.plan.task])
+        for task, (total, clients) in sorted(self.late.items()):  # as Backfill.fold adds them
+            total.into(strategy.ridge, strategy.split.tasks[task])
+            for client in clients:
+                strategy.backfill.strike(client, task)
+        strategy.backfill.note_missing(self.plan.task, self.clients)
+
+
+class MaskedFold:
+    """A secure statistics round, streamed: masked uploads are summed in the ring (mod 2⁶⁴, exact and
+    order-free) as they arrive; the sum is opened once the unmask step has rebuilt the secrets."""
+
+    def __init__(self, strategy: STSAStrategy, plan: RoundPlan) -> None:
+        self.strategy, self.plan = strategy, plan
+        self.sums: dict[str, np.ndarray] = {}
+        self.clients: set[str] = set()
+
+    def add(self, item: Accepted[Any]) -> None:
+        masked = item.payload["masked"]
+        for name in MASKED_NAMES:
+            ring = np.asarray(getattr(masked, name.replace("-", "_")), dtype=np.uint64).reshape(-1)
+            if name in self.sums:
+                self.sums[name] += ring  # wraps around mod 2^64, as the masks need
+            else:
+                self.sums[name] = ring.copy()
+        self.clients.add(item.client)
+
+    def finish(self) -> None:
+        self.strategy.open_masked(self.plan, self.sums, self.clients)
 
 
 class STSAStrategy(AnalyticStrategy):
@@ -63,9 +138,9 @@ class STSAStrategy(AnalyticStrategy):
             return dataclasses.replace(ins, backfill=self._request)
         return ins
 
-    def run_round(self, grid: Grid, plan: RoundPlan, timeout: float) -> list[Message]:
+    def run_round(self, grid: Grid, plan: RoundPlan, timeout: float) -> Iterable[Message]:
         if self.secure is not None and plan.phase == self.stats_phase:
-            return self.secure.run(self, grid, plan, timeout)
+            return InOrder(self.secure.run(self, grid, plan, timeout))
         return super().run_round(grid, plan, timeout)
 
     def masked(self) -> bool:
@@ -82,8 +157,8 @@ class STSAStrategy(AnalyticStrategy):
         """The upload is the statistics of some dataset of ``num_examples`` samples (see module doc)."""
         with upload_checks():
             check_counts(stats.counts, num_examples)
-            check_gram_statistics(
-                unpack_upper(stats.gram_packed.to(torch.float64), self.rf_dim),
+            check_packed_statistics(
+                stats.gram_packed,
                 stats.class_sums,
                 stats.counts,
                 relative_tolerance=wire_epsilon(stats.gram_packed.dtype),
@@ -113,36 +188,32 @@ class STSAStrategy(AnalyticStrategy):
                 raise UploadError(f"record 'backfill-{task}': {err}") from None
         return {"stats": plain, "late": late}
 
+    def stats_fold(self, plan: RoundPlan) -> RoundFold:
+        """Each accepted upload is added to running sums at once and dropped (client order)."""
+        secure = self.secure is not None and plan.phase == self.stats_phase  # as run_round decides
+        return MaskedFold(self, plan) if secure or self.masked() else PlainFold(self, plan)
+
     def aggregate_stats(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
-        if self.masked():
-            self.aggregate_masked(plan, replies)
-            return
-        self.add_statistics(plan.task, [Accepted(r.client, r.num_examples, r.payload["stats"]) for r in replies])
-        self.backfill.fold(replies, lambda r: r.payload["late"], self.add_statistics, lambda task: None)
-        self.backfill.note_missing(plan.task, {r.client for r in replies})
+        fold = self.stats_fold(plan)
+        for r in replies:
+            fold.add(r)
+        fold.finish()
 
     def add_statistics(self, task: int, replies: list[Accepted[StsaStats]]) -> None:
         """Spatial aggregation (Eq. 2) over ``replies``, then temporal (Eq. 4): late ones simply add."""
-        gram = torch.zeros(packed_length(self.rf_dim), dtype=torch.float64)
-        sums = torch.zeros(self.rf_dim, len(self.split.tasks[task]), dtype=torch.float64)
-        for r in replies:  # summed in float64
-            gram += r.payload.gram_packed
-            sums += r.payload.class_sums
-        self.ridge.add(
-            self.split.tasks[task], unpack_upper(gram, self.rf_dim), sums, sum(r.num_examples for r in replies)
-        )
+        total = TaskSum(self.rf_dim, len(self.split.tasks[task]))
+        for r in replies:
+            total.add(r.payload, r.num_examples)
+        total.into(self.ridge, self.split.tasks[task])
 
-    def aggregate_masked(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
+    def open_masked(self, plan: RoundPlan, sums: dict[str, np.ndarray], survivors: set[str]) -> None:
         """Open Σ over the survivors, check it like one upload, add it column block by column block."""
         assert self.secure is not None and self.secure.opening is not None
         opening = self.secure.opening
-        survivors = {r.client for r in replies}
-        opened = {}
-        for name in MASKED_NAMES:
-            uploads = [getattr(r.payload["masked"], name.replace("-", "_")) for r in replies]
-            opened[name] = torch.from_numpy(
+        opened = {
+            name: torch.from_numpy(
                 unmask_sum(
-                    uploads,
+                    [sums[name]],
                     name,
                     opening.seeds,
                     opening.dropped_keys,
@@ -151,17 +222,19 @@ class STSAStrategy(AnalyticStrategy):
                     self.cfg.secagg_fraction_bits,
                 )
             )
+            for name in MASKED_NAMES
+        }
         counts, withheld = opened["counts"][:-1].round(), float(opened["counts"][-1].round())
-        gram = unpack_upper(opened["gram-packed"], self.rf_dim)
-        sums = opened["class-sums"].reshape(self.rf_dim, -1)
+        gram = opened["gram-packed"]
+        sums_c = opened["class-sums"].reshape(self.rf_dim, -1)
         try:
             check_counts(counts, int(counts.sum()))
-            check_gram_statistics(
+            check_packed_statistics(
                 gram,
-                sums,
+                sums_c,
                 counts,
                 relative_tolerance=wire_epsilon(torch.float64),
-                absolute_tolerance=len(replies) * 2.0 ** -(self.cfg.secagg_fraction_bits + 1),
+                absolute_tolerance=len(survivors) * 2.0 ** -(self.cfg.secagg_fraction_bits + 1),
                 **self.feature_bounds,
             )
         except StatisticsRejected as err:
@@ -170,8 +243,8 @@ class STSAStrategy(AnalyticStrategy):
         for position, task in enumerate(tasks):
             width = len(self.split.tasks[task])
             block = slice(column, column + width)
-            self.ridge.add(
-                self.split.tasks[task], gram if position == 0 else None, sums[:, block], int(counts[block].sum())
+            self.ridge.add_packed(
+                self.split.tasks[task], gram if position == 0 else None, sums_c[:, block], int(counts[block].sum())
             )
             column += width
         if withheld:

@@ -11,7 +11,7 @@ References are either the fault-free run or a direct ridge on the data of the an
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,7 +81,7 @@ class FaultyGrid(LocalGrid):
         self.tamper = tamper
         self.attempts: dict[tuple[int, int], int] = {}  # (task, node) -> messages addressed
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+    def deliver(self, messages: Sequence[Message]) -> list[Message]:
         delivered = []
         for message in messages:
             task, node = sent_header(message).task, message.metadata.dst_node_id
@@ -91,7 +91,7 @@ class FaultyGrid(LocalGrid):
                 misses[node] -= 1
                 continue
             delivered.append(message)
-        replies = list(super().send_and_receive(delivered, timeout=timeout))
+        replies = super().deliver(delivered)
         if self.tamper is not None and delivered:
             task = sent_header(delivered[0]).task
             for reply in replies:

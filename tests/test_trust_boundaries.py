@@ -403,7 +403,7 @@ def write_signing_keys(folder: Path, nodes: list[int]) -> dict[int, dict[str, st
 class SubstitutingGrid(LocalGrid):
     """A server that shows client 2's peers its own mask key instead of client 2's (substitution)."""
 
-    def send_and_receive(self, messages, *, timeout=None):
+    def deliver(self, messages):
         out = []
         for message in messages:
             if message.metadata.message_type == "query.shares" and message.metadata.dst_node_id != NODE_BASE + 2:
@@ -420,7 +420,7 @@ class SubstitutingGrid(LocalGrid):
                     ins.header, ins.config, keys=keys, clients=ins.clients, threshold=ins.threshold
                 ).to_message(message.metadata.dst_node_id)
             out.append(message)
-        return super().send_and_receive(out, timeout=timeout)
+        return super().deliver(out)
 
 
 @pytest.mark.parametrize("signed", [True, False])
