@@ -151,11 +151,13 @@ class STSAStrategy(AnalyticStrategy):
                     self.cfg.secagg_fraction_bits,
                 )
             )
-        counts, withheld = opened["counts"][:-1].round(), float(opened["counts"][-1].round())
+        # Integer counts are exact in fixed point, so their opened sum is exactly integral: a
+        # garbage upload is caught here (and a rounding would let random counts through).
+        counts, withheld = opened["counts"][:-1], float(opened["counts"][-1])
         gram = unpack_upper(opened["gram-packed"], self.rf_dim)
         sums = opened["class-sums"].reshape(self.rf_dim, -1)
         try:
-            check_counts(counts, int(counts.sum()))
+            check_counts(opened["counts"], int(opened["counts"].sum()))
             check_gram_statistics(
                 gram,
                 sums,
