@@ -31,7 +31,9 @@ from fcl_flower.protocol import (
     UnmaskIns,
     parse_instruction,
 )
+from fcl_flower.quiet import quiet_known_noise
 
+quiet_known_noise()
 app = ClientApp()
 
 Handler = Callable[..., Reply]

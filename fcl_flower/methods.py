@@ -101,11 +101,14 @@ COMMON_KNOBS: tuple[str, ...] = (
     "wire-dtype",
     "out",
     "run-name",
+    "overwrite",
     "round-timeout",
     "require-all-clients",
     "round-retries",
     "resume",
     "device",
+    "tracking",
+    "tracking-uri",
 )
 #: Knobs of local SGD (stage 1 of the analytic methods, every task of the gradient ones).
 SGD_KNOBS = ("stage1-rounds", "local-epochs", "lr", "momentum", "weight-decay", "weighted-fedavg")
