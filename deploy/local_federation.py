@@ -366,6 +366,13 @@ class LocalFederation:
         for process in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
+        targets |= descendants(roots)  # anything spawned while we were stopping
+        settle = time.monotonic() + 15.0  # a SIGKILLed process can take a moment to go on a busy machine
+        while time.monotonic() < settle and any(_alive(pid) for pid in targets):
+            for pid in targets:
+                if _alive(pid):
+                    _signal(pid, signal.SIGKILL)
+            time.sleep(0.2)
 
     def remember_descendants(self) -> None:
         """Note the current process tree (the SuperExec re-parents to init once its parent dies)."""

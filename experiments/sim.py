@@ -86,9 +86,16 @@ def check_before_start(cfg: RunConfig) -> None:
     """Everything that can fail before any training, checked before the engine starts (ConfigError
     and friends, one line): the run folder is writable and not another configuration's, the tracking
     backends are installed, the dataset loads and splits."""
+    from fcl_flower.config import ConfigError
     from fcl_flower.runtime import federated_split
     from fcl_flower.tracking import require_tracking_packages
     from strategies.checkpoint import check_not_foreign, writable_folder
+
+    if cfg.dataset == "custom":
+        raise ConfigError(
+            "dataset 'custom' runs on SuperNodes that each bring their own data-dir (deploy/README.md); "
+            "the simulation has only partitions of a public dataset"
+        )
 
     folder = cfg.output_dir
     created = [p for p in (folder, *folder.parents) if not p.exists()]

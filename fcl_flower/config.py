@@ -41,8 +41,24 @@ class RunConfig:
     strategy: str = _knob("stsa", "FCIL method to run (fcl_flower/methods.py lists them).", methods.names)
     dataset: str = _knob(
         "digits",
-        "Dataset (digits is bundled with scikit-learn and works offline).",
-        ("digits", "synthetic", "cifar100", "tiny-imagenet", "imagenet-r"),
+        "Dataset (digits is bundled with scikit-learn and works offline; custom: every site brings its own "
+        "images, the classes come from class-names or task-plan).",
+        ("digits", "synthetic", "cifar100", "tiny-imagenet", "imagenet-r", "custom"),
+    )
+    class_names: str = _knob(
+        "", "dataset custom: the federation's classes in class order, comma-separated ('cat,dog,fox,owl')."
+    )
+    task_plan: str = _knob(
+        "",
+        "dataset custom: a JSON plan file instead of class-names: {classes, optional tasks (lists of class "
+        "names), optional image-shape [C, H, W]} (fcl_flower/data/plan.py).",
+    )
+    evaluation: str = _knob(
+        "central",
+        "Who scores the model after each stage: the server on the dataset's test set (central), the clients "
+        "on their own held-out data, counts summed by the server (federated; the server then opens no "
+        "dataset), or both (central numbers in the table, federated ones in each stage's extra).",
+        ("central", "federated", "both"),
     )
     data_root: str = _knob("", "Folder for downloaded datasets (default ~/.cache/fcl-flower/data).")
     download: bool = _knob(True, "Download a missing dataset (needs the network).")
@@ -273,6 +289,23 @@ class RunConfig:
             raise ConfigError(
                 f"secure-aggregation works with {secure} (sums over clients); "
                 f"{self.strategy} needs per-client uploads: use min-class-count instead"
+            )
+        if self.dataset == "custom":
+            if not (self.class_names.strip() or self.task_plan):
+                raise ConfigError("dataset 'custom' needs class-names ('cat,dog,...') or task-plan (a JSON plan file)")
+            if self.evaluation != "federated":
+                raise ConfigError(
+                    "dataset 'custom' has no test set on the server: use evaluation='federated' (clients score "
+                    "the model on their own held-out data)"
+                )
+        elif self.class_names or self.task_plan:
+            raise ConfigError(
+                "class-names and task-plan describe dataset 'custom'; the public datasets bring their own"
+            )
+        if self.evaluation == "federated" and self.method.pooled_data:
+            raise ConfigError(
+                f"{self.strategy} pools every client's training data on the server (an upper bound, not a "
+                "federated method): it needs a public dataset and evaluation 'central' or 'both'"
             )
         self.ridge_value()  # parses or raises
         return self

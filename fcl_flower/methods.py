@@ -65,6 +65,7 @@ class MethodSpec:
     secure_aggregation: bool = False  # the server needs only sums over clients (masked uploads)
     task_pool: bool = False  # runs in STAMP's limitless task pool (partition = task-pool)
     backfill: bool = False  # a client that missed a statistics round sends them later
+    pooled_data: bool = False  # the server trains on every client's data (joint bounds): no federated-only run
 
     def phase(self, name: str) -> Phase:
         for phase in self.phases:
@@ -79,6 +80,8 @@ class MethodSpec:
 COMMON_KNOBS: tuple[str, ...] = (
     "strategy",
     "dataset",
+    "class-names",
+    "task-plan",
     "data-root",
     "download",
     "num-tasks",
@@ -99,6 +102,7 @@ COMMON_KNOBS: tuple[str, ...] = (
     "batch-size",
     "train-head",
     "wire-dtype",
+    "evaluation",
     "out",
     "run-name",
     "overwrite",
@@ -217,6 +221,7 @@ register(
         strategy="strategies.joint:JointStrategy",
         phases=(FEDAVG,),
         knobs=RIDGE_KNOBS,
+        pooled_data=True,
     )
 )
 register(
@@ -264,6 +269,7 @@ register(
         strategy="strategies.joint_gradient:JointGradientStrategy",
         phases=(),
         knobs=GRADIENT_KNOBS,
+        pooled_data=True,
     )
 )
 register(

@@ -30,7 +30,7 @@ from fcl_flower.analytic.checks import StatisticsRejected
 from fcl_flower.analytic.heads import Head
 from fcl_flower.analytic.ridge import GCVRow, RidgeState
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import Reply, StatsRes, UploadError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import iter_features
@@ -43,7 +43,7 @@ FEDAVG_PHASE = "fedavg"
 class AnalyticStrategy(StagedStrategy):
     stats_phase: ClassVar[str | None] = None  # the statistics round of every stage (None: no round)
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
         self.fedavg = FedAvg(self.model, cfg.weighted_fedavg)
         feature_dim = self.model.backbone.feature_dim

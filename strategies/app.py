@@ -21,7 +21,7 @@ from fcl_flower.data import DatasetError
 from fcl_flower.models import ModelError
 from fcl_flower.quiet import quiet_known_noise
 from fcl_flower.results import ResultsRecorder
-from fcl_flower.runtime import federated_split
+from fcl_flower.runtime import server_split
 from fcl_flower.state_io import StateError
 from fcl_flower.tracking import make_trackers
 from strategies import build_strategy
@@ -47,11 +47,12 @@ def run_experiment(grid: Grid, cfg: RunConfig) -> ResultsRecorder:
     """Everything a run does, given a grid of connected client nodes.
 
     Before any training: the run folder is made, checked writable and not another configuration's,
-    and locked; the dataset is checked. results.json says ``running`` from the start and
+    and locked; the dataset is checked (under federated evaluation the server opens none: it holds
+    only the task plan). results.json says ``running`` from the start and
     ``completed`` or ``failed`` (with the error) at the end; results.png is drawn then.
     """
     with open_run_folder(cfg) as folder:
-        split = federated_split(cfg)
+        split = server_split(cfg)
         trackers = make_trackers(cfg, folder)
         recorder = ResultsRecorder(folder, cfg.strategy, cfg.to_mapping(), num_tasks=cfg.num_tasks, trackers=trackers)
         strategy = build_strategy(cfg, split, recorder)

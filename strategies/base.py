@@ -37,7 +37,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from fcl_flower import methods
 from fcl_flower.averaging import cosine_lr
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.methods import Kind
 from fcl_flower.metrics import accuracy_by_task, task_pool_accuracy
 from fcl_flower.models import trainable_state
@@ -99,7 +99,7 @@ class Accepted(Generic[P]):
 class StagedStrategy(Strategy):
     """Base class: the protocol, the Flower hooks and the components; methods subclass it."""
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         self.cfg = cfg
         self.method = methods.get(cfg.strategy)
         self.split = split
