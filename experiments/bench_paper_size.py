@@ -1,0 +1,199 @@
+"""Paper-size statistics on the server: the cost of one reply against the solve, and peak memory
+against the number of clients.
+
+    python experiments/bench_paper_size.py reply --dims 2000 4096 10000
+    python experiments/bench_paper_size.py memory --rf-dim 2000 --clients 5 20 50 200
+    python experiments/bench_paper_size.py memory --rf-dim 8192 --clients 20
+
+``reply``: one honest STSA upload (random ReLU features, n = M/2 samples, 10 classes) in float32
+and float64, serialised as Flower does (an ArrayRecord of .npy buffers), then what the server
+does with it, each step timed: ``parse`` (``StsaStats.read``: decode in place, dtype, shape,
+finiteness), ``bytes`` (``payload_bytes`` + ``message_bytes``: counted without re-serialising),
+``check`` (``check_packed_statistics``: the PSD test, float32-first for float32 uploads),
+``add`` (into the running float64 sums); against ``solve`` (one Cholesky solve at M with 100
+classes, ``solve_ridge``). Also the client side: ``pack`` (``packed_gram``: upper triangle of the
+symmetrised G, straight into the wire dtype).
+
+``memory``: for each client count, a fresh process runs STSA on the synthetic dataset in-process
+(LocalGrid: server and clients in one process, clients answer one at a time as the server pulls
+them, strategies/stream.py), 2 tasks, no FedAvg stage, and reports its peak RSS (VmHWM). The
+server streams: it never holds more than ``stream.WINDOW`` replies.
+Writes experiments/results/bench_paper_size.json (machine, load average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from experiments.benchlib import format_table, peak_rss_mib, write_json
+
+
+def timed(fn: Any) -> tuple[float, Any]:
+    began = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - began, out
+
+
+def reply_rows(dims: list[int], classes: int = 10) -> list[dict[str, Any]]:
+    from fcl_flower.analytic import StatisticsAccumulator, packed_length, solve_ridge
+    from fcl_flower.analytic.checks import check_packed_statistics, wire_epsilon
+    from fcl_flower.protocol import message_bytes, payload_bytes
+    from fcl_flower.protocol.payloads import StsaStats
+
+    rows = []
+    for dim in dims:
+        gen = torch.Generator().manual_seed(dim)
+        n = dim // 2
+        phi = torch.relu(torch.randn(n, dim, generator=gen, dtype=torch.float64))
+        labels = torch.randint(0, classes, (n,), generator=gen)
+        acc = StatisticsAccumulator(dim, classes, with_gram=True)
+        acc.update(phi, labels)
+        del phi
+        sums100 = torch.randn(dim, 100, generator=gen, dtype=torch.float64)
+        gram_full = acc.result().gram
+        assert gram_full is not None
+        solve, _ = timed(lambda: solve_ridge(gram_full, sums100, 1.0))
+        del gram_full
+        for wire in ("float32", "float64"):
+            load = os.getloadavg()[0]
+            dtype = getattr(torch, wire)
+            pack, packed = timed(lambda: acc.packed_gram(dtype))
+            stats = acc.result(with_gram=False)
+            counts = stats.counts.to(torch.float64)
+            record = StsaStats(packed, stats.class_sums, counts).to_record(wire)
+            from flwr.app import RecordDict
+
+            content = RecordDict({"arrays": record})
+            parse, upload = timed(lambda: StsaStats.read(record, packed=packed_length(dim), dim=dim, classes=classes))
+            count, _ = timed(lambda: (payload_bytes(content), message_bytes(content)))
+            check, _ = timed(
+                lambda: check_packed_statistics(
+                    upload.gram_packed,
+                    upload.class_sums,
+                    upload.counts,
+                    relative_tolerance=wire_epsilon(upload.gram_packed.dtype),
+                    nonnegative=True,
+                )
+            )
+            total = torch.zeros(packed_length(dim), dtype=torch.float64)
+            add, _ = timed(lambda: total.add_(upload.gram_packed))
+            handling = parse + count + check + add
+            rows.append(
+                {
+                    "M": dim,
+                    "wire": wire,
+                    "load": load,
+                    "upload MiB": payload_bytes(content) / 2**20,
+                    "pack s (client)": pack,
+                    "parse s": parse,
+                    "bytes s": count,
+                    "check s": check,
+                    "add s": add,
+                    "handling s": handling,
+                    "solve s": solve,
+                    "handling/solve": handling / solve,
+                }
+            )
+            print(f"  {rows[-1]}", flush=True)
+            del record, content, upload, total, packed
+    return rows
+
+
+def run_one(rf_dim: int, clients: int, out: str) -> dict[str, Any]:
+    """In this process: one STSA run in-process, then its peak RSS."""
+    from experiments.sim import run_local
+    from fcl_flower.config import RunConfig
+
+    cfg = RunConfig(
+        strategy="stsa",
+        dataset="synthetic",
+        num_clients=clients,
+        num_tasks=2,
+        beta=0.5,
+        seed=0,
+        stage1_rounds=0,
+        rf_dim=rf_dim,
+        ridge="auto",
+        device="cpu",
+        out=out,
+        round_timeout=3600.0,
+    )
+    began = time.perf_counter()
+    recorder = run_local(cfg)
+    return {
+        "M": rf_dim,
+        "clients": clients,
+        "wall s": time.perf_counter() - began,
+        "stage s": [round(s.seconds, 2) for s in recorder.stages],
+        "clients per stage": [len(s.clients) for s in recorder.stages],
+        "peak RSS MiB": peak_rss_mib(),
+    }
+
+
+def memory_rows(rf_dim: int, clients: list[int], timeout: float) -> list[dict[str, Any]]:
+    rows = []
+    for k in clients:
+        load = os.getloadavg()[0]
+        with tempfile.TemporaryDirectory() as tmp:
+            command = [sys.executable, "-m", "experiments.bench_paper_size", "_one", str(rf_dim), str(k), tmp]
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+            except subprocess.TimeoutExpired:
+                rows.append({"M": rf_dim, "clients": k, "load": load, "error": f"over {timeout:.0f} s"})
+                print(f"  M = {rf_dim}, {k} clients: over {timeout:.0f} s", flush=True)
+                continue
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["?"]
+            rows.append({"M": rf_dim, "clients": k, "load": load, "error": tail[0]})
+        else:
+            rows.append({**json.loads(lines[-1]), "load": load})
+        print(f"  {rows[-1]}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_one"]:
+        print(json.dumps(run_one(int(argv[1]), int(argv[2]), argv[3])))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parts = parser.add_subparsers(dest="part", required=True)
+    reply = parts.add_parser("reply")
+    reply.add_argument("--dims", type=int, nargs="+", default=[2000, 4096, 10000])
+    memory = parts.add_parser("memory")
+    memory.add_argument("--rf-dim", type=int, default=2000)
+    memory.add_argument("--clients", type=int, nargs="+", default=[5, 20, 50, 200])
+    memory.add_argument("--timeout", type=float, default=3600.0, help="Seconds per run.")
+    for part in (reply, memory):
+        part.add_argument("--out", help="JSON path (default experiments/results/bench_paper_size-<part>.json).")
+    args = parser.parse_args(argv)
+    if args.part == "reply":
+        rows = reply_rows(args.dims)
+        columns = ["M", "wire", "load", "upload MiB", "pack s (client)", "parse s", "bytes s", "check s", "add s"]
+        columns += ["handling s", "solve s", "handling/solve"]
+        settings: dict[str, Any] = {"samples": "M/2", "classes per upload": 10, "solve classes": 100}
+    else:
+        rows = memory_rows(args.rf_dim, args.clients, args.timeout)
+        columns = ["M", "clients", "load", "wall s", "stage s", "clients per stage", "peak RSS MiB", "error"]
+        settings = {"dataset": "synthetic", "num_tasks": 2, "stage1_rounds": 0, "engine": "LocalGrid (in-process)"}
+    print(format_table(rows, columns, floats="{:.3g}"))
+    name = f"bench_paper_size-{args.part}"
+    if args.part == "memory":
+        name += f"-M{args.rf_dim}"
+    path = write_json(name, {"settings": settings, "rows": rows}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
