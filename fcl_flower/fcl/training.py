@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from fcl_flower.config import RunConfig
 from fcl_flower.data import LabelledDataset
+from fcl_flower.fcl.sgd import MomentumSGD
 from fcl_flower.models import IncrementalClassifier
 from fcl_flower.runtime import make_loader
 
@@ -48,7 +49,8 @@ def local_sgd(
         return TrainStats(num_examples=0, mean_loss=0.0)
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimiser = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    # torch.optim.SGD's update, bit for bit, without importing torch._dynamo (fcl_flower/fcl/sgd.py)
+    optimiser = MomentumSGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     total, count = 0.0, 0
     for epoch in range(cfg.local_epochs):
         for images, labels in make_loader(dataset, cfg, shuffle=True, seed=seed * 1000 + epoch):
@@ -59,7 +61,7 @@ def local_sgd(
             loss = F.cross_entropy(logits[:, ce_from:], labels - ce_from)
             if extra_loss is not None:
                 loss = loss + extra_loss(model, images, labels, logits)
-            optimiser.zero_grad(set_to_none=True)
+            optimiser.zero_grad()
             loss.backward()
             optimiser.step()
             total += float(loss.detach()) * len(labels)
