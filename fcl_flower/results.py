@@ -59,6 +59,7 @@ class ResultsRecorder:
         self.config = dict(config)
         self.num_tasks = int(num_tasks if num_tasks is not None else config.get("num-tasks", 0))
         self.stages: list[StageRecord] = []
+        self.rounds: list[dict[str, float]] = []  # every round this server process ran: seconds, replies...
         self.info: dict[str, Any] = {}
         self.trackers = list(trackers)
 
@@ -75,6 +76,7 @@ class ResultsRecorder:
         self._track(lambda t: t.start(self.config))
 
     def round(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.rounds.append({"round": step, **{k: float(v) for k, v in metrics.items()}})
         self._track(lambda t: t.round(step, metrics))
 
     def add(self, record: StageRecord) -> None:
@@ -121,6 +123,7 @@ class ResultsRecorder:
             "strategy": self.strategy,
             "config": self.config,
             "stages": [asdict(s) for s in self.stages],
+            "rounds": self.rounds,
             **self.info,
         }
         if self.stages:
