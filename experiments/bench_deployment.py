@@ -33,6 +33,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +47,32 @@ from fcl_flower.config import RunConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 TARGET_SECONDS = {"fedavg_round": 3.0, "analytic_stage": 3.0}
+
+# One message in a fresh interpreter, as a SuperNode's flwr-clientapp process handles it: Flower's
+# own ClientApp runtime, then this app's module, then the handler; wall and CPU seconds of each.
+COLD_PROCESS = """
+import json, sys, time
+def now():
+    return time.perf_counter(), time.process_time()
+t0 = now()
+import flwr.supernode.runtime.run_clientapp
+t1 = now()
+import clients.app
+t2 = now()
+from flwr.app import Context, RecordDict
+from flwr.common.serde import message_from_proto
+from flwr.proto.message_pb2 import Message
+proto = Message()
+proto.ParseFromString(open(sys.argv[1], "rb").read())
+context = Context(run_id=1, node_id=1, node_config={"data-dir": sys.argv[2]}, state=RecordDict(), run_config={})
+reply = clients.app.app(message_from_proto(proto), context)
+t3 = now()
+assert not reply.has_error(), reply.error.reason
+peak = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0] / 1024
+span = lambda a, b: [b[0] - a[0], b[1] - a[1]]
+print(json.dumps({"flwr_runtime": span(t0, t1), "clients_app": span(t1, t2), "handle": span(t2, t3),
+                  "total": span(t0, t3), "peak_rss_mib": peak}))
+"""
 
 
 def federation_module() -> Any:
@@ -139,6 +166,57 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
 
+def run_all(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    result = bench(args, workdir)
+    if args.cold_repeats > 0:
+        cfg = run_config(args, workdir / "out")
+        result["cold_clientapp_process"] = cold_processes(cfg, workdir / "data", workdir, args.cold_repeats)
+    return result
+
+
+def capture_messages(cfg: RunConfig, folder: Path) -> dict[str, Path]:
+    """The first ``query.info``, ``train`` and ``query.stats`` message node 1 gets in an in-process
+    run of ``cfg`` (the real ServerApp logic), each written as Flower's protobuf."""
+    from flwr.common.serde import message_to_proto
+
+    from clients.app import app as client_app
+    from fcl_flower.local_grid import LocalGrid
+    from strategies.app import run_experiment
+
+    grid = LocalGrid(client_app, cfg.num_clients)
+    run_experiment(grid, cfg.replace(out=str(folder / "in-process"), stage1_rounds=1))
+    files: dict[str, Path] = {}
+    for message in grid.sent:
+        kind = message.metadata.message_type
+        if message.metadata.dst_node_id == 1 and kind not in files:
+            message.metadata.__dict__["_message_id"] = message.object_id
+            files[kind] = folder / f"{kind}.pb"
+            files[kind].write_bytes(message_to_proto(message).SerializeToString())
+    return files
+
+
+def cold_processes(cfg: RunConfig, data: Path, folder: Path, repeats: int) -> dict[str, Any]:
+    """Each message type handled by fresh interpreters (``repeats`` times; the first also fills
+    the data cache): wall and CPU seconds of Flower's runtime import, the app import, the handler."""
+    files = capture_messages(cfg, folder)
+    out: dict[str, Any] = {}
+    for kind, file in files.items():
+        runs = []
+        for _ in range(repeats):
+            proc = subprocess.run(
+                [sys.executable, "-c", COLD_PROCESS, str(file), str(data / "client-0")],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            if proc.returncode != 0:
+                raise SystemExit(f"error: a cold ClientApp process failed on {kind}:\n{proc.stderr[-2000:]}")
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        out[kind] = {"runs": runs, "load_average": list(os.getloadavg())}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-nodes", type=int, default=3, help="SuperNodes (one client each)")
@@ -147,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-epochs", type=int, default=2, help="local epochs per FedAvg round (default 2)")
     parser.add_argument("--rf-dim", type=int, default=1000, help="random-feature dimension M (default 1000)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the run")
+    parser.add_argument(
+        "--cold-repeats", type=int, default=3, help="fresh ClientApp processes per message type (0: skip)"
+    )
     parser.add_argument("--keep", default=None, help="work folder to keep (default: a temporary one, removed)")
     parser.add_argument("--out", default=None, help="JSON output (default experiments/results/bench_deployment.json)")
     args = parser.parse_args(argv)
@@ -156,10 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep:
         workdir = Path(args.keep).expanduser().resolve()
         workdir.mkdir(parents=True, exist_ok=True)
-        result = bench(args, workdir)
+        result = run_all(args, workdir)
     else:
         with tempfile.TemporaryDirectory(prefix="fcl-bench-deploy-") as tmp:
-            result = bench(args, Path(tmp))
+            result = run_all(args, Path(tmp))
     rows = []
     for name, values in (
         ("FedAvg round (stage 1)", result["fedavg_round_seconds"]),
@@ -177,6 +258,24 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     print(format_table(rows, ["what", "n", "median s", "max s", "target s"], floats="{:.2f}"))
+    cold = result.get("cold_clientapp_process", {})
+    if cold:
+        rows = []
+        for kind, entry in cold.items():
+            last = entry["runs"][-1]  # the data cache is filled by then, as from a run's 2nd message on
+            rows.append(
+                {
+                    "message": kind,
+                    "flwr runtime s": f"{last['flwr_runtime'][0]:.2f} / {last['flwr_runtime'][1]:.2f}",
+                    "clients.app s": f"{last['clients_app'][0]:.2f} / {last['clients_app'][1]:.2f}",
+                    "handler s": f"{last['handle'][0]:.2f} / {last['handle'][1]:.2f}",
+                    "total s": f"{last['total'][0]:.2f} / {last['total'][1]:.2f}",
+                    "peak MiB": f"{last['peak_rss_mib']:.0f}",
+                    "load": f"{entry['load_average'][0]:.1f}",
+                }
+            )
+        print("one message in a fresh ClientApp process (wall / CPU seconds; last of the repeats):")
+        print(format_table(rows, list(rows[0])))
     print(
         f"federation start {result['federation_startup_seconds']:.1f} s, flwr run submit {result['submit_seconds']:.1f} s, "
         f"whole run {result['run_wall_seconds']:.1f} s; load average before {result['load_average_before'][0]:.2f}, "
