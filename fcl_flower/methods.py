@@ -43,6 +43,7 @@ class Kind(StrEnum):
     SHARES = "query.shares"
     UNMASK = "query.unmask"
     INFO = "query.info"
+    EVALUATE = "evaluate"
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,30 @@ def predict_logits(
         preds.append(logits.argmax(dim=1).cpu())
         labels.append(y.long())
     return torch.cat(preds), torch.cat(labels)
+
+
+@torch.no_grad()
+def predict_ridge(
+    model: IncrementalClassifier,
+    dataset: LabelledDataset,
+    cfg: RunConfig,
+    device: torch.device,
+    weights: torch.Tensor | None,
+    projection: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(predictions, true labels) of an analytic method's classifier: random features
+    ``R(f) = ReLU(f · W_rand)`` of the frozen backbone's features, scored by the ridge weights W
+    (head ``cosine`` or ``dot``). Without a classifier yet (a failed first stage) every
+    prediction is class 0. The server (central evaluation) and the clients (federated) both
+    score through here, so the two agree sample by sample."""
+    from fcl_flower.analytic import predict, random_features
+
+    phis, labels = [], []
+    for features, y in iter_features(model, dataset, cfg, device):
+        phis.append(random_features(features, projection, cfg.feature_clip))
+        labels.append(y)
+    if not phis:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    phi = torch.cat(phis)
+    w = weights if weights is not None else torch.zeros(phi.shape[1], 1, dtype=torch.float64)
+    return predict(phi, w, cfg.head), torch.cat(labels)  # type: ignore[arg-type]  # head is validated against Head's choices

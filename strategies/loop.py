@@ -60,7 +60,7 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
                 failure,
             )
             extra = strategy.stage_failed(task, str(failure))
-        record = stage_record(strategy, task, rounds=len(plans), began=began, extra=extra)
+        record = stage_record(strategy, task, rounds=len(plans), began=began, extra=extra, grid=grid)
         strategy.recorder.add(record)
         save(strategy, task)
         log(
@@ -146,9 +146,9 @@ def run_one_round(strategy: StagedStrategy, grid: Grid, plan: Any, timeout: floa
 
 
 def stage_record(
-    strategy: StagedStrategy, task: int, *, rounds: int, began: float, extra: dict[str, Any]
+    strategy: StagedStrategy, task: int, *, rounds: int, began: float, extra: dict[str, Any], grid: Grid | None = None
 ) -> StageRecord:
-    accuracy, per_task, scores = strategy.score_stage(task)
+    accuracy, per_task, scores = strategy.score_stage(task, grid)
     accounting = strategy.accounting
     extra = {**extra, **scores, **accounting.sampling_extra()}
     old_only = strategy.split.old_only
