@@ -30,6 +30,8 @@ and resized (bilinear, aspect ratio not kept) to its height and width; the decod
 are cached per process up to :data:`CACHE_BYTES`. Every problem a site can fix is one
 :class:`~fcl_flower.data.errors.DatasetError` line that names the file or folder: an unknown
 class, an unreadable or corrupt image, an empty class or task folder, a class in the wrong task.
+Indexing a folder of files also opens every file once (:func:`check_files`), so all of these stop
+a site at its first use of the folder, not in a later task.
 Pure I/O and indexing: nothing here knows about Flower.
 """
 
@@ -138,6 +140,18 @@ def _open_file(path: Path) -> Image.Image:
         image.close()
         raise
     return image
+
+
+def check_files(files: Iterable[Path]) -> None:
+    """Open every file and check it without decoding it (PIL's ``verify``: the header, and for PNG
+    every chunk's checksum, so a truncated or damaged PNG fails too): a bad file stops the site at
+    its first use of the folder, naming the file, rather than in a later task."""
+    for path in files:
+        try:
+            with Image.open(path) as image:
+                image.verify()
+        except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
+            raise DatasetError(f"cannot read image {path}: {one_line(err)}") from None
 
 
 # ---------------------------------------------------------------------------- the index
@@ -616,6 +630,7 @@ def index_folder(root: Path, plan: TaskPlan, settings: OwnSettings) -> OwnIndex:
         index, files = index_manifest(root, manifest_of(root, settings), plan)
     else:
         index, files = index_image_folder(root, plan)
+    check_files(files)
     index.reader = PlanImages(index.names, lambda j: _open_file(files[j]), plan.image_shape)
     return index
 
