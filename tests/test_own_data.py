@@ -5,9 +5,9 @@ layouts (plain class folders; per-task folders with a given ``test/`` split; a m
 holding no image of the second task. Each site is read through the client's own entry point
 (``clients.node_data.node_data``) and checked sample by sample against the source arrays:
 labels, tasks, pixels, the held-out split. Every folder mistake a site can make gives one line
-naming the file or folder, in ``fcl-check-data`` and when the client loads the folder. At the
-end, STSA runs through the real client handlers on the three folders and its classifier equals
-the ridge on the pooled images; a site with a corrupt image is left out with that reason.
+naming the file or folder, in ``fcl-check-data`` and when the client loads the folder. Runs of
+whole federations of folders (a site with a bad folder left out with its reason; real
+SuperNodes equal to the in-process run) are in tests/test_deployment_own_data.py.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from fcl_flower.data import DatasetError
 from fcl_flower.data.digits import digits_arrays
 from fcl_flower.data.own import OwnSettings, _load_own, draw_held_out, held_out_count, load_own
 from fcl_flower.data.plan import custom_plan
+from fcl_flower.fcl.training import local_sgd
+from fcl_flower.runtime import build_model_for_shape
 from tests.conftest import small_config
 
 NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -275,6 +277,39 @@ def test_training_views_augment_colour_images_like_the_public_datasets(tmp_path)
     assert [type(t).__name__ for t in data.eval_transform.transforms] == ["ToTensor", "Normalize"]
     crop_only = load_own(site, plan, OwnSettings(test_fraction=0.0, augment="crop"))
     assert [type(t).__name__ for t in crop_only.train_transform.transforms][:2] == ["RandomCrop", "ToTensor"]
+
+
+def test_augmented_training_is_the_same_whatever_the_process_did_before(tmp_path) -> None:
+    """Random crops and flips draw from torch's global generator; local SGD seeds it from the
+    round seed (in a fork), so a SuperNode's fresh ClientApp process and the simulation's long-lived
+    one train the same model, and the caller's generator is left as it was."""
+    site = tmp_path / "site"
+    rng = np.random.default_rng(0)
+    for name in ("cat", "dog"):
+        (site / name).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(site / name / f"{i}.png")
+    cfg = small_config(
+        tmp_path, dataset="custom", class_names="cat,dog", num_tasks=1, image_size=16, evaluation="federated"
+    )
+    plan = custom_plan(class_names="cat,dog", plan_file="", num_tasks=1, first_task_classes=0, image_size=16)
+    data = load_own(site, plan, OwnSettings(test_fraction=0.0)).train(0)
+    assert [type(t).__name__ for t in data.transform.transforms][:2] == ["RandomCrop", "RandomHorizontalFlip"]
+    trained = []
+    for before in (1, 2):
+        torch.manual_seed(before)
+        model = build_model_for_shape(cfg, 2, plan.image_shape)
+        local_sgd(model, data, cfg, lr=0.1, num_seen=2, device=torch.device("cpu"), seed=7)
+        trained.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        assert torch.equal(torch.random.get_rng_state(), _state_after(before, cfg, plan))
+    assert torch.equal(trained[0], trained[1])
+
+
+def _state_after(seed: int, cfg: RunConfig, plan) -> torch.Tensor:
+    """The global generator after seeding it with ``seed`` and building the model (no training)."""
+    torch.manual_seed(seed)
+    build_model_for_shape(cfg, 2, plan.image_shape)
+    return torch.random.get_rng_state()
 
 
 # --------------------------------------------------------------------------- bad folders
