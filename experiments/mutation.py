@@ -103,6 +103,7 @@ class Equivalent:
     before: str
     after: str
     why: str
+    host: str = "any"  # "cpu-only": tells apart only with CUDA inputs; not excluded where CUDA exists
 
 
 @dataclass
@@ -154,8 +155,22 @@ def load_equivalents(path: Path) -> list[Equivalent]:
         missing = [k for k in ("module", "function", "before", "after", "why") if not entry.get(k, "").strip()]
         if missing:
             raise SetupError(f"{path}: equivalent entry {entry!r} lacks {', '.join(missing)}")
-        out.append(Equivalent(**{k: entry[k].strip() for k in ("module", "function", "before", "after", "why")}))
+        host = entry.get("host", "any")
+        if host not in ("any", "cpu-only"):
+            raise SetupError(f"{path}: equivalent entry {entry!r}: host must be 'any' or 'cpu-only'")
+        fields = {k: entry[k].strip() for k in ("module", "function", "before", "after", "why")}
+        out.append(Equivalent(**fields, host=host))
     return out
+
+
+def cuda_available() -> bool:
+    """Whether the tests can put tensors on a CUDA device (then "cpu-only" equivalents must be killed)."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
 
 
 def _toml_value(value: Any) -> str:
@@ -338,7 +353,7 @@ def run_module(cfg: Config, module: Module, equivalents: list[Equivalent], jobs:
     lines, spans = source.splitlines(), _function_lines(source)
     listed = sorted(name for name, outcome in outcomes.items() if outcome in LISTED)
     diffs = mutant_diffs(work, module, listed)
-    mine = [e for e in equivalents if e.module == module.path]
+    mine = [e for e in equivalents if e.module == module.path]  # already filtered for this host
     used: set[int] = set()
     survivors, equivalent = [], []
     for name in listed:
@@ -362,7 +377,7 @@ def run_module(cfg: Config, module: Module, equivalents: list[Equivalent], jobs:
         )
         if match is not None and outcomes[name] == "survived":
             used.add(match)
-            equivalent.append({**entry, "why": mine[match].why})
+            equivalent.append({**entry, "why": mine[match].why, "host": mine[match].host})
         else:
             survivors.append(entry)
     counts = dict.fromkeys((*DETECTED, *LISTED, "skipped"), 0)
@@ -412,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SetupError, tomllib.TOMLDecodeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    cuda = cuda_available()
+    if cuda:  # device mutants can be told apart here: they must be killed, not excused
+        equivalents = [e for e in equivalents if e.host == "any"]
     if args.list:
         for m in cfg.modules:
             flag = f"  [pending: {m.pending}]" if m.pending else ""
@@ -459,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         "tool": f"mutmut {_mutmut_version()}",
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpu_count": os.cpu_count(),
+        "cuda": cuda,
         "jobs": args.jobs,
         "threshold": cfg.threshold,
         "seconds": round(time.monotonic() - started, 1),

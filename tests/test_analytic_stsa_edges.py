@@ -901,6 +901,13 @@ def test_ridge_state_over_stages_equals_one_direct_solve() -> None:
     assert gamma_auto == want_gamma and len(table) == len(want_table) == 41
     assert [r.gcv for r in table] == pytest.approx([r.gcv for r in want_table], rel=1e-9)
     assert _rel(w_auto, torch.linalg.solve(phi.T @ phi + gamma_auto * torch.eye(4, dtype=F64), phi.T @ y_all)) < 1e-10
+    # late statistics of classes already seen add to their columns
+    late = RidgeState.from_state(
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.state_dict().items()}
+    )
+    late.add(range(2), torch.eye(4, dtype=F64), torch.ones(4, 2, dtype=F64), 3)
+    assert torch.equal(late.class_sums[:, :2], state.class_sums[:, :2] + 1) and late.num_samples == 33
+    assert torch.equal(late.gram, state.gram + torch.eye(4, dtype=F64))
     # state_dict round trip
     restored = RidgeState.from_state(state.state_dict())
     assert torch.equal(restored.gram, state.gram) and torch.equal(restored.class_sums, state.class_sums)
@@ -986,6 +993,23 @@ def test_streaming_with_one_and_with_two_blocks_per_class() -> None:
     for estimator in (one_call, two_calls):
         assert _rel(estimator.result(), want) <= 1e-14
         assert estimator.num_uploads == 2
+
+
+def test_streaming_sums_a_float32_block_in_float64() -> None:
+    """D uploads in one call: their class sums are added in float64 (float32 would round here)."""
+    gen = seeded_generator(12)
+    sums = (torch.rand(3, 4, 1, generator=gen) * 1000 + torch.rand(3, 4, 1, generator=gen) / 3).float()
+    counts = torch.tensor([[3], [5], [7]])
+    estimator = GramEstimator(4, 1)
+    estimator.add(sums, counts)
+    assert torch.equal(estimator.class_sums, sums.double().sum(dim=0))
+    assert _rel(estimator.result(), estimate_gram(sums.double(), counts)) <= 1e-14
+    one = GramEstimator(1, 2)  # M = 1
+    one.add(torch.tensor([[2.0, 0.0]]), torch.tensor([2.0, 0.0]))
+    one.add(torch.tensor([[4.0, 3.0]]), torch.tensor([2.0, 1.0]))
+    assert torch.allclose(
+        one.result(), estimate_gram(torch.tensor([[[2.0, 0.0]], [[4.0, 3.0]]]), torch.tensor([[2.0, 0.0], [2.0, 1.0]]))
+    )
 
 
 def test_estimator_state_size_by_hand() -> None:
