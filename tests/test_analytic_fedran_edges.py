@@ -501,6 +501,11 @@ def test_summary_edges_m1_zero_sigma_and_rank_one() -> None:
     assert one.rank == 1 and one.basis.tolist() == [[1.0]] and one.singular_values.tolist() == [5.0]
     from_gram = client_summary_from_gram(torch.tensor([[25.0]], dtype=F64), 2, 5)
     assert from_gram.basis.tolist() == [[1.0]] and from_gram.singular_values.tolist() == [5.0]
+    for sign in (1.0, -1.0):  # M = 1 merges: the 1 × 1 basis is canonical (+1) too
+        a = LowRankSummary(torch.tensor([[sign]], dtype=F64), torch.tensor([3.0], dtype=F64), 1)
+        b = LowRankSummary(torch.tensor([[sign]], dtype=F64), torch.tensor([4.0], dtype=F64), 1)
+        merged = merge_pair(a, b, 1)
+        assert merged.basis.tolist() == [[1.0]] and merged.singular_values.tolist() == pytest.approx([5.0], rel=1e-15)
     zero_sigma = LowRankSummary(_basis(3, 2), torch.tensor([2.0, 0.0], dtype=F64), 4)  # a zero σ is allowed
     assert zero_sigma.rank == 2 and LowRankSummary.empty(1).dim == 1
     assert discarded_energy(torch.tensor([3.0, 0.1], dtype=F32), 1).spectral == float(
@@ -718,6 +723,16 @@ def test_prototypes_by_hand_with_an_absent_class_and_a_zero_mean() -> None:
     assert prototypes[3].tolist() == [0.0, 0.0]
     one_class, present = class_prototypes(z[:2], labels[:2], 1)  # C = 1
     assert present.tolist() == [True] and one_class.shape == (1, 2)
+
+
+def test_prototypes_are_float64_means_of_float32_features() -> None:
+    gen = seeded_generator(40)
+    z = torch.randn(50, 3, generator=gen) * 7 + 0.1  # float32: summing them in float32 would round
+    labels = torch.randint(0, 3, (50,), generator=gen)
+    prototypes, _ = class_prototypes(z, labels, 3)
+    for c in range(3):
+        mean = z[labels == c].double().mean(dim=0)
+        torch.testing.assert_close(prototypes[c], mean / mean.norm(), rtol=1e-14, atol=1e-15)
 
 
 def test_pseudo_label_defaults_devices_and_zero_accepted() -> None:

@@ -157,6 +157,10 @@ def test_task_pool_accuracy_by_hand() -> None:
     assert both.shape == (2, 2)
     assert both[0].tolist() == pytest.approx([100 * 2 / 3, 100.0])  # class 2: one sample, right
     assert both[1].tolist() == pytest.approx([100 * 2 / 3, 100.0])  # class 0: one sample, right
+    # three tasks of one class each: the stage is checked against the tasks, not the classes per task
+    assert task_pool_accuracy(preds, labels, np.array([[[0], [2], [3]]]), stage=2).tolist() == [[100.0, 100.0, 50.0]]
+    with pytest.raises(ValueError, match="stage < tasks"):
+        task_pool_accuracy(preds, labels, np.array([[[0, 1, 2], [3, 3, 3]]]), stage=2)
     none = task_pool_accuracy(preds, labels, np.array([[[5, 5], [4, 4]]]), stage=1)
     assert np.isnan(none).all() and none.shape == (1, 2)
 
