@@ -4,6 +4,7 @@
     python -m experiments.mutation --module fcl_flower/metrics.py --module fcl_flower/analytic/ridge.py
     python -m experiments.mutation --list                # modules, their tests, pending ones
     python -m experiments.mutation --include-pending     # also the modules marked pending
+    python -m experiments.mutation --report-only         # re-score the last runs (after editing equivalents)
 
 Each module is mutated on its own with mutmut (the ``dev`` extra), in a scratch copy of the
 repository under ``.mutation/<module>/`` (gitignored): the copy's ``pyproject.toml`` gets a
@@ -330,12 +331,24 @@ def _hunk_offset(diff: str) -> int | None:
     return None
 
 
-def run_module(cfg: Config, module: Module, equivalents: list[Equivalent], jobs: int) -> dict[str, Any]:
-    started = time.monotonic()
-    work, tests = prepare_scratch(cfg, module)
+def run_module(
+    cfg: Config, module: Module, equivalents: list[Equivalent], jobs: int, report_only: bool = False
+) -> dict[str, Any]:
+    """Mutate one module (or, with ``report_only``, re-read its last run) and score it."""
+    work = SCRATCH / module.slug
     log = work / "mutmut.log"
-    code = run_mutmut(work, jobs, cfg.module_timeout_s, log)
-    seconds = round(time.monotonic() - started, 1)
+    if report_only:  # the last run's outcomes, scored with the current equivalents file
+        if not (work / "run.json").exists():
+            raise SetupError(f"{module.path}: no finished run under {work.relative_to(ROOT)} to report on")
+        last = json.loads((work / "run.json").read_text(encoding="utf-8"))
+        code, seconds, tests = last["exit_code"], last["seconds"], last["tests"]
+    else:
+        started = time.monotonic()
+        work, tests = prepare_scratch(cfg, module)
+        code = run_mutmut(work, jobs, cfg.module_timeout_s, log)
+        seconds = round(time.monotonic() - started, 1)
+        run = {"exit_code": code, "seconds": seconds, "tests": tests}
+        (work / "run.json").write_text(json.dumps(run), encoding="utf-8")
     outcomes = read_outcomes(work, module)
     result: dict[str, Any] = {
         "module": module.path,
@@ -419,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="mutmut workers")
     parser.add_argument("--out", type=Path, default=None, help="JSON report (default: the config's report)")
     parser.add_argument("--list", action="store_true", help="list the modules and their tests, run nothing")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="mutate nothing: score each module's last run under .mutation/ with the current equivalents file",
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -453,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     for module in selected:
         print(f"{module.path}: mutating, tests {', '.join(module.tests)}", flush=True)
         try:
-            result = run_module(cfg, module, equivalents, args.jobs)
+            result = run_module(cfg, module, equivalents, args.jobs, args.report_only)
         except SetupError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
