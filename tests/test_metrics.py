@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
 
-from fcl_flower.metrics import CILSummary, accuracy_by_task, average_accuracy, forgetting, summarise
+from fcl_flower.metrics import (
+    CILSummary,
+    accuracy_by_task,
+    average_accuracy,
+    forgetting,
+    summarise,
+    summarise_clients,
+    task_pool_accuracy,
+)
 
 
 def test_accuracy_by_task_groups_samples_by_the_task_of_their_label() -> None:
@@ -80,3 +89,85 @@ def test_summarise_combines_the_three_numbers() -> None:
     assert pytest.approx(15.0) == summary.F_T
     with pytest.raises(ValueError):
         summarise([90.0, 72.0], per_task)
+
+
+# --------------------------------------------------------------------------- issue 19: edges
+def test_bad_inputs_name_their_problem() -> None:
+    cases = [
+        (
+            lambda: accuracy_by_task(np.zeros(3), np.zeros(4, dtype=int), np.zeros(1, dtype=int), 1),
+            "predictions (3,) and labels (4,) differ in shape",
+        ),
+        (
+            lambda: accuracy_by_task(np.zeros(0), np.zeros(0, dtype=int), np.zeros(1, dtype=int), 1),
+            "no test samples to evaluate",
+        ),
+        (lambda: average_accuracy([]), "no stages"),
+        (
+            lambda: summarise([90.0], [[90.0], [80.0, 70.0]]),
+            "stage_accuracy and per_task must have one entry per stage",
+        ),
+        (
+            lambda: task_pool_accuracy(np.zeros(2), np.zeros(3, dtype=int), np.zeros((1, 1, 1), dtype=int), 0),
+            "predictions (2,) and labels (3,) differ in shape",
+        ),
+        (
+            lambda: task_pool_accuracy(np.zeros(2), np.zeros(2, dtype=int), np.zeros((1, 2), dtype=int), 0),
+            "client_classes must be (clients, tasks, classes) with stage < tasks, got (1, 2) and stage 0",
+        ),
+        (
+            lambda: task_pool_accuracy(np.zeros(2), np.zeros(2, dtype=int), np.zeros((1, 2, 1), dtype=int), 2),
+            "client_classes must be (clients, tasks, classes) with stage < tasks, got (1, 2, 1) and stage 2",
+        ),
+        (
+            lambda: task_pool_accuracy(np.zeros(2), np.zeros(2, dtype=int), np.zeros((1, 2, 1), dtype=int), -1),
+            "client_classes must be (clients, tasks, classes) with stage < tasks, got (1, 2, 1) and stage -1",
+        ),
+        (lambda: summarise_clients([]), "no clients"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value) == message
+
+
+def test_a_task_without_test_samples_is_nan_without_a_warning() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, per_task = accuracy_by_task(np.array([0, 1]), np.array([0, 1]), np.array([0, 0, 1]), 2)
+    assert per_task[0] == 100.0 and math.isnan(per_task[1])
+
+
+def test_forgetting_with_two_stages() -> None:
+    # the two-stage case: one old task, best 90 (stage 1), final 70
+    assert forgetting([[90.0], [70.0, 80.0]]) == pytest.approx(20.0)
+    assert forgetting([[60.0], [75.0, 80.0]]) == 0.0  # improved: nothing forgotten
+    assert summarise([90.0, 75.0], [[90.0], [70.0, 80.0]]) == CILSummary(A_avg=82.5, A_T=75.0, F_T=20.0)
+
+
+def test_task_pool_accuracy_by_hand() -> None:
+    # client 0: task 0 = classes {0, 1}, task 1 = {2}; client 1: task 0 = {2, 3}, task 1 = {0}
+    classes = np.array([[[0, 1], [2, 2]], [[2, 3], [0, 0]]])
+    labels = np.array([0, 1, 1, 2, 3, 3])
+    preds = np.array([0, 0, 1, 2, 3, 1])  # wrong: sample 1 (class 1), sample 5 (class 3)
+    first = task_pool_accuracy(preds, labels, classes, stage=0)
+    assert first.shape == (2, 1)
+    assert first[0, 0] == pytest.approx(100 * 2 / 3) and first[1, 0] == pytest.approx(100 * 2 / 3)
+    both = task_pool_accuracy(preds, labels, classes, stage=1)
+    assert both.shape == (2, 2)
+    assert both[0].tolist() == pytest.approx([100 * 2 / 3, 100.0])  # class 2: one sample, right
+    assert both[1].tolist() == pytest.approx([100 * 2 / 3, 100.0])  # class 0: one sample, right
+    # three tasks of one class each: the stage is checked against the tasks, not the classes per task
+    assert task_pool_accuracy(preds, labels, np.array([[[0], [2], [3]]]), stage=2).tolist() == [[100.0, 100.0, 50.0]]
+    with pytest.raises(ValueError, match="stage < tasks"):
+        task_pool_accuracy(preds, labels, np.array([[[0, 1, 2], [3, 3, 3]]]), stage=2)
+    none = task_pool_accuracy(preds, labels, np.array([[[5, 5], [4, 4]]]), stage=1)
+    assert np.isnan(none).all() and none.shape == (1, 2)
+
+
+def test_summarise_clients_by_hand() -> None:
+    a = [[80.0], [60.0, 90.0]]  # stage accuracy 80, 75; forgetting 80 - 60 = 20
+    b = [[50.0], [50.0, 70.0]]  # stage accuracy 50, 60; forgetting 0
+    mean, each = summarise_clients([a, b])
+    assert each == [CILSummary(A_avg=77.5, A_T=75.0, F_T=20.0), CILSummary(A_avg=55.0, A_T=60.0, F_T=0.0)]
+    assert mean == CILSummary(A_avg=66.25, A_T=67.5, F_T=10.0)

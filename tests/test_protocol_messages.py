@@ -1,0 +1,290 @@
+"""Message parsing, one bad field at a time: every rejection is a ProtocolError whose one line names
+the record, the field and the expectation; optional fields take their documented defaults; what a
+reply carries (arrays, prototypes, late statistics) reaches the parsed message (issue 19)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message
+
+from fcl_flower.methods import Kind
+from fcl_flower.protocol import (
+    Backfill,
+    InfoRes,
+    KeysRes,
+    LGAReport,
+    ProtocolError,
+    StatsIns,
+    StatsRes,
+    TrainIns,
+    TrainRes,
+    parse_instruction,
+    parse_reply,
+    to_record,
+)
+from fcl_flower.protocol.messages import decode_backfill, encode_backfill
+from tests.test_protocol import CFG, HEADER, INSTRUCTIONS, MODEL, _deliver
+
+KEYS_INS, INFO_INS = INSTRUCTIONS[4], INSTRUCTIONS[5]
+STATS_INS_FULL = INSTRUCTIONS[3]  # backfill, rank and secure-aggregation participants
+
+
+def _raises(call, message: str) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        call()
+    assert str(info.value) == message
+    return info.value
+
+
+# =============================================================================== headers
+def _header_message(**changes) -> Message:
+    message = _deliver(KEYS_INS)
+    record = message.content.config_records["header"]
+    for key, value in changes.items():
+        if value is None:
+            del record[key]
+        else:
+            record[key] = value
+    return message
+
+
+HEADER_BAD = [
+    ({"run-id": ""}, "header run-id is '', expected a non-empty string"),
+    ({"run-id": 5}, "header run-id is 5, expected a non-empty string"),
+    ({"phase": ""}, "header phase is '', expected a non-empty string"),
+    ({"phase": 1.5}, "header phase is 1.5, expected a non-empty string"),
+    ({"task": "two"}, "header task is 'two', expected a non-negative integer"),
+    ({"task": -1}, "header task is -1, expected a non-negative integer"),
+    ({"task": True}, "header task is True, expected a non-negative integer"),
+    ({"stage": 0}, "header stage is 0, expected an integer >= 1"),
+    ({"round": -1}, "header round is -1, expected a non-negative integer"),
+    ({"round": 1.0}, "header round is 1.0, expected a non-negative integer"),
+    ({"attempt": -1}, "header attempt is -1, expected a non-negative integer"),
+    *[
+        ({key: None}, f"'header' record lacks '{key}'")
+        for key in ("run-id", "phase", "task", "stage", "round", "attempt")
+    ],
+    ({"a": 1, "b": 2}, "unexpected header entries: a, b"),
+]
+
+
+@pytest.mark.parametrize("changes, message", HEADER_BAD, ids=[m for _, m in HEADER_BAD])
+def test_bad_headers_are_refused(changes, message) -> None:
+    _raises(lambda: parse_instruction(_header_message(**changes)), message)
+
+
+def test_header_boundaries() -> None:
+    parsed = parse_instruction(_header_message(stage=1, round=0, task=0, attempt=0))
+    assert (parsed.header.stage, parsed.header.server_round, parsed.header.task) == (1, 0, 0)
+    message = _deliver(KEYS_INS)
+    del message.content.config_records["header"]
+    _raises(lambda: parse_instruction(message), "message has no 'header' record")
+
+
+# =============================================================================== instructions
+def _instruction(ins, round_changes: dict | None = None, drop: str | None = None) -> Message:
+    message = _deliver(ins)
+    if drop is not None:
+        del message.content[drop]
+    for key, value in (round_changes or {}).items():
+        if value is None:
+            del message.content.config_records["round"][key]
+        else:
+            message.content.config_records["round"][key] = value
+    return message
+
+
+TRAIN_INS = TrainIns(HEADER, CFG, lr=0.01, num_seen=4, model=MODEL)
+INSTRUCTION_BAD = [
+    (_instruction(KEYS_INS, drop="config"), "message has no 'config' record"),
+    (_instruction(TRAIN_INS, drop="round"), "message has no 'round' record"),
+    (_instruction(TRAIN_INS, {"num-seen": None}), "'round' record lacks 'num-seen'"),
+    (_instruction(TRAIN_INS, {"num-seen": 0}), "num-seen is 0, expected an integer >= 1"),
+    (_instruction(TRAIN_INS, {"lr": None}), "'round' record lacks 'lr'"),
+    (_instruction(TRAIN_INS, {"lr": "fast"}), "lr is 'fast', expected a finite number"),
+    (_instruction(TRAIN_INS, {"lr": float("nan")}), "lr is nan, expected a finite number"),
+    (_instruction(TRAIN_INS, {"lr": True}), "lr is True, expected a finite number"),
+    (_instruction(STATS_INS_FULL, {"rank": None}), "'round' record lacks 'rank'"),
+    (_instruction(STATS_INS_FULL, {"rank": -1}), "rank is -1, expected a non-negative integer"),
+    (_instruction(STATS_INS_FULL, {"backfill": None}), "'round' record lacks 'backfill'"),
+    (_instruction(STATS_INS_FULL, {"backfill": 5}), "backfill is 5, expected a non-empty string"),
+    (_instruction(STATS_INS_FULL, {"secagg-keys": None}), "'round' record lacks 'secagg-keys'"),
+    (
+        _instruction(STATS_INS_FULL, {"secagg-nodes": 3}),
+        "secagg-nodes and secagg-keys must be lists of the same length",
+    ),
+    (
+        _instruction(STATS_INS_FULL, {"secagg-keys": b"ab"}),
+        "secagg-nodes and secagg-keys must be lists of the same length",
+    ),
+    (
+        _instruction(STATS_INS_FULL, {"secagg-nodes": [3]}),
+        "secagg-nodes and secagg-keys must be lists of the same length",
+    ),
+    (_instruction(STATS_INS_FULL, {"secagg-keys": ["a", "b"]}), "secagg key is str, expected bytes"),
+    (_instruction(STATS_INS_FULL, {"secagg-nodes": ["x", "y"]}), "secagg node is 'x', expected an integer"),
+]
+
+
+@pytest.mark.parametrize("message, reason", INSTRUCTION_BAD, ids=[r for _, r in INSTRUCTION_BAD])
+def test_bad_instructions_are_refused(message, reason) -> None:
+    _raises(lambda: parse_instruction(message), reason)
+
+
+def test_instruction_fields_and_defaults() -> None:
+    parsed = parse_instruction(_instruction(TRAIN_INS, {"lr": 1, "num-seen": 1}))
+    assert isinstance(parsed, TrainIns) and parsed.lr == 1.0 and type(parsed.lr) is float and parsed.num_seen == 1
+    no_model = parse_instruction(_instruction(StatsIns(HEADER, CFG, num_seen=2, model=MODEL), drop="arrays"))
+    assert isinstance(no_model, StatsIns) and isinstance(no_model.model, ArrayRecord) and len(no_model.model) == 0
+    assert no_model.backfill == {} and no_model.rank == 0 and no_model.secagg is None
+    empty = parse_instruction(_instruction(STATS_INS_FULL, {"backfill": ""}))  # "" means nothing owed
+    assert isinstance(empty, StatsIns) and empty.backfill == {}
+    negative_nodes = parse_instruction(_instruction(STATS_INS_FULL, {"secagg-nodes": [-5, 9]}))
+    assert isinstance(negative_nodes, StatsIns) and negative_nodes.secagg is not None
+    assert negative_nodes.secagg.participants == {-5: b"a" * 32, 9: b"b" * 32}  # node ids may be any int
+
+
+def test_backfill_codec() -> None:
+    owed = {2: (1,), 0: (3, 1), 5: ()}
+    text = encode_backfill(owed)
+    assert text == "0:1,3;2:1"  # sorted clients and tasks, nothing for a client that owes nothing
+    assert decode_backfill(text) == {0: (1, 3), 2: (1,)}
+    assert decode_backfill("-") == {} and decode_backfill("") == {} and decode_backfill(" 4:2 ") == {4: (2,)}
+    for bad, entry in (("X0:1", "X0:1"), ("0:1:2", "0:1:2"), ("0:", "0:"), ("a:1", "a:1"), ("0;1", "0")):
+        _raises(
+            lambda bad=bad: decode_backfill(bad), f"cannot read backfill entry '{entry}' (expected client:task,task)"
+        )
+    ins = StatsIns(HEADER, CFG, num_seen=2, backfill={0: (1, 3), 2: (1,)})
+    assert ins.owed_by(0) == (1, 3) and ins.owed_by(2) == (1,) and ins.owed_by(7) == ()
+    assert ins.owed_by_anyone() == (1, 3)
+    assert StatsIns(HEADER, CFG, num_seen=2).owed_by_anyone() == ()
+
+
+# =============================================================================== replies
+def _reply_message(reply, ins=STATS_INS_FULL, **metric_changes) -> Message:
+    message = reply.reply_to(_deliver(ins))
+    metrics = message.content.metric_records["metrics"]
+    for key, value in metric_changes.items():
+        if value is None:
+            del metrics[key]
+        else:
+            metrics[key] = value
+    return message
+
+
+STATS = StatsRes(HEADER, 1, 10, arrays=MODEL)
+TRAIN = TrainRes(HEADER, 1, 10, model=MODEL, loss=0.5)
+LGA = TrainRes(
+    HEADER, 1, 10, model=MODEL, lga=LGAReport(0.1, 0.2, True, False, 12, 1, to_record({"4/0": torch.ones(2)}))
+)
+KEYS = KeysRes(HEADER, 3, 0, public_key=b"k" * 32)
+INFO = InfoRes(HEADER, 2, 0)
+
+
+def _with(message: Message, **records) -> Message:
+    for name, record in records.items():
+        message.content[name] = record
+    return message
+
+
+def _without(message: Message, *names: str) -> Message:
+    for name in names:
+        del message.content[name]
+    return message
+
+
+REPLY_BAD = [
+    (_without(_reply_message(STATS), "metrics"), Kind.STATS, "reply has no 'metrics' record"),
+    (_reply_message(STATS, **{"partition-id": None}), Kind.STATS, "'metrics' record lacks 'partition-id'"),
+    (_reply_message(STATS, **{"partition-id": -3}), Kind.STATS, "partition-id is -3, expected a non-negative integer"),
+    (_reply_message(STATS, **{"num-examples": None}), Kind.STATS, "'metrics' record lacks 'num-examples'"),
+    (
+        _reply_message(STATS, **{"num-examples": 1.5}),
+        Kind.STATS,
+        "metric 'num-examples' is 1.5, expected a non-negative integer",
+    ),
+    (_reply_message(STATS, b=1, a=2), Kind.STATS, "unexpected metrics: a, b"),
+    (_without(_reply_message(STATS), "arrays"), Kind.STATS, "reply has no 'arrays' record"),
+    (_with(_reply_message(STATS), **{"backfill-x": MODEL}), Kind.STATS, "unexpected array record 'backfill-x'"),
+    (_with(_reply_message(STATS), **{"7": MODEL}), Kind.STATS, "unexpected array record '7'"),
+    (
+        _reply_message(
+            StatsRes(HEADER, 1, 10, arrays=MODEL, backfill={0: Backfill(MODEL, 4)}), **{"backfill-0-num-examples": -1}
+        ),
+        Kind.STATS,
+        "metric 'backfill-0-num-examples' is -1, expected a non-negative integer",
+    ),
+    (_reply_message(STATS, **{"num-labelled": 3}), Kind.STATS, "'metrics' record lacks 'pseudo-unlabelled'"),
+    (_with(_reply_message(STATS), notes=ConfigRecord({"a": 1})), Kind.STATS, "unexpected config records: notes"),
+    (_without(_reply_message(TRAIN), "arrays"), Kind.TRAIN, "reply has no 'arrays' record"),
+    (_with(_reply_message(TRAIN), extra=MODEL), Kind.TRAIN, "unexpected array records: extra"),
+    (_with(_reply_message(TRAIN), notes=ConfigRecord({"a": 1})), Kind.TRAIN, "unexpected config records: notes"),
+    (_reply_message(TRAIN, surprise=1), Kind.TRAIN, "unexpected metrics: surprise"),
+    (
+        _reply_message(TRAIN, **{"train-loss": float("inf")}),
+        Kind.TRAIN,
+        "metric 'train-loss' is inf, expected a finite number",
+    ),
+    (_reply_message(LGA, **{"lga-cb": None}), Kind.TRAIN, "'metrics' record lacks 'lga-cb'"),
+    (_reply_message(LGA, **{"lga-sd": float("nan")}), Kind.TRAIN, "metric 'lga-sd' is nan, expected a finite number"),
+    (_reply_message(LGA, **{"lga-detected": 2}), Kind.TRAIN, "metric 'lga-detected' is 2, expected 0 or 1"),
+    (
+        _reply_message(LGA, **{"lga-memory": 1.5}),
+        Kind.TRAIN,
+        "metric 'lga-memory' is 1.5, expected a non-negative integer",
+    ),
+    (_reply_message(TRAIN, **{"stamp-proto": 0.1}), Kind.TRAIN, "'metrics' record lacks 'stamp-old-tasks'"),
+    (_without(_reply_message(KEYS), "secagg"), Kind.KEYS, "keys reply carries no public key"),
+    (
+        _with(_without(_reply_message(KEYS), "secagg"), secagg=ConfigRecord({"public-key": "k"})),
+        Kind.KEYS,
+        "keys reply carries no public key",
+    ),
+    (_with(_reply_message(KEYS), notes=ConfigRecord({"a": 1})), Kind.KEYS, "unexpected config records: notes"),
+    (_with(_reply_message(KEYS), arrays=MODEL), Kind.KEYS, "unexpected array records: arrays"),
+    (_reply_message(KEYS, extra=1), Kind.KEYS, "unexpected metrics: extra"),
+    (
+        _with(_reply_message(INFO), secagg=ConfigRecord({"public-key": b"k"})),
+        Kind.INFO,
+        "unexpected config records: secagg",
+    ),
+    (_with(_reply_message(INFO), arrays=MODEL), Kind.INFO, "unexpected array records: arrays"),
+    (_reply_message(INFO, extra=1), Kind.INFO, "unexpected metrics: extra"),
+]
+
+
+@pytest.mark.parametrize("message, kind, reason", REPLY_BAD, ids=[r for _, _, r in REPLY_BAD])
+def test_bad_replies_are_refused(message, kind, reason) -> None:
+    _raises(lambda: parse_reply(message, HEADER, kind), reason)
+
+
+def test_a_rejected_reply_names_the_client_it_claims_to_be() -> None:
+    error = _raises(
+        lambda: parse_reply(_reply_message(STATS, surprise=1), HEADER, Kind.STATS), "unexpected metrics: surprise"
+    )
+    assert error.claimed_client == 1
+    assert ProtocolError("x").claimed_client is None
+
+
+def test_reply_defaults_and_carried_records() -> None:
+    no_loss = parse_reply(_reply_message(TRAIN, **{"train-loss": None}), HEADER, Kind.TRAIN)
+    assert isinstance(no_loss, TrainRes) and no_loss.loss == 0.0 and no_loss.lga is None and no_loss.stamp is None
+    no_withheld = parse_reply(_reply_message(STATS, **{"withheld-samples": None}), HEADER, Kind.STATS)
+    assert isinstance(no_withheld, StatsRes) and no_withheld.withheld == 0
+    lga = parse_reply(_reply_message(LGA), HEADER, Kind.TRAIN)
+    assert isinstance(lga, TrainRes) and lga.lga is not None and lga.lga.prototypes is not None
+    assert list(lga.lga.prototypes.keys()) == ["4/0"] and lga.lga.prototypes["4/0"].numpy().tolist() == [1.0, 1.0]
+    assert (
+        "lga-proto" not in TrainRes(HEADER, 1, 1, model=MODEL, lga=LGAReport(0.1, 0.2, False, False, 1, 0)).to_record()
+    )
+    late = StatsRes(
+        HEADER, 1, 10, arrays=MODEL, backfill={3: Backfill(to_record({"z": torch.ones(1)}), 4), 1: Backfill(MODEL, 0)}
+    )
+    parsed = parse_reply(_reply_message(late), HEADER, Kind.STATS)
+    assert isinstance(parsed, StatsRes) and list(parsed.backfill) == [1, 3]
+    assert parsed.backfill[3].num_examples == 4 and list(parsed.backfill[3].arrays.keys()) == ["z"]
+    assert list(parsed.arrays.keys()) == list(MODEL.keys())
+    keys = parse_reply(_reply_message(KEYS), HEADER, Kind.KEYS)
+    assert isinstance(keys, KeysRes) and keys.public_key == b"k" * 32 and keys.client == 3
+    assert parse_reply(_reply_message(INFO), HEADER, Kind.INFO) == INFO
