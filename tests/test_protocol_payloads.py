@@ -43,6 +43,7 @@ def _record(**arrays) -> ArrayRecord:
     return ArrayRecord({k.replace("_", "-"): Array(np.asarray(v)) for k, v in arrays.items()})
 
 
+NOT_ACCEPTED = "; uploads are float32/float64 or signed integers"
 GARBAGE = Array(dtype="float32", shape=(2,), stype="numpy.ndarray", data=b"not an npy buffer")
 
 
@@ -50,8 +51,17 @@ GARBAGE = Array(dtype="float32", shape=(2,), stype="numpy.ndarray", data=b"not a
 READ_TENSOR_BAD = [
     ("missing", lambda: read_tensor(_record(y=np.zeros(2)), "x"), "missing array 'x'"),
     ("undecodable", lambda: read_tensor(ArrayRecord({"x": GARBAGE}), "x"), "array 'x' cannot be decoded (ValueError)"),
-    ("strings", lambda: read_tensor(_record(x=np.array(["a", "b"])), "x"), "array 'x' has non-numeric dtype <U1"),
-    ("bools", lambda: read_tensor(_record(x=np.array([True, False])), "x"), "array 'x' has non-numeric dtype bool"),
+    *[
+        (name, lambda array=array: read_tensor(_record(x=array), "x"), f"array 'x' has dtype {dtype}{NOT_ACCEPTED}")
+        for name, array, dtype in (
+            ("strings", np.array(["a", "b"]), "<U1"),
+            ("bools", np.array([True, False]), "bool"),
+            ("float16", np.zeros(2, dtype=np.float16), "float16"),  # a sum overflows at 65504
+            ("complex", np.zeros(2, dtype=np.complex64), "complex64"),
+            ("uint8", np.zeros(2, dtype=np.uint8), "uint8"),
+            ("uint64", np.zeros(2, dtype=np.uint64), "uint64"),  # ring elements only through read_ring
+        )
+    ],
     ("shape", lambda: read_tensor(_record(x=np.zeros(2)), "x", shape=(3,)), "array 'x' has shape (2,), expected (3,)"),
     ("ndim", lambda: read_tensor(_record(x=np.zeros(2)), "x", ndim=2), "array 'x' has 1 dims, expected 2"),
     (
@@ -66,6 +76,16 @@ READ_TENSOR_BAD = [
     ),
     ("nan", lambda: read_tensor(_record(x=np.array([1.0, np.nan])), "x"), "array 'x' contains NaN or inf"),
     ("inf", lambda: read_tensor(_record(x=np.array([np.inf])), "x"), "array 'x' contains NaN or inf"),
+    (
+        "just beyond 1e150",
+        lambda: read_tensor(_record(x=np.array([0.0, np.nextafter(1e150, np.inf)])), "x"),
+        "array 'x' has an entry beyond 1e+150 in magnitude",
+    ),
+    (
+        "-2e150",
+        lambda: read_tensor(_record(x=np.array([1.0, -2e150])), "x"),
+        "array 'x' has an entry beyond 1e+150 in magnitude",
+    ),
     (
         "negative",
         lambda: read_tensor(_record(x=np.array([1.0, -0.5])), "x", nonnegative=True),
@@ -105,6 +125,13 @@ def test_read_tensor_accepts_what_its_checks_allow() -> None:
     assert bool(kept.isnan()[0]) and kept[1] == 1.0
     assert read_tensor(_record(x=np.array([0.0, 2.0])), "x", nonnegative=True).tolist() == [0.0, 2.0]
     assert read_tensor(_record(x=np.zeros(2, dtype=np.float32)), "x").dtype == F32  # the dtype is kept
+    for dtype in (np.int8, np.int16, np.int32, np.int64, np.float32, np.float64):  # every accepted dtype
+        accepted = read_tensor(_record(x=np.array([-3, 2], dtype=dtype)), "x")
+        assert accepted.tolist() == [-3, 2] and accepted.numpy().dtype == np.dtype(dtype)
+    edge = read_tensor(_record(x=np.array([1e150, -1e150])), "x")  # exactly the limit is allowed
+    assert edge.tolist() == [1e150, -1e150]
+    assert read_tensor(_record(x=np.array([5e200])), "x", finite=False).tolist() == [5e200]  # unchecked
+    assert read_tensor(_record(x=np.zeros((0, 3))), "x", shape=(0, 3)).shape == (0, 3)  # empty: no peak
     ring = read_ring(_record(x=np.array([[1, 2**64 - 1]], dtype=np.uint64)), "x", shape=(1, 2))
     assert ring.dtype == np.uint64 and ring.tolist() == [[1, 2**64 - 1]]
 
@@ -146,6 +173,19 @@ def test_read_state_and_fisher() -> None:
     expected = {"w": torch.zeros(2, 3), "n": torch.zeros((), dtype=torch.int64)}
     state = read_state(to_record({"w": torch.ones(2, 3), "n": torch.tensor(7)}), expected)
     assert set(state) == {"w", "n"} and state["w"].tolist() == [[1.0] * 3] * 2 and int(state["n"]) == 7
+    assert state["w"].dtype == F32 and state["n"].dtype == torch.int64
+    _raises(  # a float parameter sent as integers
+        lambda: read_state(to_record({"w": torch.ones(2, 3, dtype=torch.int64), "n": torch.tensor(7)}), expected),
+        "array 'w' must be floating point, got torch.int64",
+    )
+    _raises(  # an integer buffer (e.g. BatchNorm's num_batches_tracked) sent as a float
+        lambda: read_state(to_record({"w": torch.ones(2, 3), "n": torch.tensor(7.5)}), expected),
+        "array 'n' must be integer, got torch.float32",
+    )
+    _raises(
+        lambda: read_state(to_record({"w": torch.ones(2, 3), "n": torch.tensor(7), "z": torch.ones(1)}), expected),
+        "model state keys differ from the global model's",
+    )
     _raises(
         lambda: read_state(to_record({"w": torch.ones(2, 3)}), expected),
         "model state keys differ from the global model's",
@@ -171,28 +211,48 @@ def test_read_state_and_fisher() -> None:
 
 def test_stsa_stats_read() -> None:
     packed, sums = torch.tensor([1.0, 2.0, 3.0], dtype=F64), torch.tensor([[0.1], [0.2]], dtype=F64)
-    got = StsaStats.read(StsaStats(packed, sums).to_record("float32"), packed=3, dim=2, classes=1)
+    counts = torch.tensor([4])
+    got = StsaStats.read(StsaStats(packed, sums, counts).to_record("float32"), packed=3, dim=2, classes=1)
     assert got.gram_packed.dtype == F32 and got.gram_packed.tolist() == [1.0, 2.0, 3.0]  # wire precision
     assert got.class_sums.dtype == F64 and got.class_sums.tolist() == sums.float().double().tolist()
+    assert got.counts.dtype == F64 and got.counts.tolist() == [4.0]  # integers on the wire, float64 read
+    assert set(StsaStats(packed, sums, counts).to_record("float64").keys()) == {"gram-packed", "class-sums", "counts"}
+    float_counts = StsaStats.read(
+        StsaStats(packed, sums, counts.double()).to_record("float32"), packed=3, dim=2, classes=1
+    )
+    assert float_counts.counts.dtype == F64 and float_counts.counts.tolist() == [4.0]
     bad = [
-        (StsaStats(packed.long(), sums), "array 'gram-packed' must be floating point, got torch.int64"),
-        (StsaStats(packed, sums.long()), "array 'class-sums' must be floating point, got torch.int64"),
-        (StsaStats(packed, sums.T), "array 'class-sums' has shape (1, 2), expected (2, 1)"),
-        (StsaStats(packed[:2], sums), "array 'gram-packed' has shape (2,), expected (3,)"),
-        (StsaStats(packed, sums * float("nan")), "array 'class-sums' contains NaN or inf"),
+        (StsaStats(packed.long(), sums, counts), "array 'gram-packed' must be floating point, got torch.int64"),
+        (StsaStats(packed, sums.long(), counts), "array 'class-sums' must be floating point, got torch.int64"),
+        (StsaStats(packed, sums.T, counts), "array 'class-sums' has shape (1, 2), expected (2, 1)"),
+        (StsaStats(packed[:2], sums, counts), "array 'gram-packed' has shape (2,), expected (3,)"),
+        (StsaStats(packed, sums * float("nan"), counts), "array 'class-sums' contains NaN or inf"),
+        (StsaStats(packed, sums, torch.tensor([-1])), "array 'counts' has negative entries"),
+        (StsaStats(packed, sums, torch.tensor([1, 2])), "array 'counts' has shape (2,), expected (1,)"),
+        (StsaStats(packed, sums, torch.tensor([float("inf")])), "array 'counts' contains NaN or inf"),
+        (
+            StsaStats(packed, sums, torch.tensor([2e150], dtype=F64)),
+            "array 'counts' has an entry beyond 1e+150 in magnitude",
+        ),
+        (StsaStats(packed * 1e300, sums, counts), "array 'gram-packed' has an entry beyond 1e+150 in magnitude"),
     ]
     for payload, message in bad:
         _raises(
             lambda payload=payload: StsaStats.read(payload.to_record("float64"), packed=3, dim=2, classes=1), message
         )
+    no_counts = to_record({"gram-packed": packed, "class-sums": sums})
+    _raises(lambda: StsaStats.read(no_counts, packed=3, dim=2, classes=1), "missing array 'counts'")
 
 
 def test_masked_stsa_stats_round_trip_and_checks() -> None:
     gram, sums = np.array([1, 2, 2**63], dtype=np.uint64), np.array([[5], [6]], dtype=np.uint64)
-    got = MaskedStsaStats.read(MaskedStsaStats(gram, sums).to_record(), packed=3, dim=2, classes=1)
+    counts = np.array([7, 2**64 - 1], dtype=np.uint64)  # one class and the withheld count
+    masked = MaskedStsaStats(gram, sums, counts)
+    got = MaskedStsaStats.read(masked.to_record(), packed=3, dim=2, classes=1)
     assert got.gram_packed.tolist() == [1, 2, 2**63] and got.class_sums.tolist() == [[5], [6]]
-    assert set(MaskedStsaStats(gram, sums).to_record().keys()) == {"gram-packed", "class-sums"}
-    record = MaskedStsaStats(gram, sums).to_record()
+    assert got.counts.tolist() == [7, 2**64 - 1] and got.counts.dtype == np.uint64
+    assert set(masked.to_record().keys()) == {"gram-packed", "class-sums", "counts"}
+    record = masked.to_record()
     _raises(
         lambda: MaskedStsaStats.read(record, packed=4, dim=2, classes=1),
         "array 'gram-packed' has shape (3,), expected (4,)",
@@ -201,18 +261,25 @@ def test_masked_stsa_stats_round_trip_and_checks() -> None:
         lambda: MaskedStsaStats.read(record, packed=3, dim=1, classes=2),
         "array 'class-sums' has shape (2, 1), expected (1, 2)",
     )
-    signed = MaskedStsaStats(gram.astype(np.int64), sums).to_record()
-    _raises(
-        lambda: MaskedStsaStats.read(signed, packed=3, dim=2, classes=1),
-        "masked array 'gram-packed' has dtype int64, expected uint64",
+    _raises(  # the counts carry classes + 1 entries: c counts and the withheld samples
+        lambda: MaskedStsaStats.read(MaskedStsaStats(gram, sums, counts[:1]).to_record(), packed=3, dim=2, classes=1),
+        "array 'counts' has shape (1,), expected (2,)",
     )
-    signed_sums = MaskedStsaStats(gram, sums.astype(np.int64)).to_record()
-    _raises(
-        lambda: MaskedStsaStats.read(signed_sums, packed=3, dim=2, classes=1),
-        "masked array 'class-sums' has dtype int64, expected uint64",
+    for changed, name in (
+        (MaskedStsaStats(gram.astype(np.int64), sums, counts), "gram-packed"),
+        (MaskedStsaStats(gram, sums.astype(np.int64), counts), "class-sums"),
+        (MaskedStsaStats(gram, sums, counts.astype(np.int64)), "counts"),
+    ):
+        _raises(
+            lambda changed=changed: MaskedStsaStats.read(changed.to_record(), packed=3, dim=2, classes=1),
+            f"masked array '{name}' has dtype int64, expected uint64",
+        )
+    extra = ArrayRecord(
+        {"gram-packed": Array(gram), "class-sums": Array(sums), "counts": Array(counts), "x": Array(gram)}
     )
-    extra = ArrayRecord({"gram-packed": Array(gram), "class-sums": Array(sums), "x": Array(gram)})
     _raises(lambda: MaskedStsaStats.read(extra, packed=3, dim=2, classes=1), "unexpected array(s) x")
+    no_counts = ArrayRecord({"gram-packed": Array(gram), "class-sums": Array(sums)})
+    _raises(lambda: MaskedStsaStats.read(no_counts, packed=3, dim=2, classes=1), "missing array 'counts'")
 
 
 def test_stsa_e_stats_read() -> None:
