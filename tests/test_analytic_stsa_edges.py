@@ -41,6 +41,7 @@ from fcl_flower.analytic import (
     unpack_upper,
 )
 from fcl_flower.analytic.estimator import GramEstimator
+from fcl_flower.analytic.random_features import clip_rows
 from fcl_flower.analytic.ridge import RidgeState, gcv_from_spectrum
 from tests.conftest import seeded_generator
 
@@ -128,6 +129,15 @@ BAD_INPUTS = [
         AnalyticInputError,
         "projection shape (6,) does not match feature dim 6",
     ),
+    *[
+        (f"clip bound {bound}", lambda bound=bound: clip_rows(torch.ones(2, 2), bound), AnalyticInputError, message)
+        for bound, message in (
+            (-1.0, "clip bound must be a finite number >= 0, got -1.0"),
+            (-1e-300, "clip bound must be a finite number >= 0, got -1e-300"),
+            (math.inf, "clip bound must be a finite number >= 0, got inf"),
+            (math.nan, "clip bound must be a finite number >= 0, got nan"),
+        )
+    ],
     # heads
     (
         "logits mismatch",
@@ -718,11 +728,36 @@ def test_heads_take_float32_and_follow_the_features_device() -> None:
         assert meta.device.type == "meta" and meta.shape == (5, 2)
 
 
+# =============================================================================== clipping
+def test_clip_rows_by_hand() -> None:
+    """φ ← φ · min(1, B / ‖φ‖): long rows shrink onto the sphere, short and zero rows stay."""
+    rows = _t([3.0, 4.0], [0.3, 0.4], [0.0, 0.0], [-6.0, 8.0])
+    assert clip_rows(rows, 2.5).tolist() == [[1.5, 2.0], [0.3, 0.4], [0.0, 0.0], [-1.5, 2.0]]
+    assert clip_rows(rows, 5.0).tolist() == [[3.0, 4.0], [0.3, 0.4], [0.0, 0.0], [-3.0, 4.0]]  # exactly B: kept
+    assert clip_rows(rows, 0.0) is rows  # 0: no clipping
+    assert clip_rows(_t([3.0]), 2.0).tolist() == [[2.0]]  # a single entry
+    empty = torch.zeros(0, 4, dtype=F64)
+    assert clip_rows(empty, 1.0).shape == (0, 4)
+    tiny = clip_rows(_t([2.0**-170, 0.0]), 2.0**-340)  # below float32's range: float64 rows clip at their own scale
+    assert tiny.tolist() == [[2.0**-340, 0.0]]
+    short32 = clip_rows(_t([3.0, 4.0], dtype=F32), 2.5)
+    assert short32.dtype == F32 and short32.tolist() == [[1.5, 2.0]]
+
+
+def test_random_features_are_clipped_after_the_relu() -> None:
+    feats = _t([1.0, 0.0], [0.0, -2.0])
+    proj = _t([3.0, -1.0], [4.0, 1.0])  # rows of F @ W: (3, -1) -> ReLU (3, 0); (-8, -2) -> (0, 0)
+    assert random_features(feats, proj, clip=2.0).tolist() == [[2.0, 0.0], [0.0, 0.0]]
+    assert random_features(_t([6.0, 8.0]), None, clip=5.0).tolist() == [[3.0, 4.0]]  # no projection: Φ = F clipped
+
+
 # =============================================================================== communication
 def test_upload_counts_by_hand() -> None:
     assert stsa_upload_numbers(4, 2) == 4 * 4 + 4 * 2  # unpacked (the paper's count) by default
     assert stsa_upload_numbers(4, 2, packed=True) == 10 + 8
     assert stsa_upload_numbers(1, 1) == 2  # M = 1, one class
+    assert stsa_upload_numbers(4, 2, counts=True) == 16 + 8 + 2  # plus the c_t class counts
+    assert stsa_upload_numbers(4, 3, packed=True, counts=True) == 10 + 12 + 3
     assert stsa_e_upload_numbers(1, 1, 1) == 2
     assert fedran_upload_numbers(3, 0, 0) == 0  # rank 0 and no classes yet
     assert fedran_upload_numbers(3, 2, 0) == 3 * 2 + 2

@@ -144,6 +144,15 @@ def test_fixed_point_encodings_by_hand() -> None:
     empty = encode_fixed_point(np.zeros((0, 3)), 8, 5)
     assert empty.dtype == U64 and empty.shape == (0, 3)
     assert encode_fixed_point([2, -3], 0, 1).tolist() == [2, RING - 3]  # lists of ints are accepted
+    half = np.array([1.0, -0.5], dtype=np.float16)  # narrow floats are scaled in float64, not in their own width
+    assert encode_fixed_point(half, 24, 1).tolist() == [2**24, RING - 2**23]
+    for bits, n in ((63, 1), (62, 2)):  # a bound of exactly 1: an empty array still encodes
+        assert encoding_bound(bits, n) == 1.0 and encode_fixed_point(np.zeros(0), bits, n).shape == (0,)
+    _refused(  # a Python integer beyond int64 is a float64 magnitude, refused like any other
+        lambda: encode_fixed_point([2**70], 0, 1),
+        f"statistic magnitude {2.0**70:.3g} exceeds {2.0**63:.3g}, the limit for 1 participants "
+        "at secagg-fraction-bits=0; lower secagg-fraction-bits",
+    )
 
 
 def test_fixed_point_decodings_by_hand() -> None:
@@ -151,6 +160,9 @@ def test_fixed_point_decodings_by_hand() -> None:
     assert decode_fixed_point(ring, 2).tolist() == [1.5, -0.25, 0.0, -(2.0**61), (2.0**63 - 1) / 4]
     assert decode_fixed_point(np.array([[RING - 16]], dtype=U64), 3).tolist() == [[-2.0]]
     assert decode_fixed_point([5], 0).dtype == np.float64
+    # ring elements held in another integer width: the same two's-complement value
+    assert decode_fixed_point(np.array([-8, 4], dtype=np.int32), 2).tolist() == [-2.0, 1.0]
+    assert decode_fixed_point(np.array([-1], dtype=np.int64), 0).tolist() == [-1.0]
 
 
 def test_fixed_point_round_trip_error_is_at_most_half_a_step() -> None:
@@ -345,6 +357,9 @@ def test_unmask_sum_leaves_the_uploads_untouched_and_needs_one() -> None:
     unmask_sum([upload], "x", {p.nodes[0]: p.seed[p.nodes[0]]}, {}, p.publics, CONTEXT, 8)
     assert upload.tolist() == kept.tolist()
     _refused(lambda: unmask_sum([], "x", {}, {}, p.publics, CONTEXT, 8), "no uploads to sum")
+    uploads = [p.mask(n, {"x": np.array([1.0, 2.0])})["x"] for n in p.nodes]
+    signed = [u.view(np.int64) for u in uploads]  # the same ring elements stored as signed integers
+    assert unmask_sum(signed, "x", p.seed, {}, p.publics, CONTEXT, 8).tolist() == [3.0, 6.0]
 
 
 def test_the_wrap_bound_of_a_masked_upload_counts_the_participants() -> None:

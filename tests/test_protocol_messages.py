@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
 from fcl_flower.methods import Kind
 from fcl_flower.protocol import (
@@ -24,6 +24,21 @@ from fcl_flower.protocol import (
     parse_reply,
     to_record,
 )
+from fcl_flower.protocol.base import (
+    config_record,
+    entry,
+    metric_flag,
+    metric_float,
+    metric_int,
+    node_map,
+    node_map_entries,
+    only,
+    read_bytes,
+    read_float,
+    read_int,
+    read_list,
+    read_str,
+)
 from fcl_flower.protocol.messages import decode_backfill, encode_backfill
 from tests.test_protocol import CFG, HEADER, INSTRUCTIONS, MODEL, _deliver
 
@@ -37,6 +52,55 @@ def _raises(call, message: str) -> ProtocolError:
         call()
     assert str(info.value) == message
     return info.value
+
+
+# =============================================================================== checked readers
+READER_BAD = [
+    (lambda: read_int(-1, "n"), "n is -1, expected a non-negative integer"),
+    (lambda: read_int(1, "n", minimum=2), "n is 1, expected an integer >= 2"),
+    (lambda: read_int("1", "n", minimum=None), "n is '1', expected an integer"),
+    (lambda: read_int(False, "n", minimum=None), "n is False, expected an integer"),
+    (lambda: read_int(2.0, "n", minimum=None), "n is 2.0, expected an integer"),
+    (lambda: read_float(float("inf"), "x"), "x is inf, expected a finite number"),
+    (lambda: read_float(None, "x"), "x is None, expected a finite number"),
+    (lambda: read_str(b"s", "s"), "s is b's', expected a non-empty string"),
+    (lambda: read_bytes("k", "key"), "key is str, expected bytes"),
+    (lambda: read_bytes(bytearray(b"k"), "key"), "key is bytearray, expected bytes"),
+    (lambda: entry({"a": 1}, "b", "where"), "'where' record lacks 'b'"),
+    (lambda: only({"a": 1, "c": 2, "b": 3}, {"a"}, "things"), "unexpected things: b, c"),
+    (lambda: metric_int(MetricRecord({"k": -2}), "k", 5), "metric 'k' is -2, expected a non-negative integer"),
+    (lambda: metric_float(MetricRecord({"k": float("nan")}), "k", 1.0), "metric 'k' is nan, expected a finite number"),
+    (lambda: metric_flag(MetricRecord({"k": 3}), "k"), "metric 'k' is 3, expected 0 or 1"),
+    (lambda: read_list({"k": (1, 2)}, "k", "r", int), "'r' entry 'k' is not a list of int"),
+    (lambda: read_list({"k": [1, True]}, "k", "r", int), "'r' entry 'k' is not a list of int"),
+    (lambda: read_list({"k": [1, 2]}, "k", "r", int, 3), "'r' entry 'k' has 2 items, expected 3"),
+    (lambda: node_map({"n": [1, 1], "v": [b"a", b"b"]}, "n", "v", "r", bytes), "'r' entry 'n' lists a node twice"),
+    (lambda: node_map({"n": [1, 2], "v": [b"a"]}, "n", "v", "r", bytes), "'r' entry 'v' has 1 items, expected 2"),
+]
+
+
+@pytest.mark.parametrize("call, message", READER_BAD, ids=[m for _, m in READER_BAD])
+def test_checked_readers_refuse(call, message) -> None:
+    _raises(call, message)
+
+
+def test_checked_readers_accept() -> None:
+    assert read_int(-7, "n", minimum=None) == -7 and read_int(0, "n") == 0 and read_int(2, "n", minimum=2) == 2
+    assert read_float(3, "x") == 3.0 and type(read_float(3, "x")) is float
+    assert read_str("s", "s") == "s" and read_bytes(b"", "key") == b""
+    assert metric_int(MetricRecord({}), "k", 5) == 5 and metric_int(MetricRecord({"k": 0}), "k", 5) == 0
+    assert metric_float(MetricRecord({}), "k", 1.5) == 1.5 and metric_float(MetricRecord({"k": 2.0}), "k", 1.5) == 2.0
+    assert metric_flag(MetricRecord({"k": 1}), "k") is True and metric_flag(MetricRecord({"k": 0}), "k") is False
+    assert read_list({"k": []}, "k", "r", bytes, 0) == [] and read_list({"k": [2**64 - 1]}, "k", "r", int) == [
+        2**64 - 1
+    ]
+    assert node_map({"n": [9, 2], "v": [b"a", b"b"]}, "n", "v", "r", bytes) == {9: b"a", 2: b"b"}
+    assert node_map_entries({9: b"a", 2: b"b"}, "n", "v") == {"n": [2, 9], "v": [b"b", b"a"]}  # sorted by node
+    source = {"a": 1, "b": [b"x"]}
+    record = config_record(source)
+    assert isinstance(record, ConfigRecord) and dict(record) == {"a": 1, "b": [b"x"]}
+    source["a"] = 2
+    assert record["a"] == 1  # a copy of the entries
 
 
 # =============================================================================== headers
@@ -145,9 +209,9 @@ def test_backfill_codec() -> None:
     assert text == "0:1,3;2:1"  # sorted clients and tasks, nothing for a client that owes nothing
     assert decode_backfill(text) == {0: (1, 3), 2: (1,)}
     assert decode_backfill("-") == {} and decode_backfill("") == {} and decode_backfill(" 4:2 ") == {4: (2,)}
-    for bad, entry in (("X0:1", "X0:1"), ("0:1:2", "0:1:2"), ("0:", "0:"), ("a:1", "a:1"), ("0;1", "0")):
+    for bad, item in (("X0:1", "X0:1"), ("0:1:2", "0:1:2"), ("0:", "0:"), ("a:1", "a:1"), ("0;1", "0")):
         _raises(
-            lambda bad=bad: decode_backfill(bad), f"cannot read backfill entry '{entry}' (expected client:task,task)"
+            lambda bad=bad: decode_backfill(bad), f"cannot read backfill entry '{item}' (expected client:task,task)"
         )
     ins = StatsIns(HEADER, CFG, num_seen=2, backfill={0: (1, 3), 2: (1,)})
     assert ins.owed_by(0) == (1, 3) and ins.owed_by(2) == (1,) and ins.owed_by(7) == ()

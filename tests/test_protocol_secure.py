@@ -36,7 +36,9 @@ KEYS = {
 }
 SECAGG = SecAggRound((LOW, MID, TOP), KEYS, {LOW: 0, TOP: 2}, 2, {LOW: b"from-low", TOP: b"from-top"})
 STATS_INS = StatsIns(HEADER, CFG, num_seen=6, model=MODEL, secagg=SECAGG)
-SHARES_INS = SharesIns(HEADER, CFG, keys=KEYS, clients={LOW: 0, TOP: 2}, threshold=2)
+SHARES_INS = SharesIns(
+    HEADER, CFG, keys={**KEYS, MID: PublicKeys(b"m" * 32, b"n" * 32)}, clients={LOW: 0, MID: 1, TOP: 2}, threshold=3
+)
 UNMASK_INS = UnmaskIns(HEADER, CFG, survivors=(LOW, TOP), dropped=(MID,))
 
 
@@ -152,14 +154,14 @@ def test_bad_secure_rounds_are_refused(changes, message) -> None:
 
 SHARES_BAD = [
     (_round(SHARES_INS, drop="round"), "message has no 'round' record"),
-    (_round(SHARES_INS, {"secagg-nodes": [LOW, LOW]}), "'round' lists a node twice"),
+    (_round(SHARES_INS, {"secagg-nodes": [LOW, MID, LOW]}), "'round' lists a node twice"),
     (_round(SHARES_INS, {"secagg-c": None}), "'round' record lacks 'secagg-c'"),
-    (_round(SHARES_INS, {"secagg-s": [b"s"]}), "'round' entry 'secagg-s' has 1 items, expected 2"),
+    (_round(SHARES_INS, {"secagg-s": [b"s"]}), "'round' entry 'secagg-s' has 1 items, expected 3"),
     (
         _round(SHARES_INS, {"secagg-client-nodes": ["a", "b"]}),
         "'round' entry 'secagg-client-nodes' is not a list of int",
     ),
-    (_round(SHARES_INS, {"secagg-clients": [1]}), "'round' entry 'secagg-clients' has 1 items, expected 2"),
+    (_round(SHARES_INS, {"secagg-clients": [1]}), "'round' entry 'secagg-clients' has 1 items, expected 3"),
     (_round(SHARES_INS, {"secagg-threshold": 1}), "secagg-threshold is 1, expected an integer >= 2"),
     (_round(SHARES_INS, {"secagg-threshold": None}), "'round' record lacks 'secagg-threshold'"),
     (_round(UNMASK_INS, drop="round"), "message has no 'round' record"),
