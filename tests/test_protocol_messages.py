@@ -11,6 +11,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from fcl_flower.methods import Kind
 from fcl_flower.protocol import (
     Backfill,
+    EvaluateIns,
+    EvaluateRes,
     InfoIns,
     InfoRes,
     KeysIns,
@@ -162,6 +164,8 @@ def _instruction(ins, round_changes: dict | None = None, drop: str | None = None
 
 
 TRAIN_INS = TrainIns(HEADER, CFG, lr=0.01, num_seen=4, model=MODEL)
+RIDGE_W = to_record({"weights": torch.arange(6.0).reshape(3, 2)})
+EVALUATE_INS = EvaluateIns(HEADER, CFG, num_seen=2, model=MODEL, ridge=RIDGE_W)
 INSTRUCTION_BAD = [
     (_instruction(KEYS_INS, drop="config"), "message has no 'config' record"),
     (_instruction(TRAIN_INS, drop="round"), "message has no 'round' record"),
@@ -178,6 +182,10 @@ INSTRUCTION_BAD = [
     (_instruction(STATS_INS_FULL, {"backfill": "0:x"}), "cannot read backfill entry '0:x' (expected client:task,task)"),
     (_instruction(STATS_INS_FULL, drop="round"), "message has no 'round' record"),
     (_instruction(STATS_INS_FULL, {"num-seen": -2}), "num-seen is -2, expected an integer >= 1"),
+    (_instruction(EVALUATE_INS, drop="round"), "message has no 'round' record"),
+    (_instruction(EVALUATE_INS, {"num-seen": None}), "'round' record lacks 'num-seen'"),
+    (_instruction(EVALUATE_INS, {"num-seen": 0}), "num-seen is 0, expected an integer >= 1"),
+    (_instruction(EVALUATE_INS, {"num-seen": "6"}), "num-seen is '6', expected an integer >= 1"),
 ]
 
 
@@ -201,6 +209,24 @@ def test_instruction_fields_and_defaults() -> None:
     assert type(info) is InfoIns and info.header == HEADER and info.config == CFG
     keys = parse_instruction(_instruction(KEYS_INS))  # no round record needed
     assert type(keys) is KeysIns and keys.header == HEADER and keys.config == CFG
+
+
+def test_evaluate_instruction_fields() -> None:
+    """num-seen from the round record, the model and (analytic methods) W in their own records."""
+    message = _instruction(EVALUATE_INS)
+    assert message.metadata.message_type == "evaluate"
+    assert dict(message.content.config_records["round"]) == {"num-seen": 2}
+    assert message.content.array_records["ridge"]["weights"].numpy().tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    parsed = parse_instruction(message)
+    assert type(parsed) is EvaluateIns and parsed.num_seen == 2 and parsed.header == HEADER and parsed.config == CFG
+    assert parsed.ridge is not None and parsed.ridge["weights"].numpy().tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    assert list(parsed.model.keys()) == list(MODEL.keys())
+    plain = _instruction(EvaluateIns(HEADER, CFG, num_seen=1))  # a gradient method: no W, no record for it
+    assert "ridge" not in plain.content.array_records
+    parsed = parse_instruction(plain)
+    assert type(parsed) is EvaluateIns and parsed.ridge is None and parsed.num_seen == 1 and len(parsed.model) == 0
+    no_model = parse_instruction(_instruction(EVALUATE_INS, drop="arrays"))
+    assert isinstance(no_model, EvaluateIns) and len(no_model.model) == 0 and no_model.ridge is not None
 
 
 def test_backfill_codec() -> None:
@@ -237,6 +263,7 @@ LGA = TrainRes(
     HEADER, 1, 10, model=MODEL, lga=LGAReport(0.1, 0.2, True, False, 12, 1, to_record({"4/0": torch.ones(2)}))
 )
 INFO = InfoRes(HEADER, 2, 0)
+EVALUATE = EvaluateRes(HEADER, 2, 7, counts=to_record({"correct": torch.tensor([1, 2]), "total": torch.tensor([3, 4])}))
 
 
 def _with(message: Message, **records) -> Message:
@@ -299,6 +326,23 @@ REPLY_BAD = [
     ),
     (_with(_reply_message(INFO), arrays=MODEL), Kind.INFO, "unexpected array records: arrays"),
     (_reply_message(INFO, extra=1), Kind.INFO, "unexpected metrics: extra"),
+    (_without(_reply_message(EVALUATE, EVALUATE_INS), "counts"), Kind.EVALUATE, "reply has no 'counts' record"),
+    (
+        _with(_reply_message(EVALUATE, EVALUATE_INS), arrays=MODEL),
+        Kind.EVALUATE,
+        "unexpected array records: arrays",
+    ),
+    (
+        _with(_reply_message(EVALUATE, EVALUATE_INS), notes=ConfigRecord({"a": 1})),
+        Kind.EVALUATE,
+        "unexpected config records: notes",
+    ),
+    (_reply_message(EVALUATE, EVALUATE_INS, accuracy=0.5), Kind.EVALUATE, "unexpected metrics: accuracy"),
+    (
+        _reply_message(EVALUATE, EVALUATE_INS, **{"num-examples": -7}),
+        Kind.EVALUATE,
+        "metric 'num-examples' is -7, expected a non-negative integer",
+    ),
 ]
 
 
@@ -326,3 +370,12 @@ def test_reply_defaults_and_carried_records() -> None:
     assert parsed.backfill[3].num_examples == 4 and list(parsed.backfill[3].arrays.keys()) == ["z"]
     assert list(parsed.arrays.keys()) == list(MODEL.keys())
     assert parse_reply(_reply_message(INFO), HEADER, Kind.INFO) == INFO
+
+
+def test_evaluate_reply_carries_its_counts() -> None:
+    message = _reply_message(EVALUATE, EVALUATE_INS)
+    assert set(message.content.array_records) == {"counts"}
+    assert dict(message.content.metric_records["metrics"]) == {"partition-id": 2, "num-examples": 7}
+    parsed = parse_reply(message, HEADER, Kind.EVALUATE)
+    assert type(parsed) is EvaluateRes and parsed.client == 2 and parsed.num_examples == 7
+    assert parsed.counts["correct"].numpy().tolist() == [1, 2] and parsed.counts["total"].numpy().tolist() == [3, 4]

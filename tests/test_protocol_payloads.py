@@ -24,6 +24,7 @@ from fcl_flower.protocol.payloads import (
     StsaEStats,
     StsaStats,
     prototype_record,
+    read_counts,
     read_fisher,
     read_prototypes,
     read_state,
@@ -386,3 +387,51 @@ def test_prototype_gradients_round_trip_and_checks() -> None:
     ]
     for arrays, message in bad:
         _raises(lambda arrays=arrays: read_prototypes(to_record(arrays), range(3, 5), shapes), message)
+
+
+# =============================================================================== evaluate counts
+def _counts(correct, total, **extra) -> ArrayRecord:
+    return _record(correct=np.asarray(correct, dtype=np.int64), total=np.asarray(total, dtype=np.int64), **extra)
+
+
+READ_COUNTS_BAD = [
+    (_counts([1, 2], [3, 4], x=np.zeros(1)), 7, "unexpected array(s) x"),
+    (_record(total=np.array([3, 4])), 7, "missing array 'correct'"),
+    (_record(correct=np.array([1, 2])), 7, "missing array 'total'"),
+    (_counts([1, 2, 0], [3, 4, 0]), 7, "array 'correct' has shape (3,), expected (2,)"),
+    (_counts([1, 2], [[3, 4]]), 7, "array 'total' has shape (1, 2), expected (2,)"),
+    (
+        _record(correct=np.array([1.0, 2.0]), total=np.array([3, 4])),
+        7,
+        "array 'correct' must be integer, got torch.float64",
+    ),
+    (
+        _record(correct=np.array([1, 2]), total=np.array([3.0, 4.0])),
+        7,
+        "array 'total' must be integer, got torch.float64",
+    ),
+    (_counts([-1, 2], [3, 4]), 7, "array 'correct' has negative entries"),
+    (_counts([0, 0], [3, -1]), 2, "array 'total' has negative entries"),
+    (_counts([1, 5], [3, 4]), 7, "a class has more correct predictions than test samples"),
+    (_counts([4, 0], [3, 4]), 7, "a class has more correct predictions than test samples"),
+    (_counts([1, 2], [3, 4]), 8, "the counts add up to 7 samples, the reply says 8"),
+    (_counts([1, 2], [3, 4]), 6, "the counts add up to 7 samples, the reply says 6"),
+]
+
+
+@pytest.mark.parametrize(
+    "record, num_examples, message", READ_COUNTS_BAD, ids=[m + str(n) for _, n, m in READ_COUNTS_BAD]
+)
+def test_read_counts_refuses(record, num_examples, message) -> None:
+    _raises(lambda: read_counts(record, 2, num_examples), message)
+
+
+def test_read_counts_accepts_honest_counts_as_int64() -> None:
+    correct, total = read_counts(_counts([1, 4], [3, 4]), 2, 7)  # a class all right: correct == total
+    assert correct.tolist() == [1, 4] and total.tolist() == [3, 4]
+    assert correct.dtype == total.dtype == torch.int64
+    narrow = _record(correct=np.array([0, 2], dtype=np.int8), total=np.array([1, 2], dtype=np.int32))
+    correct, total = read_counts(narrow, 2, 3)  # narrower integers widen to int64
+    assert correct.dtype == total.dtype == torch.int64 and correct.tolist() == [0, 2] and total.tolist() == [1, 2]
+    zero = read_counts(_counts([0, 0, 0], [0, 0, 0]), 3, 0)  # a client without held-out samples of these classes
+    assert [t.tolist() for t in zero] == [[0, 0, 0], [0, 0, 0]]
