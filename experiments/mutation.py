@@ -15,7 +15,8 @@ mutated function, in ``--jobs`` forked workers (default: 2, one torch thread eac
 
 The JSON report (``--out``, default from the config) has, per module: the counts by outcome, the
 score = (killed + timeout) / (mutants − equivalent − skipped) in percent, whether it meets the
-threshold, the run time, every surviving (or untested, or suspicious) mutant with ``file:line``, the
+threshold, the run time (when it finished, the load average before and after: the machine may be
+shared), every surviving (or untested, or suspicious) mutant with ``file:line``, the
 line before and after the mutation and mutmut's name for it, and the equivalent mutants with the
 one-line reason from the equivalents file. An equivalents entry matches a survivor by module,
 function and the exact code before/after (not by mutmut's numbering, which shifts whenever a
@@ -340,20 +341,29 @@ def run_module(
     if report_only:  # the last run's outcomes, scored with the current equivalents file
         if not (work / "run.json").exists():
             raise SetupError(f"{module.path}: no finished run under {work.relative_to(ROOT)} to report on")
-        last = json.loads((work / "run.json").read_text(encoding="utf-8"))
-        code, seconds, tests = last["exit_code"], last["seconds"], last["tests"]
+        run_file = work / "run.json"
+        run = json.loads(run_file.read_text(encoding="utf-8"))
+        run.setdefault("finished", _utc(run_file.stat().st_mtime))  # runs recorded before "finished" existed
     else:
-        started = time.monotonic()
+        started, load_before = time.monotonic(), _load()
         work, tests = prepare_scratch(cfg, module)
         code = run_mutmut(work, jobs, cfg.module_timeout_s, log)
-        seconds = round(time.monotonic() - started, 1)
-        run = {"exit_code": code, "seconds": seconds, "tests": tests}
+        run = {
+            "exit_code": code,
+            "seconds": round(time.monotonic() - started, 1),
+            "tests": tests,
+            "finished": _utc(time.time()),
+            "jobs": jobs,
+            "load_avg_before": load_before,  # 1/5/15-minute load: the machine is shared
+            "load_avg_after": _load(),
+        }
         (work / "run.json").write_text(json.dumps(run), encoding="utf-8")
+    code, tests = run["exit_code"], run["tests"]
     outcomes = read_outcomes(work, module)
     result: dict[str, Any] = {
         "module": module.path,
         "tests": tests,
-        "seconds": seconds,
+        **{k: run[k] for k in ("seconds", "finished", "jobs", "load_avg_before", "load_avg_after") if k in run},
         "log": str(log.relative_to(ROOT)),
     }
     if code != 0 or not outcomes:
@@ -415,6 +425,14 @@ def run_module(
 
 
 # --------------------------------------------------------------------------------------- main
+def _utc(timestamp: float) -> str:
+    return dt.datetime.fromtimestamp(timestamp, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def _mutmut_version() -> str:
     try:
         from importlib.metadata import version
@@ -498,7 +516,11 @@ def main(argv: list[str] | None = None) -> int:
         "cuda": cuda,
         "jobs": args.jobs,
         "threshold": cfg.threshold,
-        "seconds": round(time.monotonic() - started, 1),
+        # a re-scored report (--report-only) took no time itself: the modules' own run times add up
+        "seconds": round(sum(r["seconds"] for r in results), 1)
+        if args.report_only
+        else round(time.monotonic() - started, 1),
+        "report_only": args.report_only,
         "summary": {
             r["module"]: {"score": r.get("score"), "mutants": r.get("mutants"), "seconds": r["seconds"]}
             for r in results

@@ -138,7 +138,11 @@ def test_a_task_without_test_samples_is_nan_without_a_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _, per_task = accuracy_by_task(np.array([0, 1]), np.array([0, 1]), np.array([0, 0, 1]), 2)
+        _, from_counts = accuracy_from_counts(np.array([1, 1, 0]), np.array([1, 1, 0]), np.array([0, 0, 1]), 2)
+        rows = task_pool_rows_from_counts(np.array([[1, 0]]), np.array([[1, 0]]), np.array([[[0], [1]]]), 1)
     assert per_task[0] == 100.0 and math.isnan(per_task[1])
+    assert from_counts[0] == 100.0 and math.isnan(from_counts[1])  # no 0 / 0 computed (numpy would warn)
+    assert rows[0, 0] == 100.0 and math.isnan(rows[0, 1])
 
 
 def test_forgetting_with_two_stages() -> None:
