@@ -196,3 +196,14 @@ def test_stsa_across_two_ray_nodes_equals_the_single_machine_run(tmp_path: Path)
     w_cluster = load_state(cluster_cfg.output_dir / "checkpoint.json")["state"]["weights"]
     w_local = load_state(local_cfg.output_dir / "checkpoint.json")["state"]["weights"]
     assert w_cluster.dtype == torch.float64 and torch.equal(w_cluster, w_local)
+
+
+def test_joining_a_cluster_passes_its_address_and_no_resource_counts_to_ray_init() -> None:
+    """ray.init refuses num_cpus/num_gpus when it connects to a running cluster: they must be absent."""
+    from experiments.sim import build_parser, ray_init_args
+
+    assert ray_init_args(address="10.0.0.5:6379") == {"address": "10.0.0.5:6379", "log_to_driver": False}
+    alone = ray_init_args()
+    assert "address" not in alone and alone["num_cpus"] == (os.cpu_count() or 1)
+    args = build_parser().parse_args(["--ray-address", "10.0.0.5:6379"])
+    assert args.ray_address == "10.0.0.5:6379" and build_parser().parse_args([]).ray_address == ""
