@@ -9,7 +9,7 @@ that.
 The update is the one ``torch.optim.SGD(params, lr, momentum, weight_decay)`` applies with
 ``dampening=0``, ``nesterov=False``, ``maximize=False`` (its per-tensor path, which it takes for
 CPU tensors), in the same operations and order, so the trained weights are bit-for-bit those of
-``torch.optim.SGD`` (tests/test_baselines.py checks it):
+``torch.optim.SGD`` (tests/test_client_startup.py checks it):
 
     g = grad + weight_decay * p            (if weight_decay != 0)
     b = g (first step), else b = momentum * b + g
