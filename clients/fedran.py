@@ -14,8 +14,10 @@ The true labels of the unlabelled samples are read only to *report* how many acc
 pseudo-labels are right (a simulation diagnostic, docs/methods/fedran.md §6.10); they never enter H or B.
 
 Noise (fcl_flower/privacy/noise.py): ``features`` noises G = HᵀH (symmetric, i.i.d. on and above
-the diagonal) *before* the truncated eigendecomposition, and B; the sketch of a noised Gram
-keeps r_k = min(r, M) components, whatever ñ is. ``counts`` noises ñ: the reply reports
+the diagonal) *before* the truncated eigendecomposition, and the current task's columns of B:
+its other columns (the classes of earlier tasks) are zero for every dataset of this task, so they
+reveal nothing and stay exact -- noising them would add each stage's noise again to every old
+class. The sketch of a noised Gram keeps r_k = min(r, M) components, whatever ñ is. ``counts`` noises ñ: the reply reports
 round(max(ñ + noise, 0)) samples, and its pseudo-label report carries nothing more exact.
 """
 
@@ -76,13 +78,15 @@ def random_feature_statistics(
     chunk_size: int = 1024,
     clip: float = 0.0,
     noise: UploadNoise | None = None,
+    noised_classes: range | None = None,
 ) -> tuple[LowRankSummary, Tensor]:
     """(rank-r sketch of HᵀH, B = HᵀY) for H = ReLU(Z P), Y = one-hot(labels, ``num_classes``).
 
     For ñ < M the thin SVD of H itself (Algorithm 2, exact); otherwise HᵀH and B are summed chunk
     by chunk so H (ñ × M) is never held at once, then eigendecomposed. B is accumulated class-wise
     (column c = sum of the rows with label c), all in float64. With ``noise`` on the features,
-    HᵀH and B get their noise first and the sketch keeps min(r, M) components.
+    HᵀH and the ``noised_classes`` columns of B (default: all) get their noise first and the
+    sketch keeps min(r, M) components.
     """
     n = int(features.shape[0])
     dim = int(features.shape[1]) if projection is None else int(projection.shape[1])
@@ -100,7 +104,9 @@ def random_feature_statistics(
         label_corr.index_add_(1, labels[start : start + chunk_size], h.T)
     if noised:
         assert noise is not None
-        gram, label_corr = noise.gram(gram), noise.sums(label_corr)
+        columns = noised_classes if noised_classes is not None else range(num_classes)
+        gram = noise.gram(gram)
+        label_corr[:, columns.start : columns.stop] = noise.sums(label_corr[:, columns.start : columns.stop])
         keep = min(rank, dim) if noise.scale.gram > 0 else None
         return client_summary_from_gram(gram, n, rank, keep=keep), label_corr
     return client_summary_from_gram(gram, n, rank), label_corr
@@ -118,6 +124,7 @@ def fedran_client_update(
     min_count: int = 1,
     clip: float = 0.0,
     noise: UploadNoise | None = None,
+    noised_classes: range | None = None,
 ) -> FedRANClientStats:
     """Algorithm 1, client side, on backbone features Z (n × d) with true ``labels``.
 
@@ -133,7 +140,14 @@ def fedran_client_update(
     kept = pseudo_label_client(features[labelled], labels[labelled], features[~labelled], num_classes, threshold)
     disclosed = disclosable(kept.labels, num_classes, min_count)
     summary, label_corr = random_feature_statistics(
-        kept.features[disclosed], kept.labels[disclosed], projection, num_classes, rank, clip=clip, noise=noise
+        kept.features[disclosed],
+        kept.labels[disclosed],
+        projection,
+        num_classes,
+        rank,
+        clip=clip,
+        noise=noise,
+        noised_classes=noised_classes,
     )
     report = pseudo_label_report(kept.accepted, kept.predicted, hidden)
     return FedRANClientStats(summary, label_corr, kept.num_labelled, report, int((~disclosed).sum()))
@@ -169,6 +183,7 @@ def handle_stats(job: ClientJob) -> StatsRes:
         min_count=job.cfg.min_class_count,
         clip=job.cfg.feature_clip,
         noise=noise,
+        noised_classes=job.task_classes,
     )
     assert stats.summary.dim == effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
     arrays = FedranStats(stats.summary.basis, stats.summary.singular_values, stats.label_corr)

@@ -175,7 +175,7 @@ class FedRANStrategy(AnalyticStrategy):
         self.num_samples += sum(r.num_examples for r in ordered)
         if self.noise is not None:
             self.gram_noise_variance += len(ordered) * self.noise.gram**2
-            self.note_sums_noise(range(classes), len(ordered))
+            self.note_sums_noise(self.split.tasks[plan.task], len(ordered))  # B's task columns only
         for r in ordered:
             r_k = r.payload["stats"].rank
             self._stage["client_ranks"][r.client] = r_k
