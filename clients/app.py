@@ -3,7 +3,7 @@
 ``train`` messages carry local-SGD rounds, ``query.stats`` the one-shot statistics of the
 analytic methods (and EWC's Fisher), ``query.keys`` / ``query.shares`` / ``query.unmask`` the
 steps of a secure statistics round (clients/secure.py), ``query.info`` which client this node
-serves. Every message
+serves, ``evaluate`` the federated evaluation after each stage (clients/evaluate.py). Every message
 is parsed into its typed instruction (fcl_flower/protocol); the handler of the instruction's
 phase comes from the method's registry entry and is imported only when first needed, so a
 process that answers a statistics message never imports the training code. Raw samples never
@@ -20,6 +20,7 @@ from flwr.clientapp import ClientApp
 
 from fcl_flower import methods
 from fcl_flower.protocol import (
+    EvaluateIns,
     InfoIns,
     InfoRes,
     KeysIns,
@@ -31,7 +32,9 @@ from fcl_flower.protocol import (
     UnmaskIns,
     parse_instruction,
 )
+from fcl_flower.quiet import quiet_known_noise
 
+quiet_known_noise()
 app = ClientApp()
 
 Handler = Callable[..., Reply]
@@ -63,6 +66,11 @@ def handle(message: Message, context: Context) -> Message:
             reply = secure.handle_shares(ins, context)
         else:
             reply = secure.handle_unmask(ins, context)
+    elif isinstance(ins, EvaluateIns):
+        from clients.evaluate import handle_evaluate
+        from clients.job import make_job
+
+        reply = handle_evaluate(make_job(ins, context))
     else:
         assert isinstance(ins, (TrainIns, StatsIns))
         from clients.job import make_job
@@ -80,6 +88,12 @@ def train(message: Message, context: Context) -> Message:
 @app.query("stats")
 def stats(message: Message, context: Context) -> Message:
     """One-shot statistics upload (STSA, STSA-E, FedRAN; EWC's Fisher)."""
+    return handle(message, context)
+
+
+@app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+    """Federated evaluation: per-class counts of the global model on this node's held-out data."""
     return handle(message, context)
 
 

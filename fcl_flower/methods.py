@@ -44,6 +44,7 @@ class Kind(StrEnum):
     SHARES = "query.shares"
     UNMASK = "query.unmask"
     INFO = "query.info"
+    EVALUATE = "evaluate"
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class MethodSpec:
     task_pool: bool = False  # runs in STAMP's limitless task pool (partition = task-pool)
     backfill: bool = False  # a client that missed a statistics round sends them later
     upload_noise: tuple[str, ...] = ()  # blocks of its upload that noise can cover (fcl_flower/privacy/noise.py)
+    pooled_data: bool = False  # the server trains on every client's data (joint bounds): no federated-only run
 
     def phase(self, name: str) -> Phase:
         for phase in self.phases:
@@ -81,6 +83,8 @@ class MethodSpec:
 COMMON_KNOBS: tuple[str, ...] = (
     "strategy",
     "dataset",
+    "class-names",
+    "task-plan",
     "data-root",
     "download",
     "num-tasks",
@@ -101,13 +105,17 @@ COMMON_KNOBS: tuple[str, ...] = (
     "batch-size",
     "train-head",
     "wire-dtype",
+    "evaluation",
     "out",
     "run-name",
+    "overwrite",
     "round-timeout",
     "require-all-clients",
     "round-retries",
     "resume",
     "device",
+    "tracking",
+    "tracking-uri",
 )
 #: Knobs of local SGD (stage 1 of the analytic methods, every task of the gradient ones).
 SGD_KNOBS = ("stage1-rounds", "local-epochs", "lr", "momentum", "weight-decay", "weighted-fedavg")
@@ -229,6 +237,7 @@ register(
         strategy="strategies.joint:JointStrategy",
         phases=(FEDAVG,),
         knobs=RIDGE_KNOBS,
+        pooled_data=True,
     )
 )
 register(
@@ -276,6 +285,7 @@ register(
         strategy="strategies.joint_gradient:JointGradientStrategy",
         phases=(),
         knobs=GRADIENT_KNOBS,
+        pooled_data=True,
     )
 )
 register(

@@ -34,26 +34,48 @@ class StateError(ValueError):
     """A state file that cannot be read back; one line naming the file and what to do."""
 
 
-def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+def _tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+    )
+
+
+def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[Any, str] | None = None) -> Any:
+    seen = {} if seen is None else seen
     if isinstance(value, torch.Tensor):
-        tensors[path] = value.detach().cpu().contiguous()
+        # A state may hold one tensor under several paths (a model and its teacher share weights):
+        # store it once and point every path at it, so loading shares it again. Overlapping views
+        # of one storage that are not the same tensor are stored as copies (safetensors refuses
+        # shared memory).
+        tensor = value.detach().cpu()
+        key = _tensor_key(tensor)
+        if key in seen:
+            return {"__tensor__": seen[key]}
+        storages = {k[0] for k in seen}
+        stored = tensor.clone() if key[0] in storages else tensor.contiguous()
+        seen[key] = path
+        tensors[path] = stored
         return {"__tensor__": path}
     if isinstance(value, np.ndarray):
         tensors[path] = torch.from_numpy(np.ascontiguousarray(value)).clone()
         return {"__ndarray__": path}
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value):
-            return {"__dict__": {k: _encode(v, f"{path}/{k}", tensors) for k, v in value.items()}}
+            return {"__dict__": {k: _encode(v, f"{path}/{k}", tensors, seen) for k, v in value.items()}}
         return {
             "__items__": [
-                [_encode(k, f"{path}/key{i}", tensors), _encode(v, f"{path}/{i}", tensors)]
+                [_encode(k, f"{path}/key{i}", tensors, seen), _encode(v, f"{path}/{i}", tensors, seen)]
                 for i, (k, v) in enumerate(value.items())
             ]
         }
     if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]}
+        return {"__tuple__": [_encode(v, f"{path}/{i}", tensors, seen) for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
+        return [_encode(v, f"{path}/{i}", tensors, seen) for i, v in enumerate(value)]
     if isinstance(value, (np.integer, np.floating, np.bool_)):
         return value.item()
     if value is None or isinstance(value, (bool, int, float, str)):

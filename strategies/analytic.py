@@ -25,7 +25,7 @@ from abc import abstractmethod
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from logging import WARNING
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -34,20 +34,17 @@ from flwr.common.logger import log
 from fcl_flower.analytic import (
     AnalyticInputError,
     NotPositiveDefiniteError,
-    predict,
-    random_features,
     random_projection,
 )
 from fcl_flower.analytic.checks import NoiseLevels, StatisticsRejected
-from fcl_flower.analytic.heads import Head
 from fcl_flower.analytic.ridge import GCVRow, RidgeState
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.privacy.accountant import PrivacyLedger
 from fcl_flower.privacy.noise import effective_multiplier, noise_multiplier, upload_scale
-from fcl_flower.protocol import Reply, StatsRes, UploadError
+from fcl_flower.protocol import Reply, StatsRes, UploadError, to_record
 from fcl_flower.results import ResultsRecorder
-from fcl_flower.runtime import iter_features
+from fcl_flower.runtime import predict_ridge
 from strategies.base import Accepted, RoundPlan, StagedStrategy, StageFailed
 from strategies.fedavg import FedAvg
 
@@ -57,7 +54,7 @@ FEDAVG_PHASE = "fedavg"
 class AnalyticStrategy(StagedStrategy):
     stats_phase: ClassVar[str | None] = None  # the statistics round of every stage (None: no round)
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
         self.fedavg = FedAvg(self.model, cfg.weighted_fedavg)
         feature_dim = self.model.backbone.feature_dim
@@ -68,7 +65,7 @@ class AnalyticStrategy(StagedStrategy):
         self.noise = upload_scale(cfg)  # std of one client's noise per block (None: no noise)
         self.ledger = PrivacyLedger(cfg.dp_delta, cfg.dp_accountant) if cfg.dp else None
         # noise variance per entry of each class column of the summed class sums (GCV debiases by it)
-        self.sums_noise = torch.zeros(split.bundle.num_classes, dtype=torch.float64)
+        self.sums_noise = torch.zeros(split.num_classes, dtype=torch.float64)
 
     # ---------------------------------------------------------------- noise on the uploads
     def noise_levels(self, factor: float = 1.0) -> NoiseLevels | None:
@@ -214,20 +211,17 @@ class AnalyticStrategy(StagedStrategy):
     def stage_failed(self, task: int, reason: str) -> dict[str, Any]:
         return {**super().stage_failed(task, reason), **self.pop_withheld(), **self.privacy_extras(task)}
 
-    def test_features(self, task: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random features and labels of the test data of every class seen after ``task``."""
-        phis, labels = [], []
-        for features, y in iter_features(self.model, self.split.seen_test(task), self.cfg, self.device):
-            phis.append(random_features(features, self.projection, self.cfg.feature_clip))
-            labels.append(y)
-        return torch.cat(phis), torch.cat(labels)
-
     def predict_seen(self, task: int) -> tuple[np.ndarray, np.ndarray]:
-        """Predictions of the current classifier; after a failed first stage there is none yet and
-        every prediction is class 0 (the accuracy then says so)."""
-        phi, labels = self.test_features(task)
-        weights = self.weights if self.weights is not None else torch.zeros(phi.shape[1], 1, dtype=torch.float64)
-        return predict(phi, weights, cast(Head, self.cfg.head)).numpy(), labels.numpy()
+        """Predictions of the current classifier on the test data of every seen class (central
+        evaluation; fcl_flower.runtime.predict_ridge, as the clients under federated evaluation)."""
+        preds, labels = predict_ridge(
+            self.model, self.split.seen_test(task), self.cfg, self.device, self.weights, self.projection
+        )
+        return preds.numpy(), labels.numpy()
+
+    def evaluate_arrays(self) -> dict[str, Any]:
+        """What a client needs besides the backbone to score the model: the ridge weights W."""
+        return {} if self.weights is None else {"ridge": to_record({"weights": self.weights})}
 
     def state_dict(self) -> dict[str, Any]:
         state = {**super().state_dict(), "weights": self.weights}

@@ -37,7 +37,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from fcl_flower import methods
 from fcl_flower.averaging import cosine_lr
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.methods import Kind
 from fcl_flower.metrics import accuracy_by_task, task_pool_accuracy
 from fcl_flower.models import trainable_state
@@ -99,7 +99,7 @@ class Accepted(Generic[P]):
 class StagedStrategy(Strategy):
     """Base class: the protocol, the Flower hooks and the components; methods subclass it."""
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         self.cfg = cfg
         self.method = methods.get(cfg.strategy)
         self.split = split
@@ -175,8 +175,32 @@ class StagedStrategy(Strategy):
         """``rounds`` local-SGD rounds with the per-round cosine learning rate."""
         return [self.round_plan(task, phase, i, rounds, cosine_lr(self.cfg.lr, i, rounds)) for i in range(rounds)]
 
-    def score_stage(self, task: int) -> tuple[float, list[float], dict[str, Any]]:
+    def score_stage(self, task: int, grid: Grid | None = None) -> tuple[float, list[float], dict[str, Any]]:
         """(stage accuracy, per-task accuracies, result extras) of the global model after ``task``.
+
+        ``evaluation`` central: the server scores its test set (:meth:`score_central`); federated:
+        the clients score their own held-out data and send counts (strategies/evaluation.py);
+        both: the central numbers, and the federated ones in ``extra["federated_evaluation"]``.
+        """
+        mode = self.cfg.evaluation
+        if mode == "central" or grid is None:
+            return self.score_central(task)
+        from strategies import evaluation
+
+        scores = evaluation.collect(self, grid, task)
+        accuracy, per_task, extra = evaluation.score(self, scores, task)
+        if mode == "federated":
+            return accuracy, per_task, {**extra, "evaluation": {"mode": "federated", **scores.summary()}}
+        central = self.score_central(task)
+        federated = {"accuracy": accuracy, "per_task_accuracy": per_task, **extra, **scores.summary()}
+        return central[0], central[1], {**central[2], "federated_evaluation": federated}
+
+    def evaluate_arrays(self) -> dict[str, Any]:
+        """Extra records of the evaluate message besides the global model (analytic: W)."""
+        return {}
+
+    def score_central(self, task: int) -> tuple[float, list[float], dict[str, Any]]:
+        """The server scores the global model on the test data of all seen classes.
 
         Shared task stream: accuracy over all seen test samples and per global task. STAMP's
         task pool (``partition = task-pool``): every client is scored on its own tasks' test
@@ -311,7 +335,7 @@ class StagedStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        return []  # evaluation is central: the server holds the test data of all seen classes
+        return []  # the stage loop runs evaluation itself, after each stage (score_stage)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return None

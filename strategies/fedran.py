@@ -25,7 +25,7 @@ from fcl_flower.analytic.lowrank import (
 from fcl_flower.analytic.ridge import GCVRow, default_ridge_grid
 from fcl_flower.analytic.subspace import pad_label_corr, select_subspace_ridge_gcv, solve_subspace_ridge
 from fcl_flower.config import ConfigError, RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import FedranReport, Instruction, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.arrays import WIRE_DTYPES
 from fcl_flower.protocol.payloads import FedranStats
@@ -67,7 +67,7 @@ class FedRANStrategy(AnalyticStrategy):
 
     stats_phase = "fedran-stats"
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
         self.bytes_per_number = WIRE_DTYPE_BYTES[cfg.wire_dtype]
         self.summary_state = LowRankSummary.empty(self.rf_dim)

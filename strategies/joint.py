@@ -10,7 +10,7 @@ import torch
 from fcl_flower.analytic import StatisticsAccumulator, random_features
 from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import StatsRes, UploadError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import iter_features
@@ -21,9 +21,9 @@ from strategies.base import Accepted, RoundPlan
 class JointStrategy(AnalyticStrategy):
     stats_phase = None
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
-        self.ridge = RidgeState.empty(self.rf_dim, split.bundle.num_classes)
+        self.ridge = RidgeState.empty(self.rf_dim, split.num_classes)
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
         raise UploadError("joint has no statistics round")

@@ -40,6 +40,7 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
     strategy.summary()
     result = Result()
     first_task = restore(strategy) if cfg.resume else 0
+    strategy.recorder.start()
     for task in range(first_task, strategy.num_tasks):
         began = time.perf_counter()
         strategy.accounting.reset()
@@ -59,17 +60,18 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
                 failure,
             )
             extra = strategy.stage_failed(task, str(failure))
-        record = stage_record(strategy, task, rounds=len(plans), began=began, extra=extra)
+        record = stage_record(strategy, task, rounds=len(plans), began=began, extra=extra, grid=grid)
         strategy.recorder.add(record)
         save(strategy, task)
         log(
             INFO,
-            "[stage %d/%d] accuracy on %d seen classes: %.2f%% (%.1f s)",
+            STAGE_DONE_MSG,
             task + 1,
             strategy.num_tasks,
             strategy.num_seen(task),
             record.accuracy,
             record.seconds,
+            eta(strategy.recorder.stages, strategy.num_tasks),
         )
         if record.left_out:
             log(
@@ -84,11 +86,33 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
     return result
 
 
+STAGE_ROUND_MSG = "[stage %d/%d] round %d/%d (%s)"
+STAGE_DONE_MSG = "[stage %d/%d] accuracy on %d seen classes: %.2f%% (%.1f s%s)"
+
+
+def eta(stages: list[StageRecord], num_tasks: int) -> str:
+    """``; ETA 1 min 24 s``: the stages left times the mean time of the stages after the first.
+    Stage 1 alone says nothing about the others (it also trains the backbone, or not), so until a
+    second stage is done the ETA waits for it; empty after the last stage."""
+    left = num_tasks - len(stages)
+    if left <= 0 or not stages:
+        return ""
+    if len(stages) < 2:
+        return "; ETA after stage 2"
+    later = stages[1:]
+    seconds = left * sum(s.seconds for s in later) / len(later)
+    minutes, rest = divmod(round(seconds), 60)
+    return f"; ETA {minutes} min {rest} s" if minutes else f"; ETA {rest} s"
+
+
 def run_one_round(strategy: StagedStrategy, grid: Grid, plan: Any, timeout: float, result: Result) -> None:
     strategy.begin_round(plan)
+    began = time.perf_counter()
+    uploaded = sum(strategy.accounting.upload.values())
+    rejected = len(strategy.accounting.rejected)
     log(
         INFO,
-        "[stage %d/%d] round %d/%d (%s)",
+        STAGE_ROUND_MSG,
         plan.task + 1,
         strategy.num_tasks,
         plan.index + 1,
@@ -99,12 +123,22 @@ def run_one_round(strategy: StagedStrategy, grid: Grid, plan: Any, timeout: floa
     try:
         arrays, metrics = strategy.aggregate_train(strategy.server_round, replies)
     except RoundFailed as failure:
+        strategy.recorder.round(strategy.server_round, {"seconds": time.perf_counter() - began, "replies": 0.0})
         if strategy.cfg.require_all_clients:
             raise RunFailed(f"{failure} (require-all-clients is set)") from None
         if plan.kind is not Kind.TRAIN:  # a statistics round without statistics: no classifier
             raise StageFailed(f"{failure}: no statistics") from None
         log(WARNING, "%s: the model is left as it was", failure)
         return
+    strategy.recorder.round(
+        strategy.server_round,
+        {
+            "seconds": time.perf_counter() - began,
+            "replies": float(metrics["num-clients"]) if metrics is not None else 0.0,  # type: ignore[arg-type]  # ints we put there
+            "rejected": float(len(strategy.accounting.rejected) - rejected),
+            "upload_bytes": float(sum(strategy.accounting.upload.values()) - uploaded),
+        },
+    )
     if metrics is not None:
         result.train_metrics_clientapp[strategy.server_round] = metrics
     if arrays is not None:
@@ -112,9 +146,9 @@ def run_one_round(strategy: StagedStrategy, grid: Grid, plan: Any, timeout: floa
 
 
 def stage_record(
-    strategy: StagedStrategy, task: int, *, rounds: int, began: float, extra: dict[str, Any]
+    strategy: StagedStrategy, task: int, *, rounds: int, began: float, extra: dict[str, Any], grid: Grid | None = None
 ) -> StageRecord:
-    accuracy, per_task, scores = strategy.score_stage(task)
+    accuracy, per_task, scores = strategy.score_stage(task, grid)
     accounting = strategy.accounting
     extra = {**extra, **scores, **accounting.sampling_extra()}
     old_only = strategy.split.old_only

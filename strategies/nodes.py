@@ -30,7 +30,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.data.paper_partitions import sample_clients
 from fcl_flower.methods import Kind
 from fcl_flower.protocol import UploadError
@@ -52,7 +52,7 @@ class NodeDirectory:
     def __init__(
         self,
         cfg: RunConfig,
-        split: FederatedSplit,
+        split: FederationLayout,
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,

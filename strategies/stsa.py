@@ -38,7 +38,7 @@ from fcl_flower.analytic import packed_length, unpack_upper
 from fcl_flower.analytic.checks import StatisticsRejected, check_counts, check_gram_statistics, wire_epsilon
 from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.privacy.noise import secure_share
 from fcl_flower.privacy.secagg import unmask_sum
 from fcl_flower.protocol import Instruction, StatsIns, StatsRes, UploadError
@@ -56,9 +56,9 @@ MASKED_NAMES = ("gram-packed", "class-sums", "counts")
 class STSAStrategy(AnalyticStrategy):
     stats_phase = "stsa-stats"
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
-        self.ridge = RidgeState.empty(self.rf_dim, split.bundle.num_classes)
+        self.ridge = RidgeState.empty(self.rf_dim, split.num_classes)
         self.backfill: Backfill[StsaStats] = Backfill(cfg.num_clients)
         self.secure = SecureRounds(cfg) if cfg.secure_aggregation else None
         self._request: dict[int, tuple[int, ...]] = {}  # the backfill request of the round in progress
@@ -163,9 +163,11 @@ class STSAStrategy(AnalyticStrategy):
                     self.cfg.secagg_fraction_bits,
                 )
             )
+        # Integer counts are exact in fixed point, so their opened sum is exactly integral: a
+        # garbage upload is caught here (and a rounding would let random counts through). Noised
+        # counts are not integral; the withheld count, never noised, still is.
         noisy = self.counts_noised
-        counts = opened["counts"][:-1] if noisy else opened["counts"][:-1].round()
-        withheld = float(opened["counts"][-1].round())
+        counts, withheld = opened["counts"][:-1], float(opened["counts"][-1])
         gram = unpack_upper(opened["gram-packed"], self.rf_dim)
         sums = opened["class-sums"].reshape(self.rf_dim, -1)
         column, tasks = 0, self.secure_columns(plan.task)
@@ -176,7 +178,11 @@ class STSAStrategy(AnalyticStrategy):
             self.record_release([r.client], plan.task, factor / (1 + len(owed)))
         noise = self.noise_levels(factor)
         try:
-            check_counts(counts, int(counts.sum()), noise=noise.counts if noise else 0.0)
+            if noisy:
+                check_counts(counts, 0, noise=noise.counts if noise else 0.0)
+                check_counts(opened["counts"][-1:], int(withheld))
+            else:
+                check_counts(opened["counts"], int(opened["counts"].sum()))
             check_gram_statistics(
                 gram,
                 sums,

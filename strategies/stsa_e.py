@@ -30,7 +30,7 @@ from fcl_flower.analytic.checks import check_class_sums, check_counts, wire_epsi
 from fcl_flower.analytic.estimator import GramEstimator, KMode
 from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import Instruction, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.arrays import WIRE_DTYPES
 from fcl_flower.protocol.payloads import StsaEStats
@@ -43,9 +43,9 @@ from strategies.base import Accepted, RoundPlan
 class STSAEStrategy(AnalyticStrategy):
     stats_phase = "stsa-e-stats"
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
-        self.ridge = RidgeState.empty(self.rf_dim, split.bundle.num_classes)
+        self.ridge = RidgeState.empty(self.rf_dim, split.num_classes)
         self.backfill: Backfill[StsaEStats] = Backfill(cfg.num_clients)
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # task -> (sums, counts) so far
         self.k_mode = cast(KMode, cfg.k_mode)  # validated against K_MODES by RunConfig

@@ -22,7 +22,7 @@ from fcl_flower.config import RunConfig
 from fcl_flower.local_grid import LocalGrid
 from fcl_flower.protocol.messages import HEADER, Header
 from fcl_flower.results import ResultsRecorder
-from fcl_flower.runtime import federated_split
+from fcl_flower.runtime import server_split
 from strategies import build_strategy
 from strategies.base import StagedStrategy
 
@@ -96,7 +96,7 @@ def server_identity() -> None:
 def build(cfg: RunConfig) -> StagedStrategy:
     """The strategy of ``cfg.strategy`` with its split and a recorder in ``cfg.output_dir``."""
     recorder = ResultsRecorder(cfg.output_dir, cfg.strategy, cfg.to_mapping())
-    return build_strategy(cfg, federated_split(cfg), recorder)
+    return build_strategy(cfg, server_split(cfg), recorder)
 
 
 def run_in_process(cfg: RunConfig, tamper: Tamper | None = None) -> StagedStrategy:

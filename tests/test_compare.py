@@ -66,7 +66,7 @@ def write(tmp_path: Path, text: str) -> Path:
 @pytest.mark.parametrize(
     "text, fragment",
     [
-        ('strategies = ["stsa"]\n[run]\nnum-taks = 3\n', "unknown config key(s): num-taks"),
+        ('strategies = ["stsa"]\n[run]\nnum-taks = 3\n', "unknown config key 'num-taks' (did you mean 'num-tasks'?)"),
         ('strategies = ["stsa"]\nbogus = 1\n', "unknown key(s) bogus"),
         ('strategies = ["stsa"]\n[run]\nseed = 3\n', "seed may not be set in [run]"),
         ('strategies = ["stsa"]\n[sweep]\nrf-dims = [1, 2]\n', "unknown config key: rf-dims"),
@@ -234,3 +234,26 @@ def test_every_cell_of_table7_runs_next_to_its_paper_number(name):
     assert all(row is not None and "A_T" in row for row in rows)
     assert len({id(row) for row in rows}) == len(rows) == len(experiment.paper_rows())
     assert load_experiment(name, offline=True).runs()  # the digits variant loads and plans
+
+
+def test_the_digits_variant_of_table7_prints_the_papers_numbers_next_to_ours(tmp_path):
+    """summary.md of the offline variant has the paper's A_T of the same (strategy, q, s, noise-on)
+    in each row, under a header that says it is the full setting's."""
+    experiment = load_experiment("stsa_table7_noise", offline=True)
+    groups = []
+    for i, run in enumerate(r for r in experiment.runs() if r.seed == experiment.seeds[0]):
+        group: dict = {"strategy": run.strategy, **dict(run.point), "runs": 1, "seeds": "0", "stages": []}
+        for field in compare.SUMMARY_FIELDS:
+            group[f"{field}_mean"], group[f"{field}_std"] = 50.0 + i, 0.0
+        groups.append(group)
+    compare.write_tables(tmp_path, experiment, [], groups, [], "local")
+    table = [line for line in (tmp_path / "summary.md").read_text().splitlines() if line.startswith("| ")]
+    assert "paper A_T (full setting)" in table[0]
+    column = table[0].strip("| ").split(" | ").index("paper A_T (full setting)")
+    for group, line in zip(groups, table[1:], strict=True):
+        expected = compare.paper_match(experiment, group)
+        assert expected is not None
+        assert line.strip("| ").split(" | ")[column] == str(expected["A_T"])
+    with open(tmp_path / "summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [float(r["paper_A_T"]) for r in rows] == [compare.paper_match(experiment, g)["A_T"] for g in groups]

@@ -287,7 +287,7 @@ def test_deployed_run_equals_simulation(federation, tmp_path) -> None:
     run_id = federation.submit(cfg.to_mapping())
     simulation = _start_simulation(sim_cfg, tmp_path / "simulation.log")  # overlaps the deployed run
     try:
-        status = federation.wait_run(run_id, timeout=300)
+        status = federation.wait_run(run_id, timeout=1200)  # generous: CI machines may be busy
         assert status == "finished:completed", f"{status}\n{federation.run_log(run_id)[-3000:]}"
         deployed_seconds = time.monotonic() - began
         _finish_simulation(simulation, tmp_path / "simulation.log", timeout=300)

@@ -455,3 +455,15 @@ def test_only_the_first_round_waits_the_whole_timeout_for_missing_nodes(tmp_path
     assert 1000.0 <= first <= 1001.0
     assert nodes.connected(grid) == [11, 12]
     assert clock["now"] - first <= RECONNECT_GRACE_S + 1.0
+
+
+def test_a_state_that_shares_tensors_round_trips_and_shares_them_again(tmp_path: Path) -> None:
+    """LGA keeps its teacher and trackers as the very tensors of the model: a checkpoint stores
+    each once and loads them shared again; an overlapping view is stored as a copy."""
+    from fcl_flower.state_io import save_state
+
+    weight = torch.randn(4, 3)
+    state = {"model": {"w": weight}, "teacher": {"w": weight}, "row": weight[1], "ids": torch.arange(5)}
+    loaded = load_state(save_state(tmp_path, "ck", state))
+    assert torch.equal(loaded["model"]["w"], weight) and loaded["model"]["w"] is loaded["teacher"]["w"]
+    assert torch.equal(loaded["row"], weight[1]) and torch.equal(loaded["ids"], torch.arange(5))

@@ -14,6 +14,8 @@ from fcl_flower.config import RunConfig
 from fcl_flower.methods import Kind
 from fcl_flower.protocol import (
     Backfill,
+    EvaluateIns,
+    EvaluateRes,
     FedranReport,
     Header,
     InfoIns,
@@ -96,6 +98,8 @@ INSTRUCTIONS = [
     ),
     UnmaskIns(HEADER, CFG, survivors=(3, 9), dropped=(11,)),
     InfoIns(HEADER, CFG),
+    EvaluateIns(HEADER, CFG, num_seen=6, model=MODEL),
+    EvaluateIns(HEADER, CFG, num_seen=6, model=MODEL, ridge=to_record({"weights": torch.ones(5, 6)})),
 ]
 
 
@@ -129,6 +133,7 @@ REPLIES = [
     SharesRes(HEADER, 0, 0, shares={3: b"x", 9: b"y"}),
     UnmaskRes(HEADER, 0, 0, seed_shares={3: b"x"}, key_shares={11: b"z"}),
     InfoRes(HEADER, 2, 0),
+    EvaluateRes(HEADER, 2, 7, counts=to_record({"correct": torch.tensor([1, 2]), "total": torch.tensor([3, 4])})),
 ]
 
 

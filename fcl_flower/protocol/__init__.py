@@ -21,6 +21,8 @@ from fcl_flower.protocol.base import Header, Instruction, Reply
 from fcl_flower.protocol.errors import ProtocolError, UploadError
 from fcl_flower.protocol.messages import (
     Backfill,
+    EvaluateIns,
+    EvaluateRes,
     FedranReport,
     InfoIns,
     InfoRes,
@@ -47,6 +49,8 @@ from fcl_flower.protocol.secure import (
 __all__ = [
     "WIRE_DTYPES",
     "Backfill",
+    "EvaluateIns",
+    "EvaluateRes",
     "FedranReport",
     "Header",
     "InfoIns",

@@ -17,11 +17,14 @@ message            Flower type    carries
 :class:`StatsIns`  ``query.stats``global trainable state, backfill request, FedRAN rank, the
                                   secure round's participants
 :class:`InfoIns`   ``query.info`` "which client do you serve?"
+:class:`EvaluateIns` ``evaluate`` the global model (and, for an analytic method, its ridge
+                                  classifier W): score it on your held-out data of the seen classes
 =================  =============  ==============================================================
 
 Client -> server: :class:`TrainRes` (trainable state, loss, LGA/STAMP reports),
 :class:`StatsRes` (the method's statistics, late statistics it owes, withheld-sample count,
-FedRAN's pseudo-label counts) and :class:`InfoRes`. Each reply names the client (partition) it
+FedRAN's pseudo-label counts), :class:`InfoRes` and :class:`EvaluateRes` (per seen class: correct
+predictions and test samples). Each reply names the client (partition) it
 speaks for and how many examples it used. The arrays of a statistics reply are typed by
 :mod:`fcl_flower.protocol.payloads`, whose shapes the server checks against its own state. The
 messages of a secure statistics round are in :mod:`fcl_flower.protocol.secure`.
@@ -41,6 +44,7 @@ from fcl_flower.methods import Kind
 from fcl_flower.protocol.base import (
     BACKFILL_PREFIX,
     CONFIG,
+    COUNTS,
     EWC_ANCHOR,
     EWC_FISHER,
     HEADER,
@@ -48,6 +52,7 @@ from fcl_flower.protocol.base import (
     METRICS,
     MODEL,
     OLD_MODEL,
+    RIDGE,
     ROUND,
     TEACHER,
     Header,
@@ -139,6 +144,23 @@ class InfoIns(Instruction):
     kind: ClassVar[Kind] = Kind.INFO
 
 
+@dataclass(frozen=True)
+class EvaluateIns(Instruction):
+    """Federated evaluation: score the global model on this client's held-out data of every class
+    seen after the header's task (``num_seen`` classes)."""
+
+    kind: ClassVar[Kind] = Kind.EVALUATE
+    num_seen: int = 0
+    model: ArrayRecord = field(default_factory=ArrayRecord)
+    ridge: ArrayRecord | None = None  # analytic methods: {"weights": W (M x num_seen)}
+
+    def _fill(self, content: RecordDict) -> None:
+        content[ROUND] = ConfigRecord({"num-seen": self.num_seen})
+        content[MODEL] = self.model
+        if self.ridge is not None:
+            content[RIDGE] = self.ridge
+
+
 def parse_instruction(message: Message) -> Instruction:
     """The typed instruction in a server message; ProtocolError if it is not one."""
     try:
@@ -162,6 +184,8 @@ def parse_instruction(message: Message) -> Instruction:
         raise ProtocolError(f"message has no '{ROUND}' record")
     model = content.array_records.get(MODEL, ArrayRecord())
     num_seen = read_int(entry(round_, "num-seen", ROUND), "num-seen", minimum=1)
+    if kind is Kind.EVALUATE:
+        return EvaluateIns(header, config, num_seen=num_seen, model=model, ridge=content.array_records.get(RIDGE))
     if kind is Kind.TRAIN:
         optional = {attribute: content.array_records.get(name) for name, attribute in TrainIns.OPTIONAL.items()}
         lr = read_float(entry(round_, "lr", ROUND), "lr")
@@ -307,6 +331,18 @@ class InfoRes(Reply):
     kind: ClassVar[Kind] = Kind.INFO
 
 
+@dataclass(frozen=True)
+class EvaluateRes(Reply):
+    """Per seen class: how many of this client's held-out samples the model got right, and how
+    many there were (record ``counts``: int64 arrays ``correct`` and ``total``)."""
+
+    kind: ClassVar[Kind] = Kind.EVALUATE
+    counts: ArrayRecord = field(default_factory=ArrayRecord)
+
+    def _fill(self, content: RecordDict) -> None:
+        content[COUNTS] = self.counts
+
+
 _LGA_METRICS = {"lga-cb", "lga-sd", "lga-detected", "lga-new-task", "lga-memory", "lga-proto-classes"}
 _STAMP_METRICS = {"stamp-proto", "stamp-old-tasks", "stamp-coreset"}
 _FEDRAN_METRICS = {"num-labelled", "pseudo-unlabelled", "pseudo-accepted", "pseudo-correct"}
@@ -337,6 +373,12 @@ def _parse_body(content: RecordDict, metrics: MetricRecord, kind: Kind, sent: He
     if kind is Kind.STATS:
         return _parse_stats(content, metrics, base)
     only(metrics, {"partition-id", "num-examples"}, "metrics")
+    if kind is Kind.EVALUATE:
+        only(content.array_records, {COUNTS}, "array records")
+        only(content.config_records, {HEADER}, "config records")
+        if COUNTS not in content.array_records:
+            raise ProtocolError(f"reply has no '{COUNTS}' record")
+        return EvaluateRes(*base, counts=content.array_records[COUNTS])
     if kind is Kind.INFO:
         only(content.array_records, set(), "array records")
         only(content.config_records, {HEADER}, "config records")

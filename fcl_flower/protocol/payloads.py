@@ -192,3 +192,16 @@ def read_prototypes(record: ArrayRecord, classes: range, shapes: list[tuple[int,
             raise UploadError(f"prototype gradient of class {cls} lacks some encoder parameters")
         out[cls] = [read_tensor(record, f"{cls}/{i}", shape=s, floating=True).float() for i, s in enumerate(shapes)]
     return out
+
+
+def read_counts(record: ArrayRecord, num_seen: int, num_examples: int) -> tuple[Tensor, Tensor]:
+    """An evaluate reply's per-class ``correct`` and ``total`` (int64, ``num_seen`` each): integers,
+    non-negative, correct <= total, adding up to the reply's number of examples."""
+    _exact_keys(record, ("correct", "total"))
+    correct = read_tensor(record, "correct", shape=(num_seen,), floating=False, nonnegative=True).to(torch.int64)
+    total = read_tensor(record, "total", shape=(num_seen,), floating=False, nonnegative=True).to(torch.int64)
+    if bool((correct > total).any()):
+        raise UploadError("a class has more correct predictions than test samples")
+    if int(total.sum()) != num_examples:
+        raise UploadError(f"the counts add up to {int(total.sum())} samples, the reply says {num_examples}")
+    return correct, total
