@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 import math
@@ -161,6 +162,12 @@ def test_dp_runs_pass_every_check_and_report_epsilon(tmp_path, strategy_name) ->
     assert saved["stages"][-1]["extra"]["privacy"]["epsilon_spent"] == pytest.approx(spent[-1])
     table = format_stage_table(stages)
     assert "ε spent" in table and f"{spent[-1]:.3f}" in table
+    with open(strategy.recorder.path.with_name("results.csv"), newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [float(r["epsilon_spent"]) for r in rows] == pytest.approx(spent)
+    assert [float(r["epsilon_stage"]) for r in rows] == pytest.approx(
+        [s.extra["privacy"]["epsilon_stage"] for s in stages]
+    )
 
 
 def test_gross_poisoning_is_rejected_under_dp_noise(tmp_path) -> None:
