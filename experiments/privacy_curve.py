@@ -1,6 +1,6 @@
 """What differential privacy costs: the accuracy-ε curve of the analytic methods on digits.
 
-    python experiments/privacy_curve.py                  # 4 methods x 6 ε x 5 seeds (~30-60 min on 2 cores)
+    python experiments/privacy_curve.py                  # 4 methods x 6 ε x 5 seeds: 120 runs (6-10 min on 2 shared cores)
     python experiments/privacy_curve.py --seeds 0 --epsilons 1 8 inf --strategies stsa   # a quick look
 
 Every run goes through the real ServerApp logic and ClientApp in this process (``LocalGrid``,
@@ -25,6 +25,7 @@ import argparse
 import csv
 import logging
 import math
+import os
 import statistics
 import sys
 import time
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console_handler.setLevel(logging.WARNING)  # one line per run instead of Flower's per-round INFO lines
     out, results = Path(args.out), Path(args.results)
+    load_start, began = os.getloadavg(), time.perf_counter()
     runs = []
     for method in args.strategies:
         for epsilon in args.epsilons:
@@ -183,8 +185,15 @@ def main(argv: list[str] | None = None) -> int:
         writer.writerows(rows)
     plot(rows, results / "privacy_curve.png")
     setting = {k: v for k, v in SETTING.items() if k != "device"}
-    write_json("privacy_curve", {"setting": setting, "rows": rows, "runs": runs}, results / "privacy_curve.json")
-    print(f"wrote {results}/privacy_curve.{{json,csv,png}}", file=sys.stderr)
+    wall = time.perf_counter() - began
+    timing = {"wall_seconds": wall, "load_average_start": list(load_start), "load_average_end": list(os.getloadavg())}
+    data = {"setting": setting, **timing, "rows": rows, "runs": runs}
+    write_json("privacy_curve", data, results / "privacy_curve.json")
+    print(
+        f"{len(runs)} runs in {wall:.0f} s (load average {load_start[0]:.1f} at the start); "
+        f"wrote {results}/privacy_curve.{{json,csv,png}}",
+        file=sys.stderr,
+    )
     return 0
 
 
