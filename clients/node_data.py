@@ -11,6 +11,10 @@ Two ways to point a SuperNode at its data (``flower-supernode --node-config "...
   demos on public benchmarks, where every machine has the dataset anyway; the process does load
   the whole public training set to cut out its share.
 
+Under ``dataset = custom`` each site brings its own images instead: ``data-dir`` names a folder of
+image folders, a manifest or a Hugging Face ``datasets`` folder, and ``partition-id`` the site's
+client id (clients/own_data.py; recipe in docs/own_data.md).
+
 Either way a client handler sees one interface, :class:`NodeData`: the task layout, the shape
 of the model's input and output, and ``train(task)`` -- its own samples of that task.
 """
@@ -28,6 +32,7 @@ import numpy as np
 
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit, LabelledDataset
+from fcl_flower.data.array_cache import CACHE_DIR, cached_arrays, source_key
 from fcl_flower.data.federated import PROTOCOL_ARGS
 from fcl_flower.data.labelled import Transform
 
@@ -173,8 +178,9 @@ class OwnSplit:
     serve: the task layout and its *own* partition. Anything that needs other clients' data or
     the test set raises, naming what is missing."""
 
-    def __init__(self, data: FolderData) -> None:
+    def __init__(self, data: NodeData) -> None:
         self._data = data
+        self._where = str(getattr(data, "folder", "its own data"))
         self.tasks = data.tasks
         self.num_tasks = len(data.tasks)
 
@@ -189,7 +195,7 @@ class OwnSplit:
         if name.startswith("_"):  # copy/pickle probes, and _data before __init__ ran
             raise AttributeError(name)
         raise NodeConfigError(
-            f"split.{name} needs the whole dataset, but this node holds only its own folder {self._data.folder}"
+            f"split.{name} needs the whole dataset, but this node holds only its own folder {self._where}"
         )
 
 
@@ -240,11 +246,24 @@ def _load_folder(path: str, _mtime: int) -> FolderData:
 
 
 def _read_arrays(file: Path) -> tuple[Any, np.ndarray]:
+    """``images`` and ``labels`` of ``file``, through the folder's array cache: the first process
+    unpacks the ``.npz`` into memory-mapped ``.npy`` files (``<folder>/.fcl-cache``, keyed by
+    the file's content), every later one maps them (fcl_flower/data/array_cache.py)."""
+
+    def unpack() -> dict[str, np.ndarray]:
+        try:
+            with np.load(file, allow_pickle=False) as arrays:
+                return {"images": arrays["images"], "labels": arrays["labels"]}
+        except (OSError, KeyError, ValueError) as exc:
+            raise NodeConfigError(f"cannot read {file}: {exc}") from None
+
+    cache = file.parent / CACHE_DIR
     try:
-        with np.load(file, allow_pickle=False) as arrays:
-            return arrays["images"], arrays["labels"]
-    except (OSError, KeyError, ValueError) as exc:
+        key = source_key(cache, file.stem, [file])
+    except OSError as exc:
         raise NodeConfigError(f"cannot read {file}: {exc}") from None
+    arrays = cached_arrays(cache, file.stem, key, unpack)
+    return arrays["images"], arrays["labels"]
 
 
 def transforms_for(dataset: str, image_size: int | None) -> tuple[Transform | None, Transform | None]:
@@ -268,7 +287,12 @@ def transforms_for(dataset: str, image_size: int | None) -> tuple[Transform | No
 
 # ---------------------------------------------------------------------------- entry point
 def node_data(node_config: Mapping[str, Any], cfg: RunConfig) -> NodeData:
-    """This node's data, from its node config: ``data-dir`` if given, else the partition spec."""
+    """This node's data, from its node config: its own images under ``dataset = custom``, else
+    ``data-dir`` if given, else the partition spec."""
+    if cfg.dataset == "custom":
+        from clients.own_data import own_node_data
+
+        return own_node_data(node_config, cfg)
     if "data-dir" in node_config:
         data = load_folder(str(node_config["data-dir"]))
         data.check_matches(cfg)

@@ -17,6 +17,12 @@ the same checks; a late client's statistics then ride inside its next regular ma
 (added to G, and to the columns of the owed task's classes) in a round where at least
 ``secagg-min-clients`` participants owe that task, so no opened sum is one client's. With
 ``min-class-count`` the clients leave out classes they hold too few samples of.
+
+Noise (strategies/analytic.py): the checks allow for one client's noise on a plain upload, and
+for the noise of the opened sum (|U3| shares) on a secure one; with noisy counts the number of
+samples is the rounded sum of the noisy counts; the solve projects G onto the PSD cone. An
+opened sum is one release of every survivor's data (k tasks of it when it carries k − 1 owed
+ones), with noise std √|U3| times a client's share.
 """
 
 from __future__ import annotations
@@ -35,12 +41,13 @@ from fcl_flower.analytic.checks import StatisticsRejected, check_counts, check_p
 from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
+from fcl_flower.privacy.noise import secure_share
 from fcl_flower.privacy.secagg import unmask_sum
 from fcl_flower.protocol import Instruction, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaStats
 from fcl_flower.results import ResultsRecorder
 from strategies.accounting import client_name
-from strategies.analytic import AnalyticStrategy, solve_dense, upload_checks
+from strategies.analytic import AnalyticStrategy, noisy_total, rounded_count, solve_dense, upload_checks
 from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundFold, RoundPlan, StageFailed
 from strategies.secure import SecureRounds
@@ -50,49 +57,57 @@ MASKED_NAMES = ("gram-packed", "class-sums", "counts")
 
 
 class TaskSum:
-    """Running Σ_k of one task's uploads: packed G and class sums in float64, and n."""
+    """Running Σ_k of one task's uploads: packed G and class sums in float64, n, and (for noisy
+    counts) the running sum of the counts and the number of uploads whose noise went in."""
 
     def __init__(self, dim: int, classes: int) -> None:
         self.gram = torch.zeros(packed_length(dim), dtype=torch.float64)
         self.sums = torch.zeros(dim, classes, dtype=torch.float64)
         self.count = 0
+        self.noisy_count = 0.0  # Σ of the (noisy) counts, in the order noisy_total adds them
+        self.uploads = 0
 
     def add(self, stats: StsaStats, num_examples: int) -> None:
         self.gram += stats.gram_packed  # summed in float64
         self.sums += stats.class_sums
         self.count += num_examples
+        self.noisy_count += float(stats.counts.to(torch.float64).sum())
+        self.uploads += 1
 
-    def into(self, ridge: RidgeState, classes: range) -> None:
-        ridge.add_packed(classes, self.gram, self.sums, self.count)
+    def into(self, strategy: STSAStrategy, classes: range) -> None:
+        """Add the sums to the ridge state; with noisy counts the number of samples is their rounded
+        sum (:func:`~strategies.analytic.noisy_total`), and the sums' noise is noted for GCV."""
+        samples = rounded_count(self.noisy_count) if strategy.counts_noised else self.count
+        strategy.ridge.add_packed(classes, self.gram, self.sums, samples)
+        strategy.note_sums_noise(classes, self.uploads)
 
 
 class PlainFold:
     """A plain statistics round, streamed: every accepted upload (and the late statistics it
-    carries) is added to running sums and dropped; at the end the sums go into the ridge state
-    in the order :meth:`STSAStrategy.add_statistics` and the backfill fold always used, so the
-    numbers equal those of summing the sorted list."""
+    carries) is added to the round's running sums at once (:meth:`STSAStrategy.add_statistics`)
+    and dropped; at the end the sums go into the ridge state in the order the backfill fold always
+    used (this task, then the late ones by task), so the numbers equal those of summing the sorted
+    list."""
 
     def __init__(self, strategy: STSAStrategy, plan: RoundPlan) -> None:
         self.strategy, self.plan = strategy, plan
-        self.current = TaskSum(strategy.rf_dim, len(strategy.split.tasks[plan.task]))
-        self.late: dict[int, tuple[TaskSum, list[str]]] = {}
+        strategy.open_sums(plan.task)
+        self.late: dict[int, list[str]] = {}  # task -> the clients whose late statistics came in
         self.clients: set[str] = set()
 
     def add(self, item: Accepted[Any]) -> None:
-        self.current.add(item.payload["stats"], item.num_examples)
+        strategy = self.strategy
+        strategy.add_statistics(self.plan.task, [Accepted(item.client, item.num_examples, item.payload["stats"])])
         for task, (payload, count) in item.payload["late"].items():
-            total, clients = self.late.setdefault(
-                task, (TaskSum(self.strategy.rf_dim, len(self.strategy.split.tasks[task])), [])
-            )
-            total.add(payload, count)
-            clients.append(item.client)
+            strategy.add_statistics(task, [Accepted(item.client, count, payload)])
+            self.late.setdefault(task, []).append(item.client)
         self.clients.add(item.client)
 
     def finish(self) -> None:
         strategy = self.strategy
-        self.current.into(strategy.ridge, strategy.split.tasks[self.plan.task])
-        for task, (total, clients) in sorted(self.late.items()):  # as Backfill.fold adds them
-            total.into(strategy.ridge, strategy.split.tasks[task])
+        strategy.close_sums(self.plan.task)
+        for task, clients in sorted(self.late.items()):  # as Backfill.fold adds them
+            strategy.close_sums(task)
             for client in clients:
                 strategy.backfill.strike(client, task)
         strategy.backfill.note_missing(self.plan.task, self.clients)
@@ -130,6 +145,7 @@ class STSAStrategy(AnalyticStrategy):
         self.backfill: Backfill[StsaStats] = Backfill(cfg.num_clients)
         self.secure = SecureRounds(cfg) if cfg.secure_aggregation else None
         self._request: dict[int, tuple[int, ...]] = {}  # the backfill request of the round in progress
+        self._round_sums: dict[int, TaskSum] = {}  # running sums per task of the plain round in progress
 
     # ---------------------------------------------------------------- rounds
     def customise(self, plan: RoundPlan, ins: Instruction) -> Instruction:
@@ -155,19 +171,21 @@ class STSAStrategy(AnalyticStrategy):
     # ---------------------------------------------------------------- replies
     def check(self, stats: StsaStats, num_examples: int) -> None:
         """The upload is the statistics of some dataset of ``num_examples`` samples (see module doc)."""
+        noise = self.noise_levels()
         with upload_checks():
-            check_counts(stats.counts, num_examples)
+            check_counts(stats.counts, num_examples, noise=noise.counts if noise else 0.0)
             check_packed_statistics(
                 stats.gram_packed,
                 stats.class_sums,
                 stats.counts,
                 relative_tolerance=wire_epsilon(stats.gram_packed.dtype),
+                noise=noise,
                 **self.feature_bounds,
             )
 
     def read_plain(self, task: int, record: ArrayRecord) -> StsaStats:
         shapes = {"packed": packed_length(self.rf_dim), "dim": self.rf_dim, "classes": len(self.split.tasks[task])}
-        return StsaStats.read(record, **shapes)
+        return StsaStats.read(record, **shapes, noisy_counts=self.counts_noised)
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
         if self.masked():
@@ -199,12 +217,25 @@ class STSAStrategy(AnalyticStrategy):
             fold.add(r)
         fold.finish()
 
+    def open_sums(self, task: int) -> None:
+        """Start a round's running sums (those of a failed round are dropped): ``task``'s at once."""
+        self._round_sums = {task: TaskSum(self.rf_dim, len(self.split.tasks[task]))}
+
     def add_statistics(self, task: int, replies: list[Accepted[StsaStats]]) -> None:
-        """Spatial aggregation (Eq. 2) over ``replies``, then temporal (Eq. 4): late ones simply add."""
-        total = TaskSum(self.rf_dim, len(self.split.tasks[task]))
+        """Spatial aggregation (Eq. 2): add ``replies`` (uploads of ``task``'s statistics, current or
+        late) to the round's running sums of ``task``; :meth:`close_sums` adds those to the ridge
+        state (temporal, Eq. 4: late ones simply add)."""
+        total = self._round_sums.get(task)
+        if total is None:
+            total = self._round_sums[task] = TaskSum(self.rf_dim, len(self.split.tasks[task]))
         for r in replies:
             total.add(r.payload, r.num_examples)
-        total.into(self.ridge, self.split.tasks[task])
+
+    def close_sums(self, task: int) -> None:
+        """Add the round's running sums of ``task`` to the ridge state and drop them."""
+        total = self._round_sums.pop(task, None)
+        if total is not None:
+            total.into(self, self.split.tasks[task])
 
     def open_masked(self, plan: RoundPlan, sums: dict[str, np.ndarray], survivors: set[str]) -> None:
         """Open Σ over the survivors, check it like one upload, add it column block by column block."""
@@ -225,29 +256,42 @@ class STSAStrategy(AnalyticStrategy):
             for name in MASKED_NAMES
         }
         # Integer counts are exact in fixed point, so their opened sum is exactly integral: a
-        # garbage upload is caught here (and a rounding would let random counts through).
+        # garbage upload is caught here (and a rounding would let random counts through). Noised
+        # counts are not integral; the withheld count, never noised, still is.
+        noisy = self.counts_noised
         counts, withheld = opened["counts"][:-1], float(opened["counts"][-1])
         gram = opened["gram-packed"]
         sums_c = opened["class-sums"].reshape(self.rf_dim, -1)
+        column, tasks = 0, self.secure_columns(plan.task)
+        share = secure_share(self.cfg, self.secure.current.threshold) if self.secure.current is not None else 1.0
+        factor = share * len(survivors) ** 0.5  # the opened sum's noise: |U3| shares
+        for client in sorted(survivors):  # one release of each survivor's data: the current task and the owed ones
+            owed = [t for t in tasks[1:] if t in self.backfill.missing.get(client, [])]
+            self.record_release([client], plan.task, factor / (1 + len(owed)))
+        noise = self.noise_levels(factor)
         try:
-            check_counts(opened["counts"], int(opened["counts"].sum()))
+            if noisy:
+                check_counts(counts, 0, noise=noise.counts if noise else 0.0)
+                check_counts(opened["counts"][-1:], int(withheld))
+            else:
+                check_counts(opened["counts"], int(opened["counts"].sum()))
             check_packed_statistics(
                 gram,
                 sums_c,
                 counts,
                 relative_tolerance=wire_epsilon(torch.float64),
                 absolute_tolerance=len(survivors) * 2.0 ** -(self.cfg.secagg_fraction_bits + 1),
+                noise=noise,
                 **self.feature_bounds,
             )
         except StatisticsRejected as err:
             raise StageFailed(f"the opened secure sum fails its checks: {err}") from None
-        column, tasks = 0, self.secure_columns(plan.task)
         for position, task in enumerate(tasks):
             width = len(self.split.tasks[task])
             block = slice(column, column + width)
-            self.ridge.add_packed(
-                self.split.tasks[task], gram if position == 0 else None, sums_c[:, block], int(counts[block].sum())
-            )
+            samples = noisy_total([counts[block]]) if noisy else int(counts[block].sum())
+            self.ridge.add_packed(self.split.tasks[task], gram if position == 0 else None, sums_c[:, block], samples)
+            self.note_sums_noise(self.split.tasks[task], factor * factor)
             column += width
         if withheld:
             self._withheld["all clients (masked sum)"] = self._withheld.get("all clients (masked sum)", 0) + int(
@@ -261,7 +305,10 @@ class STSAStrategy(AnalyticStrategy):
 
     # ---------------------------------------------------------------- solve
     def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
+        if self.noise is not None:
+            weights, extra = self.solve_noisy(self.ridge, task)
+        else:
+            weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
         if self.cfg.secure_aggregation:
             extra["secure_aggregation"] = True
         return weights, {**extra, **self.backfill.extras()}

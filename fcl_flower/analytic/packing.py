@@ -80,7 +80,13 @@ def _np(tensor: Tensor) -> np.ndarray:
 def pack_upper(gram: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """Row-major upper triangle (incl. diagonal) of a square matrix as a 1-D tensor (in ``dtype``)."""
     dim = _check_square(gram, "pack_upper")
-    out = torch.empty(packed_length(dim), dtype=dtype or gram.dtype)
+    out = torch.empty(packed_length(dim), dtype=dtype or gram.dtype, device=gram.device)
+    if gram.device.type != "cpu":  # another device (CUDA, meta): row by row, where the input lives
+        offset = 0
+        for row in range(dim):
+            out[offset : offset + dim - row] = gram[row, row:]
+            offset += dim - row
+        return out
     g, o = _np(gram), out.numpy()
     for a, b, mask in packed_blocks(dim):
         o[row_offset(a, dim) : row_offset(b, dim)] = g[a:b, a:][mask]
@@ -92,7 +98,9 @@ def pack_symmetrised(gram: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     symmetrised matrix: only the upper triangle is formed, one block of rows at a time (G from a
     BLAS product is symmetric only up to rounding; the client uploads the symmetrised values)."""
     dim = _check_square(gram, "pack_symmetrised")
-    out = torch.empty(packed_length(dim), dtype=dtype or gram.dtype)
+    if gram.device.type != "cpu":
+        return pack_upper(0.5 * (gram + gram.T), dtype)
+    out = torch.empty(packed_length(dim), dtype=dtype or gram.dtype, device=gram.device)
     g, o = _np(gram), out.numpy()
     for a, b, mask in packed_blocks(dim, _TILE * dim):
         block = g[a:b, a:].copy()
@@ -110,7 +118,13 @@ def unpack_upper(packed: Tensor, dim: int) -> Tensor:
     how the server rejects a truncated or mis-sized upload.
     """
     _check_packed(packed, dim)
-    out = torch.zeros(dim, dim, dtype=packed.dtype)
+    out = torch.zeros(dim, dim, dtype=packed.dtype, device=packed.device)
+    if packed.device.type != "cpu":  # another device (CUDA, meta): row by row, where the input lives
+        offset = 0
+        for row in range(dim):
+            out[row, row:] = packed[offset : offset + dim - row]
+            offset += dim - row
+        return out + torch.triu(out, diagonal=1).T
     o, p = out.numpy(), _np(packed)
     for a, b, mask in packed_blocks(dim):
         o[a:b, a:][mask] = p[row_offset(a, dim) : row_offset(b, dim)]
@@ -124,6 +138,8 @@ def add_packed_(gram: Tensor, packed: Tensor) -> Tensor:
     same numbers ``gram + unpack_upper(packed)`` has, since ``gram`` is symmetric)."""
     dim = _check_square(gram, "add_packed_")
     _check_packed(packed, dim)
+    if gram.device.type != "cpu" or packed.device.type != "cpu":
+        return gram.add_(unpack_upper(packed, dim).to(gram.device))
     g, p = _np(gram), _np(packed)
     for a, b, mask in packed_blocks(dim):
         rows = g[a:b, a:]
@@ -135,7 +151,7 @@ def add_packed_(gram: Tensor, packed: Tensor) -> Tensor:
 def diagonal_of_packed(packed: Tensor, dim: int) -> Tensor:
     """G_ii from the packed upper triangle."""
     _check_packed(packed, dim)
-    rows = torch.arange(dim, dtype=torch.int64)
+    rows = torch.arange(dim, dtype=torch.int64, device=packed.device)
     return packed[rows * dim - rows * (rows - 1) // 2]
 
 
