@@ -13,7 +13,8 @@ Server -> client:
 message            Flower type    carries
 =================  =============  ==============================================================
 :class:`TrainIns`  ``train``      global trainable state, learning rate, method arrays (teacher,
-                                  Fisher + anchor, LGA's old model)
+                                  Fisher + anchor, LGA's old model, TARGET/LANDER's synthetic
+                                  images, LANDER's label-text anchors)
 :class:`StatsIns`  ``query.stats``global trainable state, backfill request, FedRAN rank, the
                                   secure round's participants
 :class:`KeysIns`   ``query.keys`` nothing but the header and config: "send a fresh public key"
@@ -46,6 +47,7 @@ from fcl_flower.protocol.errors import ProtocolError
 HEADER, CONFIG, ROUND, MODEL, METRICS, SECAGG = "header", "config", "round", "arrays", "metrics", "secagg"
 TEACHER, EWC_FISHER, EWC_ANCHOR, OLD_MODEL = "teacher", "ewc-fisher", "ewc-anchor", "lga-old-model"
 LGA_PROTO = "lga-proto"
+SYNTHETIC, ANCHORS = "synthetic-images", "lander-anchors"
 BACKFILL_PREFIX = "backfill-"  # reply record "backfill-<task>", metric "backfill-<task>-num-examples"
 
 
@@ -190,12 +192,16 @@ class TrainIns(Instruction):
     ewc_fisher: ArrayRecord | None = None  # EWC: the aggregated Fisher ...
     ewc_anchor: ArrayRecord | None = None  # ... and the parameters it anchors to
     old_model: ArrayRecord | None = None  # LGA: the old model the proxy selected
+    synthetic: ArrayRecord | None = None  # TARGET/LANDER: the server's synthetic images (uint8)
+    anchors: ArrayRecord | None = None  # LANDER: the label-text embeddings of all classes
 
     OPTIONAL: ClassVar[dict[str, str]] = {
         TEACHER: "teacher",
         EWC_FISHER: "ewc_fisher",
         EWC_ANCHOR: "ewc_anchor",
         OLD_MODEL: "old_model",
+        SYNTHETIC: "synthetic",
+        ANCHORS: "anchors",
     }
 
     def _fill(self, content: RecordDict) -> None:
