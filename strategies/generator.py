@@ -132,7 +132,7 @@ class DataFreeReplay:
         teacher = copy.deepcopy(model).to(self.device).eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
-        student = reinitialise(copy.deepcopy(model), rng).to(self.device)
+        student = reinitialise(copy.deepcopy(model).cpu(), rng).to(self.device)
         for p in student.parameters():
             p.requires_grad_(True)
         with torch.random.fork_rng(devices=[]):

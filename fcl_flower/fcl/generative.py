@@ -146,7 +146,7 @@ class AnchorGenerator(nn.Module):
         with torch.no_grad():
             for layer in self.noise:
                 assert isinstance(layer, nn.Linear)
-                nn.init.normal_(layer.weight, 0.0, 1.0, generator=generator)
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator))  # drawn on the CPU
                 layer.bias.zero_()
 
     def forward(self, targets: Tensor) -> Tensor:
@@ -166,7 +166,8 @@ class AnchorGenerator(nn.Module):
 def reinitialise(model: M, generator: torch.Generator) -> M:
     """Re-draw a student's weights as [CODE-T]/[CODE-L] ``weight_init`` does, from ``generator``:
     conv and linear weights Xavier-normal (biases N(0, 1)), BatchNorm weights N(1, 0.02) and
-    biases 0; other parameters (e.g. a cosine head) are left as they are."""
+    biases 0; other parameters (e.g. a cosine head) are left as they are. ``model`` must be on the
+    device of ``generator`` (the CPU)."""
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, (nn.Conv2d, nn.Linear)):
