@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -125,6 +126,7 @@ class DataFreeReplay:
     def synthesize(self, model: IncrementalClassifier, num_seen: int, task: int) -> SynthesisResult:
         """Train a generator against ``model`` (frozen) over its ``num_seen`` classes; the pool
         replaces the previous task's (the new teacher knows every class seen so far)."""
+        began = time.perf_counter()
         salt = 1 if self.flavour == "target" else 2
         rng = torch.Generator().manual_seed(
             int(np.random.SeedSequence([self.cfg.seed, task, salt]).generate_state(1)[0])
@@ -144,6 +146,7 @@ class DataFreeReplay:
         self.pool, self.labels = result.pool, result.labels
         result.log["intended_accuracy"] = self.intended_accuracy(teacher, num_seen)
         result.log["pool"] = len(self.labels)
+        result.log["seconds"] = time.perf_counter() - began  # wall time of the synthesis (part of the stage's)
         return result
 
     def record(self) -> ArrayRecord:
