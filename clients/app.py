@@ -1,8 +1,9 @@
 """The ClientApp (``[tool.flwr.app.components] clientapp``): one entry per Flower message type.
 
 ``train`` messages carry local-SGD rounds, ``query.stats`` the one-shot statistics of the
-analytic methods (and EWC's Fisher), ``query.keys`` asks for a fresh public key before a
-secure-aggregation statistics round, ``query.info`` which client this node serves. Every message
+analytic methods (and EWC's Fisher), ``query.keys`` / ``query.shares`` / ``query.unmask`` the
+steps of a secure statistics round (clients/secure.py), ``query.info`` which client this node
+serves, ``evaluate`` the federated evaluation after each stage (clients/evaluate.py). Every message
 is parsed into its typed instruction (fcl_flower/protocol); the handler of the instruction's
 phase comes from the method's registry entry and is imported only when first needed, so a
 process that answers a statistics message never imports the training code. Raw samples never
@@ -18,8 +19,22 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fcl_flower import methods
-from fcl_flower.protocol import InfoIns, InfoRes, KeysIns, ProtocolError, Reply, StatsIns, TrainIns, parse_instruction
+from fcl_flower.protocol import (
+    EvaluateIns,
+    InfoIns,
+    InfoRes,
+    KeysIns,
+    ProtocolError,
+    Reply,
+    SharesIns,
+    StatsIns,
+    TrainIns,
+    UnmaskIns,
+    parse_instruction,
+)
+from fcl_flower.quiet import quiet_known_noise
 
+quiet_known_noise()
 app = ClientApp()
 
 Handler = Callable[..., Reply]
@@ -42,10 +57,20 @@ def handle(message: Message, context: Context) -> Message:
         from clients.node_data import node_data
 
         reply: Reply = InfoRes(ins.header, node_data(context.node_config, ins.config).partition, 0)
-    elif isinstance(ins, KeysIns):
-        from clients.secure import handle_keys
+    elif isinstance(ins, (KeysIns, SharesIns, UnmaskIns)):
+        from clients import secure
 
-        reply = handle_keys(ins, context)
+        if isinstance(ins, KeysIns):
+            reply = secure.handle_keys(ins, context)
+        elif isinstance(ins, SharesIns):
+            reply = secure.handle_shares(ins, context)
+        else:
+            reply = secure.handle_unmask(ins, context)
+    elif isinstance(ins, EvaluateIns):
+        from clients.evaluate import handle_evaluate
+        from clients.job import make_job
+
+        reply = handle_evaluate(make_job(ins, context))
     else:
         assert isinstance(ins, (TrainIns, StatsIns))
         from clients.job import make_job
@@ -66,6 +91,12 @@ def stats(message: Message, context: Context) -> Message:
     return handle(message, context)
 
 
+@app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+    """Federated evaluation: per-class counts of the global model on this node's held-out data."""
+    return handle(message, context)
+
+
 @app.query("info")
 def info(message: Message, context: Context) -> Message:
     """Which client (partition) this node serves; the server samples clients per round by it."""
@@ -74,5 +105,17 @@ def info(message: Message, context: Context) -> Message:
 
 @app.query("keys")
 def keys(message: Message, context: Context) -> Message:
-    """A fresh public key before a secure statistics round (clients/secure.py)."""
+    """Fresh public keys: the first step of a secure statistics round (clients/secure.py)."""
+    return handle(message, context)
+
+
+@app.query("shares")
+def shares(message: Message, context: Context) -> Message:
+    """Shamir shares of this round's secrets, one encrypted bundle per participant."""
+    return handle(message, context)
+
+
+@app.query("unmask")
+def unmask(message: Message, context: Context) -> Message:
+    """The shares the server needs to open the sum, after checking the request."""
     return handle(message, context)

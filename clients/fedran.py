@@ -69,6 +69,7 @@ def random_feature_statistics(
     num_classes: int,
     rank: int,
     chunk_size: int = 1024,
+    clip: float = 0.0,
 ) -> tuple[LowRankSummary, Tensor]:
     """(rank-r sketch of HᵀH, B = HᵀY) for H = ReLU(Z P), Y = one-hot(labels, ``num_classes``).
 
@@ -81,12 +82,12 @@ def random_feature_statistics(
     labels = labels.to(torch.int64)
     label_corr = torch.zeros(dim, num_classes, dtype=torch.float64)
     if n < dim:
-        h = random_features(features, projection)
+        h = random_features(features, projection, clip)
         label_corr.index_add_(1, labels, h.T)
         return client_summary(h, rank, method="svd"), label_corr
     gram = torch.zeros(dim, dim, dtype=torch.float64)
     for start in range(0, n, chunk_size):
-        h = random_features(features[start : start + chunk_size], projection)
+        h = random_features(features[start : start + chunk_size], projection, clip)
         gram += h.T @ h
         label_corr.index_add_(1, labels[start : start + chunk_size], h.T)
     return client_summary_from_gram(gram, n, rank), label_corr
@@ -102,6 +103,7 @@ def fedran_client_update(
     rank: int,
     threshold: float,
     min_count: int = 1,
+    clip: float = 0.0,
 ) -> FedRANClientStats:
     """Algorithm 1, client side, on backbone features Z (n × d) with true ``labels``.
 
@@ -117,7 +119,7 @@ def fedran_client_update(
     kept = pseudo_label_client(features[labelled], labels[labelled], features[~labelled], num_classes, threshold)
     disclosed = disclosable(kept.labels, num_classes, min_count)
     summary, label_corr = random_feature_statistics(
-        kept.features[disclosed], kept.labels[disclosed], projection, num_classes, rank
+        kept.features[disclosed], kept.labels[disclosed], projection, num_classes, rank, clip=clip
     )
     report = pseudo_label_report(kept.accepted, kept.predicted, hidden)
     return FedRANClientStats(summary, label_corr, kept.num_labelled, report, int((~disclosed).sum()))
@@ -150,6 +152,7 @@ def handle_stats(job: ClientJob) -> StatsRes:
         rank=job.ins.rank,
         threshold=job.cfg.pseudo_threshold,
         min_count=job.cfg.min_class_count,
+        clip=job.cfg.feature_clip,
     )
     assert stats.summary.dim == effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
     arrays = FedranStats(stats.summary.basis, stats.summary.singular_values, stats.label_corr)

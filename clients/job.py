@@ -20,14 +20,14 @@ from clients.node_data import DatasetShape, FolderData, NodeData, OwnSplit, Part
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit, LabelledDataset
 from fcl_flower.models import IncrementalClassifier, load_trainable_state, trainable_state
-from fcl_flower.protocol import StatsIns, StatsRes, TrainIns, TrainRes, from_record, to_record
+from fcl_flower.protocol import EvaluateIns, StatsIns, StatsRes, TrainIns, TrainRes, from_record, to_record
 
 
 @dataclass
 class ClientJob:
     """Everything a client handler needs for one round."""
 
-    ins: TrainIns | StatsIns
+    ins: TrainIns | StatsIns | EvaluateIns
     data: NodeData  # this node's own samples only (clients/node_data.py)
     model: IncrementalClassifier  # the global model the server sent
     device: torch.device
@@ -100,7 +100,7 @@ def _cached_model(cfg: RunConfig, shape: DatasetShape) -> IncrementalClassifier:
     return build_model_for_shape(cfg, shape.num_classes, shape.image_shape)
 
 
-def make_job(ins: TrainIns | StatsIns, context: Context) -> ClientJob:
+def make_job(ins: TrainIns | StatsIns | EvaluateIns, context: Context) -> ClientJob:
     from fcl_flower.runtime import resolve_device
 
     data = node_data(context.node_config, ins.config)

@@ -33,6 +33,7 @@ from fcl_flower.data.labelled import Transform
 
 FORMAT = "fcl-flower-client-data/1"
 META_FILE = "meta.json"
+TEST_FILE = "test.npz"
 # Run-config keys that decide which samples a client holds and what their labels mean. A client
 # folder exported under other values would silently train on a different split.
 SPLIT_KEYS = (
@@ -76,6 +77,11 @@ class NodeData(Protocol):
         """This client's training samples of ``task`` (eval transforms for statistics)."""
         ...
 
+    def test(self, upto_task: int) -> LabelledDataset:
+        """This client's held-out samples of every class of tasks ``0..upto_task`` (eval
+        transforms): what it scores the global model on under federated evaluation."""
+        ...
+
 
 # ---------------------------------------------------------------------------- partition spec
 @dataclass(frozen=True)
@@ -97,6 +103,9 @@ class PartitionData:
 
     def train(self, task: int, *, eval_transform: bool) -> LabelledDataset:
         return self.split.client_train(task, self.partition, eval_transform=eval_transform)
+
+    def test(self, upto_task: int) -> LabelledDataset:
+        return self.split.client_test(upto_task, self.partition)
 
 
 def partition_of(node_config: Mapping[str, Any], num_clients: int) -> int:
@@ -128,12 +137,24 @@ class FolderData:
     meta: dict[str, Any]
     _train: tuple[LabelledDataset, ...]
     _eval_transform: Transform | None
+    _test: LabelledDataset | None = None  # test.npz: this client's held-out samples, all tasks
 
     def train(self, task: int, *, eval_transform: bool) -> LabelledDataset:
         if not 0 <= task < len(self._train):
             raise NodeConfigError(f"task {task} not in the client folder {self.folder} (it has {len(self._train)})")
         data = self._train[task]
         return data.with_transform(self._eval_transform) if eval_transform else data
+
+    def test(self, upto_task: int) -> LabelledDataset:
+        if self._test is None:
+            raise NodeConfigError(
+                f"client folder {self.folder} has no test.npz (held-out data for federated evaluation); "
+                "re-export it with experiments/export_partitions.py"
+            )
+        if not 0 <= upto_task < len(self.tasks):
+            raise NodeConfigError(f"task {upto_task} not in the client folder {self.folder}")
+        seen = self.tasks[upto_task].stop
+        return self._test.subset(np.flatnonzero(self._test.targets < seen))
 
     def check_matches(self, cfg: RunConfig) -> None:
         """Refuse a run whose split settings differ from those the folder was exported with."""
@@ -203,17 +224,27 @@ def _load_folder(path: str, _mtime: int) -> FolderData:
     per_task = []
     for t, r in enumerate(tasks):
         file = folder / f"task-{t}.npz"
-        try:
-            with np.load(file, allow_pickle=False) as arrays:
-                images, labels = arrays["images"], arrays["labels"]
-        except (OSError, KeyError, ValueError) as exc:
-            raise NodeConfigError(f"cannot read {file}: {exc}") from None
+        images, labels = _read_arrays(file)
         if labels.size and (labels.min() < r.start or labels.max() >= r.stop):
             raise NodeConfigError(f"{file} has labels outside task {t}'s classes {r.start}..{r.stop - 1}")
         if storage == "paths":  # image files copied next to the arrays
             images = [str(folder / str(p)) for p in images]
         per_task.append(LabelledDataset(images, labels.astype(np.int64), train_tf))
-    return FolderData(folder, partition, tasks, shape, meta, tuple(per_task), eval_tf)
+    test = None
+    if (folder / TEST_FILE).is_file():
+        images, labels = _read_arrays(folder / TEST_FILE)
+        if storage == "paths":
+            images = [str(folder / str(p)) for p in images]
+        test = LabelledDataset(images, labels.astype(np.int64), eval_tf)
+    return FolderData(folder, partition, tasks, shape, meta, tuple(per_task), eval_tf, test)
+
+
+def _read_arrays(file: Path) -> tuple[Any, np.ndarray]:
+    try:
+        with np.load(file, allow_pickle=False) as arrays:
+            return arrays["images"], arrays["labels"]
+    except (OSError, KeyError, ValueError) as exc:
+        raise NodeConfigError(f"cannot read {file}: {exc}") from None
 
 
 def transforms_for(dataset: str, image_size: int | None) -> tuple[Transform | None, Transform | None]:

@@ -1,49 +1,274 @@
-"""Client side of secure aggregation: a fresh key pair per statistics round, masked uploads.
+"""Client side of secure aggregation: keys, shares, the masked upload, unmasking (one round).
 
-The private key lives only in this node's Flower ``context.state`` between the key round and the
-statistics round that follows it (strategies/secure.py); the server sees the public half only.
+The node's secrets of one round live only in its Flower ``context.state`` (record
+:data:`STATE_RECORD`), bound to the round's run, task, stage and round number:
+
+* after the key round: the two private keys (c: share encryption, s: masks);
+* after the shares round: also the self-mask seed b;
+* after the masked upload: the private keys and the seed are deleted; only the shares that
+  other participants sent this node (decrypted) remain, with what the unmask check needs;
+* after the unmask round: nothing.
+
+Before it reveals anything a client checks the request (fcl_flower/privacy/secagg.py
+``check_unmask_request``): never both secrets of one participant, at least the threshold of
+survivors, and for every owed task whose statistics rode in the upload, at least
+``secagg-min-clients`` owing survivors (else a past task's class sums would open for one client).
+In signed-keys mode it also refuses peers whose keys are not signed by a SuperNode key the
+operator listed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context
+from flwr.app.typing import ConfigRecordValues
 
 from clients.job import ClientJob
-from clients.node_data import node_data
-from fcl_flower.privacy.secagg import SecureAggregationError, generate_keypair, mask_arrays, round_context
-from fcl_flower.protocol import KeysIns, KeysRes, StatsIns
+from clients.node_data import NodeConfigError, node_data
+from fcl_flower.privacy.secagg import (
+    SecureAggregationError,
+    check_unmask_request,
+    generate_keypair,
+    load_signing_key,
+    load_trusted_keys,
+    make_shares,
+    mask_arrays,
+    new_seed,
+    open_shares,
+    round_context,
+    sign_keys,
+    threshold_for,
+    verify_keys,
+)
+from fcl_flower.protocol import (
+    Header,
+    KeysIns,
+    KeysRes,
+    PublicKeys,
+    SharesIns,
+    SharesRes,
+    StatsIns,
+    UnmaskIns,
+    UnmaskRes,
+)
 
-STATE_RECORD = "secagg"  # context.state config record holding this node's private key
+STATE_RECORD = "secagg"  # context.state record of this node's secrets of the current secure round
+SIGNING_KEY, TRUSTED_KEYS = "secagg-signing-key", "secagg-trusted-keys"  # node-config keys (signed-keys mode)
+
+
+def _round_id(header: Header) -> str:
+    return f"{header.run_id}|{header.task}|{header.stage}|{header.server_round}"
+
+
+def _state(context: Context, header: Header) -> ConfigRecord:
+    state = context.state.config_records.get(STATE_RECORD)
+    if state is None or state.get("round") != _round_id(header):
+        raise SecureAggregationError(
+            "no secure-aggregation keys for this round on this node "
+            "(it restarted, or the round is not the one it joined)"
+        )
+    return state
+
+
+def _list(state: ConfigRecord, key: str, kind: type) -> list[Any]:
+    values = state.get(key, [])
+    if not isinstance(values, list) or not all(isinstance(v, kind) for v in values):
+        raise SecureAggregationError(f"this node's secure-aggregation state has a bad '{key}'")
+    return values
+
+
+def _bytes(state: ConfigRecord, key: str) -> bytes:
+    value = state.get(key)
+    if not isinstance(value, bytes):
+        raise SecureAggregationError(f"this node's secure-aggregation state lacks '{key}' for this round")
+    return value
+
+
+def _key_context(header: Header) -> bytes:
+    """What a signature over a round's keys binds: the round itself (no participants known yet)."""
+    return round_context(header.run_id, header.task, header.stage, header.server_round, header.attempt, ())
+
+
+def _node_path(context: Context, key: str) -> str:
+    path = context.node_config.get(key)
+    if not isinstance(path, str) or not path:
+        raise NodeConfigError(
+            f"secagg-signed-keys is on but the node config names no {key} "
+            f"(start the SuperNode with --node-config \"{key}='<path>'\")"
+        )
+    return path
 
 
 def handle_keys(ins: KeysIns, context: Context) -> KeysRes:
-    """Make and keep a fresh key pair; answer with the public key."""
-    private, public = generate_keypair()
-    context.state.config_records[STATE_RECORD] = ConfigRecord({"private-key": private})
-    return KeysRes(ins.header, node_data(context.node_config, ins.config).partition, 0, public_key=public)
+    """Make and keep two fresh key pairs; answer with the public halves (signed, in signed mode)."""
+    c_private, c_public = generate_keypair()
+    s_private, s_public = generate_keypair()
+    signer = signature = b""
+    if ins.config.secagg_signed_keys:
+        key = load_signing_key(_node_path(context, SIGNING_KEY))
+        signer, signature = sign_keys(key, c_public, s_public, _key_context(ins.header))
+    context.state.config_records[STATE_RECORD] = ConfigRecord(
+        {"round": _round_id(ins.header), "c-private": c_private, "s-private": s_private}
+    )
+    partition = node_data(context.node_config, ins.config).partition
+    return KeysRes(ins.header, partition, 0, keys=PublicKeys(c_public, s_public, signer, signature))
 
 
-def mask(job: ClientJob, arrays: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """Encode and mask every named array for this round's participants (same names, uint64)."""
-    assert isinstance(job.ins, StatsIns) and job.ins.secagg is not None
-    state = job.context.state.config_records.get(STATE_RECORD)
-    private = None if state is None else state.get("private-key")
-    if not isinstance(private, bytes):
-        raise SecureAggregationError("no secure-aggregation key on this node (it restarted after the key round)")
-    peers = dict(job.ins.secagg.participants)
-    header = job.ins.header
-    context = round_context(job.cfg.seed, header.server_round, header.attempt, peers)
-    flat = {name: tensor.detach().cpu().double().numpy() for name, tensor in arrays.items()}
-    return mask_arrays(
-        flat,
-        int(job.context.node_id),
-        private,
-        peers,
+def _check_peers(context: Context, ins: SharesIns | StatsIns, keys: Mapping[int, PublicKeys], header: Header) -> None:
+    """My own keys are the ones I made; in signed mode every peer's are signed by a listed key."""
+    state = _state(context, header)
+    me = int(context.node_id)
+    mine = keys.get(me)
+    if mine is None:
+        raise SecureAggregationError(f"this node ({me}) is not among the round's participants")
+    if (mine.c, mine.s) != (_public_of(_bytes(state, "c-private")), _public_of(_bytes(state, "s-private"))):
+        raise SecureAggregationError("the server relays keys for this node that this node did not make")
+    if not ins.config.secagg_signed_keys:
+        return
+    trusted = load_trusted_keys(_node_path(context, TRUSTED_KEYS))
+    signers = [k.signer for k in keys.values()]
+    if len(set(signers)) != len(signers):
+        raise SecureAggregationError("two participants' keys are signed by the same SuperNode key")
+    for node, k in keys.items():
+        try:
+            verify_keys(trusted, k.signer, k.signature, k.c, k.s, _key_context(header))
+        except SecureAggregationError as err:
+            raise SecureAggregationError(f"node {node}'s keys: {err}") from None
+
+
+def _public_of(private: bytes) -> bytes:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    return X25519PrivateKey.from_private_bytes(private).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def handle_shares(ins: SharesIns, context: Context) -> SharesRes:
+    """Shamir-share a fresh self-mask seed and the mask key among the participants."""
+    header = ins.header
+    _check_peers(context, ins, ins.keys, header)
+    cfg = ins.config
+    if len(ins.keys) < cfg.secagg_min_clients:
+        raise SecureAggregationError(
+            f"secure round with {len(ins.keys)} participants; at least {cfg.secagg_min_clients} are required"
+        )
+    if ins.threshold != threshold_for(len(ins.keys), cfg.secagg_min_clients):
+        raise SecureAggregationError(
+            f"the server asks for threshold {ins.threshold}; "
+            f"{threshold_for(len(ins.keys), cfg.secagg_min_clients)} is due"
+        )
+    state = _state(context, header)
+    seed = new_seed()
+    context_bytes = round_context(
+        header.run_id, header.task, header.stage, header.server_round, header.attempt, ins.keys
+    )
+    shares = make_shares(
+        int(context.node_id),
+        seed,
+        _bytes(state, "s-private"),
+        _bytes(state, "c-private"),
+        {n: k.c for n, k in ins.keys.items()},
+        ins.threshold,
+        context_bytes,
+    )
+    state["seed"] = seed
+    state["round-nodes"] = sorted(ins.keys)
+    partition = node_data(context.node_config, cfg).partition
+    return SharesRes(ins.header, partition, 0, shares=shares)
+
+
+def masked_upload(
+    job: ClientJob, arrays: Mapping[str, torch.Tensor], included: tuple[int, ...]
+) -> dict[str, np.ndarray]:
+    """Encode and mask ``arrays`` for this round's participants; keep only what unmasking needs.
+
+    ``included``: the owed tasks whose statistics ride in the upload (checked again at unmasking).
+    """
+    ins = job.ins
+    assert isinstance(ins, StatsIns) and ins.secagg is not None
+    sec, header = ins.secagg, ins.header
+    state = _state(job.context, header)
+    _check_peers(job.context, ins, sec.participants, header)
+    if list(sec.round_nodes) != _list(state, "round-nodes", int):
+        raise SecureAggregationError("the round's key-round participants changed since the shares round")
+    if sec.threshold != threshold_for(len(sec.round_nodes), job.cfg.secagg_min_clients):
+        raise SecureAggregationError(f"the server asks for threshold {sec.threshold}")
+    if set(sec.shares) != set(sec.participants):
+        raise SecureAggregationError("the shares of some participants are missing")
+    me = int(job.context.node_id)
+    context = round_context(
+        header.run_id, header.task, header.stage, header.server_round, header.attempt, sec.round_nodes
+    )
+    received = open_shares(
+        me, _bytes(state, "c-private"), {n: k.c for n, k in sec.participants.items()}, sec.shares, context
+    )
+    masked = mask_arrays(
+        {name: t.detach().cpu().double().numpy() for name, t in arrays.items()},
+        me,
+        _bytes(state, "s-private"),
+        _bytes(state, "seed"),
+        {n: k.s for n, k in sec.participants.items()},
         context,
         job.cfg.secagg_fraction_bits,
         job.cfg.secagg_min_clients,
+    )
+    owing = [client for client, tasks in ins.backfill.items() if set(tasks) & set(included)]
+    entries: dict[str, ConfigRecordValues] = {
+        "round": _round_id(header),
+        "participants": sorted(sec.participants),
+        "threshold": sec.threshold,
+        "share-src": sorted(received),
+        "seed-share": [received[src][0] for src in sorted(received)],
+        "key-share": [received[src][1] for src in sorted(received)],
+        "client-nodes": sorted(sec.clients),
+        "clients": [sec.clients[n] for n in sorted(sec.clients)],
+        "included": list(included),
+        "owing": owing,
+        "owed": [",".join(str(t) for t in ins.backfill.get(c, ())) for c in owing],
+    }
+    job.context.state.config_records[STATE_RECORD] = ConfigRecord(entries)  # the private keys and seed are gone
+    return masked
+
+
+def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
+    """Reveal the shares asked for, after checking the request; then forget the round."""
+    state = _state(context, ins.header)
+    participants = _list(state, "participants", int)
+    threshold = state.get("threshold")
+    if not isinstance(threshold, int):
+        raise SecureAggregationError("this node's secure-aggregation state has no threshold")
+    check_unmask_request(ins.survivors, ins.dropped, participants, threshold)
+    if set(ins.survivors) | set(ins.dropped) != set(participants):
+        raise SecureAggregationError("the unmask request does not cover every participant")
+    clients = dict(zip(_list(state, "client-nodes", int), _list(state, "clients", int), strict=True))
+    alive = {clients[node] for node in ins.survivors}
+    owed = {
+        client: {int(t) for t in tasks.split(",") if t}
+        for client, tasks in zip(_list(state, "owing", int), _list(state, "owed", str), strict=True)
+    }
+    for task in _list(state, "included", int):
+        owing_alive = [c for c, tasks in owed.items() if task in tasks and c in alive]
+        if len(owing_alive) < ins.config.secagg_min_clients:
+            raise SecureAggregationError(
+                f"only {len(owing_alive)} surviving participant(s) owe stage {task + 1}: "
+                "its class sums would open for too few clients; refused"
+            )
+    sources = _list(state, "share-src", int)
+    seed_share = dict(zip(sources, _list(state, "seed-share", bytes), strict=True))
+    key_share = dict(zip(sources, _list(state, "key-share", bytes), strict=True))
+    missing = (set(ins.survivors) | set(ins.dropped)) - set(sources)
+    if missing:
+        raise SecureAggregationError(f"this node holds no shares of node(s) {sorted(missing)}")
+    del context.state.config_records[STATE_RECORD]  # nothing of the round stays on the node
+    partition = node_data(context.node_config, ins.config).partition
+    return UnmaskRes(
+        ins.header,
+        partition,
+        0,
+        seed_shares={n: seed_share[n] for n in ins.survivors},
+        key_shares={n: key_share[n] for n in ins.dropped},
     )

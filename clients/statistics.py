@@ -65,7 +65,7 @@ def local_task_features(job: ClientJob, task: int | None = None) -> tuple[torch.
     projection = projection_for(job)
     phis, labels = [], []
     for features, y in iter_features(job.model, task_data(job, task), job.cfg, job.device):
-        phis.append(random_features(features, projection))
+        phis.append(random_features(features, projection, job.cfg.feature_clip))
         labels.append(y - job.split.tasks[task].start)
     dim = effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
     if not phis:

@@ -8,29 +8,35 @@ in float64, plus the statistics of any earlier task the server says this client 
 Privacy: with ``min-class-count`` k > 1 the client leaves out of every upload the samples of the
 classes it holds fewer than k of (fcl_flower/privacy/disclosure.py: 3 keeps any single sample's
 feature undetermined by G and C) and reports how many. With ``secure-aggregation`` the arrays
-leave masked (clients/secure.py), including zero-filled records for stages other clients owe,
-so that the masks of every record cancel in the server's sum.
+leave masked (clients/secure.py), the counts and the withheld count included; owed statistics
+ride inside the same upload (see :func:`masked_stats`).
 """
 
 from __future__ import annotations
 
 import torch
-from flwr.app import ArrayRecord
 
 from clients.job import ClientJob
-from clients.secure import mask
-from clients.statistics import Statistics, effective_rf_dim, projection_for, reply_with_backfill, task_data
-from fcl_flower.analytic import StatisticsAccumulator, pack_upper, packed_length, random_features
+from clients.secure import masked_upload
+from clients.statistics import (
+    Statistics,
+    backfill_tasks,
+    effective_rf_dim,
+    projection_for,
+    reply_with_backfill,
+    task_data,
+)
+from fcl_flower.analytic import StatisticsAccumulator, pack_upper, random_features
 from fcl_flower.privacy.disclosure import per_class_counts
-from fcl_flower.protocol import StatsIns, StatsRes
+from fcl_flower.protocol import SecAggRound, StatsIns, StatsRes
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaStats
 from fcl_flower.runtime import iter_features
 
 
 def stsa_statistics(job: ClientJob, task: int) -> Statistics:
-    """Spatial statistics S_{t,k} = {G_{t,k}, C_{t,k}} of this client's data of ``task``.
+    """Spatial statistics S_{t,k} = {G_{t,k}, C_{t,k}, n_c} of this client's data of ``task``.
 
-    Samples of classes held fewer than ``min-class-count`` times are left out of G and C alike.
+    Samples of classes held fewer than ``min-class-count`` times are left out of G, C and the counts.
     """
     classes = job.split.tasks[task]
     projection = projection_for(job)
@@ -41,44 +47,48 @@ def stsa_statistics(job: ClientJob, task: int) -> Statistics:
     accumulator = StatisticsAccumulator(dim, len(classes), with_gram=True)
     for features, y in iter_features(job.model, data, job.cfg, job.device):
         keep = disclosed[y - classes.start]
-        accumulator.update(random_features(features[keep], projection), y[keep] - classes.start)
+        accumulator.update(random_features(features[keep], projection, job.cfg.feature_clip), y[keep] - classes.start)
     stats = accumulator.result()
     assert stats.gram is not None
+    kept = (counts * disclosed).to(torch.float64)
     return Statistics(
-        StsaStats(pack_upper(stats.gram), stats.class_sums), stats.num_samples, int(counts[~disclosed].sum())
-    )
-
-
-def zero_statistics(job: ClientJob, task: int) -> Statistics:
-    """What a secure participant sends for a stage it does not owe: zeros, masked like the rest."""
-    dim = effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
-    return Statistics(
-        StsaStats(
-            torch.zeros(packed_length(dim), dtype=torch.float64),
-            torch.zeros(dim, len(job.split.tasks[task]), dtype=torch.float64),
-        ),
-        0,
+        StsaStats(pack_upper(stats.gram), stats.class_sums, kept), stats.num_samples, int(counts[~disclosed].sum())
     )
 
 
 def handle_stats(job: ClientJob) -> StatsRes:
-    """STSA statistics of the current task (and of any owed earlier task), masked in a secure round."""
+    """STSA statistics of the current task and of any owed earlier task; masked in a secure round."""
     assert isinstance(job.ins, StatsIns)
     if job.ins.secagg is None:
         return reply_with_backfill(job, stsa_statistics)
-    asked = job.ins.owed_by_anyone()
+    return masked_stats(job, job.ins.secagg)
 
-    def masked(stats: dict[int, Statistics]) -> dict[int, tuple[ArrayRecord, int]]:
-        every = {**stats, **{t: zero_statistics(job, t) for t in asked if t not in stats}}
-        flat = {
-            f"{t}/{key}": tensor
-            for t, s in every.items()
-            for key, tensor in (("gram-packed", s.payload.gram_packed), ("class-sums", s.payload.class_sums))
-        }
-        ring = mask(job, flat)
-        return {
-            t: (MaskedStsaStats(ring[f"{t}/gram-packed"], ring[f"{t}/class-sums"]).to_record(), s.num_samples)
-            for t, s in every.items()
-        }
 
-    return reply_with_backfill(job, stsa_statistics, masked)
+def masked_stats(job: ClientJob, secagg: SecAggRound) -> StatsRes:
+    """One masked upload: G of this task plus the included owed tasks' G, the class sums and counts
+    of this task and of every included owed task (zeros where this client owes nothing), and the
+    withheld count last. Nothing of it travels in clear; ``num-examples`` is 0."""
+    assert isinstance(job.ins, StatsIns)
+    included = secagg.backfill_tasks(job.ins.backfill, job.cfg.secagg_min_clients)
+    owed = set(backfill_tasks(job))
+    current = stsa_statistics(job, job.task)
+    late = {task: stsa_statistics(job, task) for task in included if task in owed}
+    dim = effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
+    gram = current.payload.gram_packed.clone()
+    sums, counts = [current.payload.class_sums], [current.payload.counts]
+    for task in included:
+        if task in late:
+            gram += late[task].payload.gram_packed
+            sums.append(late[task].payload.class_sums)
+            counts.append(late[task].payload.counts)
+        else:
+            width = len(job.split.tasks[task])
+            sums.append(torch.zeros(dim, width, dtype=torch.float64))
+            counts.append(torch.zeros(width, dtype=torch.float64))
+    withheld = current.withheld + sum(stats.withheld for stats in late.values())
+    counts.append(torch.tensor([float(withheld)], dtype=torch.float64))
+    ring = masked_upload(
+        job, {"gram-packed": gram, "class-sums": torch.cat(sums, dim=1), "counts": torch.cat(counts)}, included
+    )
+    payload = MaskedStsaStats(ring["gram-packed"], ring["class-sums"], ring["counts"])
+    return job.stats_reply(0, arrays=payload.to_record())

@@ -37,7 +37,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -227,7 +227,10 @@ class LocalFederation:
     def register(self, public_key: Path) -> int:
         """Admit a SuperNode's public key; returns its node id."""
         out = self.flwr("supernode", "register", str(public_key), CONNECTION, "--format", "json").stdout
-        return int(json.loads(out[out.index("{") :])["node-id"])
+        try:
+            return int(json.loads(out[out.index("{") :])["node-id"])
+        except (ValueError, KeyError):
+            raise FederationError(f"flwr supernode register {public_key.name} answered: {out.strip()[-500:]}") from None
 
     def start_supernode(
         self, name: str, node_config: str, private_key: Path | None, *, give_up_after: float | None = None
@@ -262,16 +265,23 @@ class LocalFederation:
             time.sleep(0.5)
         raise FederationError(f"fewer than {count} SuperNodes online after {timeout:.0f} s")
 
-    def start(self) -> LocalFederation:
-        """Credentials, SuperLink, registration of every node's key, SuperNodes; waits until online."""
+    def start(self, say: Callable[[str], None] = lambda _: None) -> LocalFederation:
+        """Credentials, SuperLink, registration of every node's key, SuperNodes; waits until online.
+        ``say`` hears each step as it begins (the command line prints them)."""
+        began = time.monotonic()
         self.workdir.mkdir(parents=True, exist_ok=True)
+        say("making the CA, the SuperLink's certificate and one key per SuperNode ...")
         self.make_credentials()
+        say("starting the SuperLink (TLS, SuperNode authentication) ...")
         self.start_superlink()
         for k, node_config in enumerate(self.node_configs):
             self.register(self.keys / f"supernode-{k}.pub")
             name = f"supernode-{k}"
+            say(f"registered {name}'s key; starting it ({node_config})")
             self.core[name] = self.start_supernode(name, node_config, self.keys / name)
+        say(f"waiting for {len(self.node_configs)} SuperNodes to come online ...")
         self.wait_online(len(self.node_configs))
+        say(f"federation up in {time.monotonic() - began:.0f} s")
         return self
 
     # ------------------------------------------------------------------ runs
@@ -315,6 +325,24 @@ class LocalFederation:
     def run_log(self, run_id: int) -> str:
         return self.flwr("log", str(run_id), CONNECTION, "--show", check=False, timeout=30).stdout
 
+    def follow_run(self, run_id: int, timeout: float) -> str:
+        """Stream the run's log to this process's stdout while waiting for it; returns its status."""
+        streamer = subprocess.Popen(  # flwr log --stream prints the ServerApp's lines as they come
+            [str(self.bin_dir / "flwr"), "log", str(run_id), CONNECTION, "--stream"],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            status = self.wait_run(run_id, timeout)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                streamer.wait(timeout=5)  # the stream ends with the run; give it the last lines
+            return status
+        finally:
+            if streamer.poll() is None:
+                streamer.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    streamer.wait(timeout=5)
+
     # ------------------------------------------------------------------ stop
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM every process this federation started and all their descendants, then SIGKILL."""
@@ -338,6 +366,13 @@ class LocalFederation:
         for process in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
+        targets |= descendants(roots)  # anything spawned while we were stopping
+        settle = time.monotonic() + 15.0  # a SIGKILLed process can take a moment to go on a busy machine
+        while time.monotonic() < settle and any(_alive(pid) for pid in targets):
+            for pid in targets:
+                if _alive(pid):
+                    _signal(pid, signal.SIGKILL)
+            time.sleep(0.2)
 
     def remember_descendants(self) -> None:
         """Note the current process tree (the SuperExec re-parents to init once its parent dies)."""
@@ -465,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     with federation:
         try:
-            federation.start()
+            federation.start(say=lambda line: print(line, flush=True))
             env = f"FLWR_HOME={shlex.quote(str(federation.home))}"
             print(
                 f"SuperLink {federation.address} (TLS, SuperNode auth on); "
@@ -478,19 +513,25 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.5)
                     federation.remember_descendants()
                 return 0
+            print("submitting the run (flwr run builds and ships the app) ...", flush=True)
             run_id = federation.flwr(
-                "run", str(APP_DIR), CONNECTION, "--run-config", args.run, "--format", "json"
+                "run", str(APP_DIR), CONNECTION, "--run-config", args.run, "--format", "json", timeout=300
             ).stdout
             run_id = int(json.loads(run_id[run_id.index("{") :])["run-id"])
-            print(f"run {run_id} submitted; waiting (logs: {env} flwr log {run_id} {CONNECTION})")
-            status = federation.wait_run(run_id, args.timeout)
-            print(federation.run_log(run_id)[-3000:])
+            print(f"run {run_id} submitted; its log follows ({env} flwr log {run_id} {CONNECTION})", flush=True)
+            status = federation.follow_run(run_id, args.timeout)
             print(f"run {run_id}: {status}")
             return 0 if status.endswith("completed") else 1
         except KeyboardInterrupt:
             return 130
         except FederationError as err:
             print(f"error: {err}", file=sys.stderr)
+            return 1
+        except subprocess.TimeoutExpired as err:
+            print(
+                f"error: {' '.join(map(str, err.cmd[:3]))} ... did not answer within {err.timeout:.0f} s",
+                file=sys.stderr,
+            )
             return 1
 
 

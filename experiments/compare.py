@@ -24,13 +24,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import logging
 import math
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,12 +41,12 @@ from experiments.expconfig import (
     load_experiment,
     point_label,
 )
+from experiments.progress import flower_progress
+from experiments.sim import completed_results
 from fcl_flower.config import ConfigError, RunConfig
 
 MIB = 2**20
 METRICS = ("A_avg", "A_T", "F_T")
-STAGE_ROUND_MSG = "[stage %d/%d] round %d/%d (%s)"
-STAGE_DONE_MSG = "[stage %d/%d] accuracy on %d seen classes: %.2f%% (%.1f s)"
 
 
 # ----------------------------------------------------------------------------- running
@@ -71,60 +69,13 @@ def is_complete(path: Path, cfg: RunConfig) -> bool:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    ignore = ("device", "round-timeout", "resume")
-    wanted = {k: v for k, v in cfg.to_mapping().items() if k not in ignore}
-    saved = {k: v for k, v in data.get("config", {}).items() if k not in ignore}
-    return saved == wanted and len(data.get("stages", [])) == cfg.num_tasks and "A_avg" in data
+    from strategies.checkpoint import differing_keys
 
-
-class ProgressHandler(logging.Handler):
-    """Turns the strategies' per-round log lines into a tqdm bar of stages and rounds.
-
-    The staged strategies log "[stage s/T] round r/R (phase)" before each round and
-    "[stage s/T] accuracy ..." after each stage, in the ServerApp's process (the same process
-    for both engines), so no strategy needs to know about progress bars.
-    """
-
-    def __init__(self, bar: Any) -> None:
-        super().__init__(logging.INFO)
-        self.bar = bar
-        self.rounds = 0
-        self.stages = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            if record.msg == STAGE_ROUND_MSG and record.args:
-                stage, total, index, rounds, phase = record.args  # type: ignore[misc]  # LogRecord.args is a tuple here: our own log call
-                self.rounds += 1
-                if self.bar.total != total:
-                    self.bar.reset(total=total)
-                    self.bar.update(stage - 1)
-                self.bar.set_postfix_str(f"stage {stage}/{total} round {index}/{rounds} ({phase})", refresh=True)
-            elif record.msg == STAGE_DONE_MSG and record.args:
-                self.stages += 1
-                stage, total = record.args[0], record.args[1]  # type: ignore[index]  # as above
-                if self.bar.total != total:
-                    self.bar.reset(total=total)
-                self.bar.n = stage
-                self.bar.set_postfix_str(f"stage {stage}/{total}: {record.args[3]:.1f}%", refresh=True)  # type: ignore[index]  # as above
-        except Exception:  # a progress bar must never break a run
-            pass
-
-
-@contextmanager
-def flower_progress(bar: Any, verbose: bool) -> Iterator[ProgressHandler]:
-    from flwr.common.logger import FLOWER_LOGGER, console_handler
-
-    handler = ProgressHandler(bar)
-    FLOWER_LOGGER.addHandler(handler)
-    level = console_handler.level
-    if not verbose:
-        console_handler.setLevel(logging.WARNING)  # the bars replace Flower's INFO lines
-    try:
-        yield handler
-    finally:
-        FLOWER_LOGGER.removeHandler(handler)
-        console_handler.setLevel(level)
+    return (
+        data.get("status") == "completed"
+        and not differing_keys(data.get("config", {}), cfg.result_config())
+        and len(data.get("stages", [])) == cfg.num_tasks
+    )
 
 
 @dataclass
@@ -150,8 +101,12 @@ def execute(
     from tqdm import tqdm
 
     outcomes: list[RunOutcome] = []
-    runs_bar = tqdm(total=len(runs), desc="runs", position=0, disable=not show_progress, dynamic_ncols=True)
-    stage_bar = tqdm(total=1, desc="stages", position=1, leave=False, disable=not show_progress, dynamic_ncols=True)
+    runs_bar = tqdm(
+        total=len(runs), desc="runs", position=0, disable=None if show_progress else True, dynamic_ncols=True
+    )
+    stage_bar = tqdm(
+        total=1, desc="stages", position=1, leave=False, disable=None if show_progress else True, dynamic_ncols=True
+    )
     try:
         for run in runs:
             runs_bar.set_postfix_str(run.name, refresh=True)
@@ -165,10 +120,11 @@ def execute(
             with flower_progress(stage_bar, verbose) as handler:
                 try:
                     if engine == "local":
-                        path = run_local(run.cfg)
+                        run_local(run.cfg)
                     else:
-                        path = run_ray(run.cfg, num_cpus=num_cpus, num_gpus=num_gpus, verbose=verbose)
-                    error = "" if path.exists() else "the run wrote no results.json"
+                        run_ray(run.cfg, num_cpus=num_cpus, num_gpus=num_gpus, verbose=verbose)
+                    path = completed_results(run.cfg)
+                    error = ""
                 except (ConfigError, ValueError) as err:
                     error = f"{type(err).__name__}: {err}"
                 except Exception as err:  # keep going: one broken method must not lose the others

@@ -4,8 +4,7 @@
 
 gives ``/data/fcl/client-0``, ``client-1``, ... Copy ``client-k`` to the machine of client k
 and start its SuperNode with ``--node-config "data-dir='/data/fcl/client-k'"``: that SuperNode
-then holds and reads only its own training samples (all tasks), never another client's, and
-never any test data (the server evaluates). Each folder holds
+then holds and reads only its own samples (all tasks), never another client's. Each folder holds
 
 * ``meta.json``: format, the split settings it was cut with (dataset, seed, num-tasks,
   first-task-classes, num-clients, beta, image-size), its partition id, the task class ranges
@@ -13,6 +12,8 @@ never any test data (the server evaluates). Each folder holds
 * ``task-<t>.npz``: ``images`` (untransformed, as the dataset stores them) and ``labels``
   (class-order positions) of the client's training samples of task t, in the split's order --
   so a run on exported folders computes exactly what the simulation computes;
+* ``test.npz``: the client's held-out samples (its share of the test set, all tasks) for federated
+  evaluation (``evaluation = federated``: the clients' shares partition the test set);
 * ``images/`` (ImageNet-R only): copies of the client's image files.
 
 The flags are the run-config flags of ``experiments/sim.py`` that define the split; the run
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clients.node_data import FORMAT, META_FILE, SPLIT_KEYS
+from clients.node_data import FORMAT, META_FILE, SPLIT_KEYS, TEST_FILE
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import DatasetError, FederatedSplit, LabelledDataset
 
@@ -53,19 +54,26 @@ def export_client(split: FederatedSplit, cfg: RunConfig, client: int, folder: Pa
     folder.mkdir(parents=True)
     kind = split.bundle.train.storage_kind
     counts = {}
-    for t in range(split.num_tasks):
-        data = split.client_train(t, client)
+
+    def write(file: str, data: LabelledDataset, prefix: str) -> None:
         images = raw_items(data)
         if kind == "paths":  # copy the files; store paths relative to the folder
             rel = []
             for i, src in enumerate(images):
-                name = Path("images") / f"t{t}-{i:06d}{Path(src).suffix.lower()}"
+                name = Path("images") / f"{prefix}-{i:06d}{Path(src).suffix.lower()}"
                 (folder / name).parent.mkdir(exist_ok=True)
                 shutil.copyfile(src, folder / name)
                 rel.append(str(name))
             images = np.asarray(rel, dtype=str)
-        np.savez(folder / f"task-{t}.npz", images=images, labels=np.asarray(data.targets, dtype=np.int64))
+        np.savez(folder / file, images=images, labels=np.asarray(data.targets, dtype=np.int64))
+
+    for t in range(split.num_tasks):
+        data = split.client_train(t, client)
+        write(f"task-{t}.npz", data, f"t{t}")
         counts[f"task-{t}"] = len(data)
+    test = split.client_test(split.num_tasks - 1, client)
+    write(TEST_FILE, test, "test")
+    counts["test"] = len(test)
     settings = cfg.to_mapping()
     meta = {
         "format": FORMAT,
@@ -126,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for folder in folders:
         meta = json.loads((folder / META_FILE).read_text())
-        print(f"{folder}: {sum(meta['samples'].values())} training samples ({meta['samples']})")
+        train = sum(v for k, v in meta["samples"].items() if k != "test")
+        print(f"{folder}: {train} training and {meta['samples']['test']} held-out samples ({meta['samples']})")
     return 0
 
 

@@ -11,13 +11,18 @@ The ServerApp and ClientApp are exactly the ones ``flwr run .`` uses.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fcl_flower.config import ConfigError, RunConfig
-from fcl_flower.results import ResultsRecorder
+from fcl_flower.config import RunConfig
+from fcl_flower.results import ResultsRecorder, StageRecord, format_stage_table
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -77,15 +82,51 @@ def run_local(cfg: RunConfig) -> ResultsRecorder:
     return run_experiment(LocalGrid(client_app, cfg.num_clients), cfg)
 
 
+def check_before_start(cfg: RunConfig) -> None:
+    """Everything that can fail before any training, checked before the engine starts (ConfigError
+    and friends, one line): the run folder is writable and not another configuration's, the tracking
+    backends are installed, the dataset loads and splits."""
+    from fcl_flower.config import ConfigError
+    from fcl_flower.runtime import federated_split
+    from fcl_flower.tracking import require_tracking_packages
+    from strategies.checkpoint import check_not_foreign, writable_folder
+
+    if cfg.dataset == "custom":
+        raise ConfigError(
+            "dataset 'custom' runs on SuperNodes that each bring their own data-dir (deploy/README.md); "
+            "the simulation has only partitions of a public dataset"
+        )
+
+    folder = cfg.output_dir
+    created = [p for p in (folder, *folder.parents) if not p.exists()]
+    writable_folder(folder)
+    try:
+        check_not_foreign(cfg)
+        require_tracking_packages(cfg)
+        federated_split(cfg)
+    except BaseException:
+        for path in created:  # leave no empty folders behind a run that never started
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        raise
+
+
 def simulate(cfg: RunConfig, *, num_cpus: float = 1.0, num_gpus: float | None = None, verbose: bool = False) -> Path:
-    """Run the simulation; returns the path of results.json."""
+    """Run the simulation; returns the path of results.json of a completed run.
+
+    Raises the ServerApp's :class:`~strategies.app.RunAborted` (one-line message, ``exit_code``) or
+    any other exception it ended on; :class:`RunIncomplete` if it ended without completing.
+
+    Flower 1.41 deprecates ``flwr.simulation.run_simulation`` in favour of the ``flwr run`` CLI and
+    offers no supported Python launcher (its simulation runtime needs a SuperLink); this is the
+    one place that calls it (README, "The Python launcher").
+    """
     from flwr.simulation import run_simulation
 
     from clients.app import app as client_app
-    from fcl_flower.runtime import federated_split
     from strategies.app import build_server_app
 
-    federated_split(cfg)  # fail fast, with a one-line error, before Ray starts
+    check_before_start(cfg)
     if num_gpus is None:
         num_gpus = default_gpu_share(cfg.num_clients)
     backend_config = {
@@ -99,7 +140,23 @@ def simulate(cfg: RunConfig, *, num_cpus: float = 1.0, num_gpus: float | None = 
         backend_config=backend_config,
         verbose_logging=verbose,
     )
-    return cfg.output_dir / "results.json"
+    return completed_results(cfg)
+
+
+class RunIncomplete(RuntimeError):
+    """The engine returned, but results.json does not say the run completed."""
+
+
+def completed_results(cfg: RunConfig) -> Path:
+    """results.json of ``cfg``'s run if it says ``completed``; RunIncomplete (one line) otherwise."""
+    path = cfg.output_dir / "results.json"
+    try:
+        status = json.loads(path.read_text()).get("status")
+    except (OSError, ValueError):
+        raise RunIncomplete(f"the run left no readable {path}; see the log above") from None
+    if status != "completed":
+        raise RunIncomplete(f"the run ended with status '{status}' ({path}); see the log above")
+    return path
 
 
 def _visible_gpus() -> int:
@@ -112,25 +169,51 @@ def _visible_gpus() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """0: completed; 2: bad flags, config, data or checkpoint (nothing run); 1: the run failed."""
     args = build_parser().parse_args(argv)
+    from strategies.app import USER_ERRORS, RunAborted
+
     try:
         cfg = config_from_args(args)
-        path = simulate(cfg, num_cpus=args.num_cpus, num_gpus=args.num_gpus, verbose=args.ray_verbose)
-    except ConfigError as err:
+        with single_run_progress(cfg, verbose=args.ray_verbose) as drawn:
+            path = simulate(cfg, num_cpus=args.num_cpus, num_gpus=args.num_gpus, verbose=args.ray_verbose)
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except Exception as err:  # data/model errors carry one-line messages for the user
-        from strategies.app import USER_ERRORS
-
-        if isinstance(err, USER_ERRORS):
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        raise
-    if not path.exists():
-        print(f"error: the run produced no results (expected {path}); see the log above", file=sys.stderr)
+    except RunAborted as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except RunIncomplete as err:
+        print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"results: {path}")
+    except Exception as err:  # a bug: show where, then one line
+        traceback.print_exc()
+        print(f"error: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    if drawn:  # the bar replaced the log lines, the table among them
+        print(format_stage_table(load_stages(path)))
+    print(f"results: {path}\n         {path.with_suffix('.csv')}\n         {path.with_suffix('.png')}")
     return 0
+
+
+@contextmanager
+def single_run_progress(cfg: RunConfig, *, verbose: bool) -> Iterator[bool]:
+    """A bar over the stages with the ETA, on an interactive terminal only (experiments/progress.py);
+    yields whether it is drawn."""
+    from tqdm import tqdm
+
+    from experiments.progress import flower_progress
+
+    bar = tqdm(total=cfg.num_tasks, desc="stages", disable=None, dynamic_ncols=True)
+    try:
+        with flower_progress(bar, verbose):
+            yield not bar.disable
+    finally:
+        bar.close()
+
+
+def load_stages(path: Path) -> list[StageRecord]:
+    return [StageRecord(**s) for s in json.loads(path.read_text())["stages"]]
 
 
 if __name__ == "__main__":

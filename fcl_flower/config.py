@@ -9,6 +9,10 @@ through :class:`RunConfig`, so a knob has one name (``num-tasks`` in TOML and me
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import hashlib
+import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,8 +41,24 @@ class RunConfig:
     strategy: str = _knob("stsa", "FCIL method to run (fcl_flower/methods.py lists them).", methods.names)
     dataset: str = _knob(
         "digits",
-        "Dataset (digits is bundled with scikit-learn and works offline).",
-        ("digits", "synthetic", "cifar100", "tiny-imagenet", "imagenet-r"),
+        "Dataset (digits is bundled with scikit-learn and works offline; custom: every site brings its own "
+        "images, the classes come from class-names or task-plan).",
+        ("digits", "synthetic", "cifar100", "tiny-imagenet", "imagenet-r", "custom"),
+    )
+    class_names: str = _knob(
+        "", "dataset custom: the federation's classes in class order, comma-separated ('cat,dog,fox,owl')."
+    )
+    task_plan: str = _knob(
+        "",
+        "dataset custom: a JSON plan file instead of class-names: {classes, optional tasks (lists of class "
+        "names), optional image-shape [C, H, W]} (fcl_flower/data/plan.py).",
+    )
+    evaluation: str = _knob(
+        "central",
+        "Who scores the model after each stage: the server on the dataset's test set (central), the clients "
+        "on their own held-out data, counts summed by the server (federated; the server then opens no "
+        "dataset), or both (central numbers in the table, federated ones in each stage's extra).",
+        ("central", "federated", "both"),
     )
     data_root: str = _knob("", "Folder for downloaded datasets (default ~/.cache/fcl-flower/data).")
     download: bool = _knob(True, "Download a missing dataset (needs the network).")
@@ -110,6 +130,16 @@ class RunConfig:
         24, "Secure aggregation: fixed-point fraction bits (rounding error 2^-(f+1) per entry)."
     )
     secagg_min_clients: int = _knob(2, "Secure aggregation: fewest participants a client accepts in a masked round.")
+    feature_clip: float = _knob(
+        0.0,
+        "Analytic methods: scale every sample's random features to L2 norm at most this bound B "
+        "(0: no clipping). Gives the server's upload check tr(G) <= n B^2 and the per-sample sensitivity of DP noise.",
+    )
+    secagg_signed_keys: bool = _knob(
+        False,
+        "Secure aggregation: every client signs its round keys with its SuperNode key and checks its peers' "
+        "signatures against the operator's list (node config secagg-signing-key, secagg-trusted-keys).",
+    )
     min_class_count: int = _knob(
         1,
         "Clients upload statistics only of classes with at least this many samples (1: all; 3 makes single samples unidentifiable).",
@@ -161,7 +191,10 @@ class RunConfig:
     )
     # --- infrastructure --------------------------------------------------------------------
     out: str = _knob("~/fcl-flower-results", "Output folder (made absolute); results.json goes in <out>/<run-name>.")
-    run_name: str = _knob("", "Sub-folder name for this run (default <strategy>-<dataset>-seed<seed>).")
+    run_name: str = _knob("", "Sub-folder name for this run (default <strategy>-<dataset>-seed<seed>-<config hash>).")
+    overwrite: bool = _knob(
+        False, "Replace the results of another configuration in the run folder (otherwise the run refuses)."
+    )
     round_timeout: float = _knob(3600.0, "Seconds the server waits for client replies in a round.")
     require_all_clients: bool = _knob(
         False, "Retry a round until every client answered instead of going on without the missing ones."
@@ -169,6 +202,15 @@ class RunConfig:
     round_retries: int = _knob(3, "With require-all-clients: how often a round is re-sent before giving up.")
     resume: bool = _knob(False, "Continue from the checkpoint in the output folder.")
     device: str = _knob("auto", "Device for training/feature extraction.", ("auto", "cpu", "cuda"))
+    tracking: str = _knob(
+        "none",
+        "Experiment tracking of the run config, per-round and per-stage metrics, bytes and timings "
+        "(needs the 'tracking' extra): TensorBoard event files, MLflow, or both.",
+        ("none", "tensorboard", "mlflow", "both"),
+    )
+    tracking_uri: str = _knob(
+        "", "MLflow tracking URI (default: a file store in <run folder>/mlruns; e.g. http://host:5000)."
+    )
 
     # ------------------------------------------------------------------------------------
     @staticmethod
@@ -188,11 +230,11 @@ class RunConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, strict: bool = True) -> RunConfig:
-        """Build from run-config/ConfigRecord keys, coercing types; unknown keys are an error."""
+        """Build from run-config/ConfigRecord keys, coercing types; unknown keys are named."""
         by_key = {cls.key(f.name): f for f in cls.knobs()}
         unknown = sorted(set(values) - set(by_key))
         if unknown and strict:
-            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+            raise ConfigError(unknown_keys_message(unknown, by_key))
         kwargs = {}
         for key, value in values.items():
             f = by_key.get(key)
@@ -278,6 +320,8 @@ class RunConfig:
             raise ConfigError(f"pseudo-threshold is a cosine, in [-1, 1] (got {self.pseudo_threshold})")
         if self.round_timeout <= 0:
             raise ConfigError(f"round-timeout must be > 0 seconds (got {self.round_timeout})")
+        if not (self.feature_clip >= 0 and math.isfinite(self.feature_clip)):
+            raise ConfigError(f"feature-clip must be a finite number >= 0 (got {self.feature_clip})")
         if self.min_class_count < 1:
             raise ConfigError(f"min-class-count must be >= 1 (got {self.min_class_count})")
         if not 8 <= self.secagg_fraction_bits <= 48:
@@ -291,6 +335,23 @@ class RunConfig:
             raise ConfigError(
                 f"secure-aggregation works with {secure} (sums over clients); "
                 f"{self.strategy} needs per-client uploads: use min-class-count instead"
+            )
+        if self.dataset == "custom":
+            if not (self.class_names.strip() or self.task_plan):
+                raise ConfigError("dataset 'custom' needs class-names ('cat,dog,...') or task-plan (a JSON plan file)")
+            if self.evaluation != "federated":
+                raise ConfigError(
+                    "dataset 'custom' has no test set on the server: use evaluation='federated' (clients score "
+                    "the model on their own held-out data)"
+                )
+        elif self.class_names or self.task_plan:
+            raise ConfigError(
+                "class-names and task-plan describe dataset 'custom'; the public datasets bring their own"
+            )
+        if self.evaluation == "federated" and self.method.pooled_data:
+            raise ConfigError(
+                f"{self.strategy} pools every client's training data on the server (an upper bound, not a "
+                "federated method): it needs a public dataset and evaluation 'central' or 'both'"
             )
         self.ridge_value()  # parses or raises
         return self
@@ -327,11 +388,52 @@ class RunConfig:
         root = self.data_root or os.path.join("~", ".cache", "fcl-flower", "data")
         return str(Path(root).expanduser().resolve())
 
+    def result_config(self) -> dict[str, bool | int | float | str]:
+        """The knobs that decide what a run computes (all but :data:`OPERATIONAL_KEYS`)."""
+        return {k: v for k, v in self.to_mapping().items() if k not in OPERATIONAL_KEYS}
+
+    def config_hash(self) -> str:
+        """8 hex digits of SHA-256 over the result knobs that differ from their defaults.
+
+        Defaults are left out, so a knob added later (with a default) keeps every hash; two runs
+        that differ in any result knob get different run folders by default.
+        """
+        default = RunConfig().result_config()
+        changed = {k: v for k, v in self.result_config().items() if v != default[k]}
+        return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:8]
+
     @property
     def output_dir(self) -> Path:
         """Absolute: under `flwr run` the app runs from $FLWR_HOME/apps/..., not from here."""
-        name = self.run_name or f"{self.strategy}-{self.dataset}-seed{self.seed}"
+        name = self.run_name or f"{self.strategy}-{self.dataset}-seed{self.seed}-{self.config_hash()}"
         return Path(self.out).expanduser().resolve() / name
+
+
+#: Knobs that say where and how a run executes, not what it computes: they may change between a run
+#: and its resume, and stay out of the config hash of the run folder.
+OPERATIONAL_KEYS = frozenset(
+    {
+        "out",
+        "run-name",
+        "overwrite",
+        "resume",
+        "round-timeout",
+        "require-all-clients",
+        "round-retries",
+        "device",
+        "tracking",
+        "tracking-uri",
+    }
+)
+
+
+def unknown_keys_message(unknown: list[str], known: Mapping[str, Any]) -> str:
+    """``unknown config key 'rnk' (did you mean 'rank'?)`` for each unknown key, in one line."""
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, list(known), n=1)
+        parts.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    return f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(parts)}"
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:

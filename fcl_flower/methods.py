@@ -40,7 +40,10 @@ class Kind(StrEnum):
     TRAIN = "train"
     STATS = "query.stats"
     KEYS = "query.keys"
+    SHARES = "query.shares"
+    UNMASK = "query.unmask"
     INFO = "query.info"
+    EVALUATE = "evaluate"
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class MethodSpec:
     secure_aggregation: bool = False  # the server needs only sums over clients (masked uploads)
     task_pool: bool = False  # runs in STAMP's limitless task pool (partition = task-pool)
     backfill: bool = False  # a client that missed a statistics round sends them later
+    pooled_data: bool = False  # the server trains on every client's data (joint bounds): no federated-only run
     anchor_dim: int = 0  # > 0: the model has an anchor head of this size (LANDER's label-text space)
 
     def phase(self, name: str) -> Phase:
@@ -78,6 +82,8 @@ class MethodSpec:
 COMMON_KNOBS: tuple[str, ...] = (
     "strategy",
     "dataset",
+    "class-names",
+    "task-plan",
     "data-root",
     "download",
     "num-tasks",
@@ -98,19 +104,23 @@ COMMON_KNOBS: tuple[str, ...] = (
     "batch-size",
     "train-head",
     "wire-dtype",
+    "evaluation",
     "out",
     "run-name",
+    "overwrite",
     "round-timeout",
     "require-all-clients",
     "round-retries",
     "resume",
     "device",
+    "tracking",
+    "tracking-uri",
 )
 #: Knobs of local SGD (stage 1 of the analytic methods, every task of the gradient ones).
 SGD_KNOBS = ("stage1-rounds", "local-epochs", "lr", "momentum", "weight-decay", "weighted-fedavg")
 GRADIENT_KNOBS = (*SGD_KNOBS, "rounds-per-task")
-RIDGE_KNOBS = (*SGD_KNOBS, "rf-dim", "ridge", "head", "min-class-count")
-SECURE_KNOBS = ("secure-aggregation", "secagg-fraction-bits", "secagg-min-clients")
+RIDGE_KNOBS = (*SGD_KNOBS, "rf-dim", "ridge", "head", "min-class-count", "feature-clip")
+SECURE_KNOBS = ("secure-aggregation", "secagg-fraction-bits", "secagg-min-clients", "secagg-signed-keys")
 #: Knobs of the server's data-free generator (TARGET, LANDER).
 GENERATOR_KNOBS = (
     "generator-rounds",
@@ -222,6 +232,7 @@ register(
         strategy="strategies.joint:JointStrategy",
         phases=(FEDAVG,),
         knobs=RIDGE_KNOBS,
+        pooled_data=True,
     )
 )
 register(
@@ -269,6 +280,7 @@ register(
         strategy="strategies.joint_gradient:JointGradientStrategy",
         phases=(),
         knobs=GRADIENT_KNOBS,
+        pooled_data=True,
     )
 )
 register(

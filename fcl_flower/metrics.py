@@ -122,3 +122,48 @@ def summarise_clients(per_client: Sequence[Sequence[Sequence[float]]]) -> tuple[
         F_T=float(np.mean([s.F_T for s in each])),
     )
     return mean, each
+
+
+# ---------------------------------------------------------------------------------- federated evaluation
+def class_counts(predictions: np.ndarray, labels: np.ndarray, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per class ``c < num_classes``: (correct predictions, test samples), int64 -- what a client
+    reports under federated evaluation (no sample leaves it, only these counts)."""
+    predictions, labels = np.asarray(predictions), np.asarray(labels)
+    if predictions.shape != labels.shape:
+        raise ValueError(f"predictions {predictions.shape} and labels {labels.shape} differ in shape")
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ValueError(f"labels must lie in [0, {num_classes})")
+    total = np.bincount(labels, minlength=num_classes).astype(np.int64)
+    correct = np.bincount(labels[predictions == labels], minlength=num_classes).astype(np.int64)
+    return correct, total
+
+
+def accuracy_from_counts(
+    correct: np.ndarray, total: np.ndarray, task_of_label: np.ndarray, num_tasks_seen: int
+) -> tuple[float, list[float]]:
+    """:func:`accuracy_by_task` from per-class counts summed over clients (sample-weighted: the
+    same numbers as scoring the union of the clients' test sets at once)."""
+    correct, total = np.asarray(correct, dtype=np.int64), np.asarray(total, dtype=np.int64)
+    if total.sum() == 0:
+        raise ValueError("no test samples to evaluate")
+    tasks = np.asarray(task_of_label)[: len(total)]
+    per_task = []
+    for tau in range(num_tasks_seen):
+        n = int(total[tasks == tau].sum())
+        per_task.append(float(100.0 * (correct[tasks == tau].sum() / n)) if n else float("nan"))
+    # 100 * (c / n), as 100 * mean(hits) in accuracy_by_task: bit-identical to central scoring
+    return float(100.0 * (correct.sum() / total.sum())), per_task
+
+
+def task_pool_rows_from_counts(
+    correct: np.ndarray, total: np.ndarray, client_classes: np.ndarray, stage: int
+) -> np.ndarray:
+    """:func:`task_pool_accuracy` from each client's own per-class counts (``(clients, classes)``)."""
+    correct, total, classes = np.asarray(correct), np.asarray(total), np.asarray(client_classes)
+    out = np.full((classes.shape[0], stage + 1), np.nan)
+    for u in range(classes.shape[0]):
+        for i in range(stage + 1):
+            n = int(total[u, classes[u, i]].sum())
+            if n:
+                out[u, i] = 100.0 * (correct[u, classes[u, i]].sum() / n)
+    return out

@@ -1,19 +1,28 @@
-"""results.json, the per-stage table, and upload-byte accounting.
+"""results.json, results.csv, results.png, the per-stage table, and upload-byte accounting.
 
-The file is rewritten atomically after every stage, so a run killed half-way still leaves a
-valid, complete record of the stages it finished.
+results.json and results.csv are rewritten atomically when the run starts and after every stage,
+so a run killed half-way still leaves a valid, complete record of the stages it finished.
+results.json says how the run went: ``status`` is ``running``, ``completed`` or ``failed`` (with
+``error``, one line). results.png is drawn when the run ends. Trackers (fcl_flower/tracking.py)
+get the same records; a tracker that fails is dropped with a warning, never the run.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fcl_flower.metrics import CILSummary, summarise, summarise_clients
+from fcl_flower.report import plot_run, write_csv
+from fcl_flower.tracking import Tracker
+
+LOG = logging.getLogger("flwr")
 
 
 @dataclass
@@ -34,23 +43,79 @@ class StageRecord:
 
 
 class ResultsRecorder:
-    """Collects StageRecords and writes ``<output_dir>/results.json`` after each stage."""
+    """Collects StageRecords and writes ``<output_dir>/results.json`` (and .csv) after each stage."""
 
-    def __init__(self, output_dir: Path, strategy: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        output_dir: Path,
+        strategy: str,
+        config: dict[str, Any],
+        *,
+        num_tasks: int | None = None,
+        trackers: Sequence[Tracker] = (),
+    ) -> None:
         self.output_dir = Path(output_dir)
         self.strategy = strategy
         self.config = dict(config)
+        self.num_tasks = int(num_tasks if num_tasks is not None else config.get("num-tasks", 0))
         self.stages: list[StageRecord] = []
         self.info: dict[str, Any] = {}
+        self.trackers = list(trackers)
 
     @property
     def path(self) -> Path:
         return self.output_dir / "results.json"
 
+    # ---------------------------------------------------------------- the run's life
+    def start(self) -> None:
+        """The run begins: results.json says ``running`` (and the folder is this config's)."""
+        self.info.update({"status": "running"})
+        self.info.pop("error", None)
+        self.write()
+        self._track(lambda t: t.start(self.config))
+
+    def round(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._track(lambda t: t.round(step, metrics))
+
     def add(self, record: StageRecord) -> None:
         self.stages.append(record)
         self.write()
+        metrics = {
+            "accuracy": record.accuracy,
+            **{f"task_{k + 1}": a for k, a in enumerate(record.per_task_accuracy)},
+            "seconds": record.seconds,
+            "upload_bytes_mean_per_client": _mean(record.upload_bytes_per_client),
+            "left_out": float(len(record.left_out)),
+        }
+        self._track(lambda t: t.stage(record.stage, metrics))
 
+    def finish(self, error: str = "") -> Path | None:
+        """The run ended: ``completed``, or ``failed`` with ``error``; draws results.png. A run that
+        failed before :meth:`start` (e.g. a checkpoint it may not resume) leaves the folder as it was."""
+        if "status" not in self.info:
+            return None
+        self.info["status"] = "failed" if error else "completed"
+        if error:
+            self.info["error"] = error
+        path = self.write()
+        try:
+            plot_run(self.output_dir / "results.png", self.stages, f"{self.strategy}: {self.output_dir.name}")
+        except Exception as err:  # a plot must never turn a finished run into a failed one
+            LOG.warning("results.png not drawn: %s", err)
+        data = self.to_dict()
+        summary: dict[str, float] = {k: float(data[k]) for k in ("A_avg", "A_T", "F_T", "total_seconds") if k in data}
+        self._track(lambda t: t.finish(summary, self.info["status"]))
+        return path
+
+    def _track(self, call: Callable[[Tracker], None]) -> None:
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as err:
+                LOG.warning("tracking: %s failed (%s); it is switched off for this run", type(tracker).__name__, err)
+                self.trackers.remove(tracker)
+
+    # ---------------------------------------------------------------- files
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
             "strategy": self.strategy,
@@ -69,10 +134,15 @@ class ResultsRecorder:
 
     def write(self) -> Path:
         write_json_atomic(self.path, self.to_dict())
+        write_csv(self.output_dir / "results.csv", self.stages, self.num_tasks)
         return self.path
 
     def table(self) -> str:
         return format_stage_table(self.stages)
+
+
+def _mean(per_client: Mapping[str, int]) -> float:
+    return sum(per_client.values()) / len(per_client) if per_client else 0.0
 
 
 def run_summary(stages: list[StageRecord]) -> tuple[CILSummary, dict[str, CILSummary]]:

@@ -14,7 +14,51 @@ from torch.utils.data import DataLoader
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit, LabelledDataset, get_federated_split
 from fcl_flower.data.federated import PROTOCOL_ARGS
+from fcl_flower.data.plan import CUSTOM, FederationLayout, TaskPlan, custom_plan, public_plan
 from fcl_flower.models import IncrementalClassifier, build_classifier, pick_device
+
+
+def task_plan(cfg: RunConfig) -> TaskPlan:
+    """The classes, tasks and input shape of the run, without opening any dataset."""
+    if cfg.dataset == CUSTOM:
+        return custom_plan(
+            class_names=cfg.class_names,
+            plan_file=cfg.task_plan,
+            num_tasks=cfg.num_tasks,
+            first_task_classes=cfg.first_task_classes,
+            image_size=cfg.image_size,
+        )
+    return public_plan(
+        cfg.dataset,
+        seed=cfg.seed,
+        num_tasks=cfg.num_tasks,
+        first_task_classes=cfg.first_task_classes,
+        image_size=cfg.image_size,
+        task_pool=cfg.partition == "task-pool",
+    )
+
+
+def federation_layout(cfg: RunConfig) -> FederationLayout:
+    """Which client holds which task's data, from the plan and the seed alone (no dataset)."""
+    return FederationLayout(
+        task_plan(cfg),
+        cfg.num_clients,
+        cfg.seed,
+        cfg.partition,
+        initial_clients=cfg.initial_clients,
+        joining_per_task=cfg.joining_per_task,
+        old_only_fraction=cfg.old_only_fraction,
+        classes_per_task=cfg.classes_per_task,
+    )
+
+
+def server_split(cfg: RunConfig) -> FederationLayout:
+    """What the ServerApp holds: the whole split where it scores the model itself (evaluation
+    central or both) or pools the data (joint bounds); under federated evaluation only the layout,
+    so it never opens a dataset."""
+    if cfg.evaluation == "federated":
+        return federation_layout(cfg)
+    return federated_split(cfg)
 
 
 def federated_split(cfg: RunConfig) -> FederatedSplit:
@@ -41,9 +85,9 @@ def resolve_device(cfg: RunConfig) -> torch.device:
     return pick_device(prefer_gpu=True)
 
 
-def build_model(cfg: RunConfig, split: FederatedSplit) -> IncrementalClassifier:
+def build_model(cfg: RunConfig, split: FederationLayout) -> IncrementalClassifier:
     """The seeded global model: identical in every process for the same config."""
-    return build_model_for_shape(cfg, split.bundle.num_classes, split.bundle.image_shape)
+    return build_model_for_shape(cfg, split.num_classes, split.image_shape)
 
 
 def build_model_for_shape(cfg: RunConfig, num_classes: int, image_shape: tuple[int, int, int]) -> IncrementalClassifier:
@@ -90,3 +134,30 @@ def predict_logits(
         preds.append(logits.argmax(dim=1).cpu())
         labels.append(y.long())
     return torch.cat(preds), torch.cat(labels)
+
+
+@torch.no_grad()
+def predict_ridge(
+    model: IncrementalClassifier,
+    dataset: LabelledDataset,
+    cfg: RunConfig,
+    device: torch.device,
+    weights: torch.Tensor | None,
+    projection: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(predictions, true labels) of an analytic method's classifier: random features
+    ``R(f) = ReLU(f · W_rand)`` of the frozen backbone's features, scored by the ridge weights W
+    (head ``cosine`` or ``dot``). Without a classifier yet (a failed first stage) every
+    prediction is class 0. The server (central evaluation) and the clients (federated) both
+    score through here, so the two agree sample by sample."""
+    from fcl_flower.analytic import predict, random_features
+
+    phis, labels = [], []
+    for features, y in iter_features(model, dataset, cfg, device):
+        phis.append(random_features(features, projection, cfg.feature_clip))
+        labels.append(y)
+    if not phis:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    phi = torch.cat(phis)
+    w = weights if weights is not None else torch.zeros(phi.shape[1], 1, dtype=torch.float64)
+    return predict(phi, w, cfg.head), torch.cat(labels)  # type: ignore[arg-type]  # head is validated against Head's choices

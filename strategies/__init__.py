@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fcl_flower import methods
 from fcl_flower.config import ConfigError, RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.results import ResultsRecorder
 from strategies.base import StagedStrategy
 
@@ -25,7 +25,7 @@ def strategy_class(name: str) -> type[StagedStrategy]:
     return cls
 
 
-def build_strategy(cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> StagedStrategy:
+def build_strategy(cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> StagedStrategy:
     return strategy_class(cfg.strategy)(cfg, split, recorder)
 
 

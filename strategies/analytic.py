@@ -12,20 +12,26 @@ server and every client: it never travels. Siblings: stsa, stsa-e, fedran, joint
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any, ClassVar, cast
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from fcl_flower.analytic import predict, random_features, random_projection
-from fcl_flower.analytic.heads import Head
+from fcl_flower.analytic import (
+    AnalyticInputError,
+    NotPositiveDefiniteError,
+    random_projection,
+)
+from fcl_flower.analytic.checks import StatisticsRejected
 from fcl_flower.analytic.ridge import GCVRow, RidgeState
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
-from fcl_flower.protocol import Reply, StatsRes, UploadError
+from fcl_flower.data import FederationLayout
+from fcl_flower.protocol import Reply, StatsRes, UploadError, to_record
 from fcl_flower.results import ResultsRecorder
-from fcl_flower.runtime import iter_features
-from strategies.base import Accepted, RoundPlan, StagedStrategy
+from fcl_flower.runtime import predict_ridge
+from strategies.base import Accepted, RoundPlan, StagedStrategy, StageFailed
 from strategies.fedavg import FedAvg
 
 FEDAVG_PHASE = "fedavg"
@@ -34,7 +40,7 @@ FEDAVG_PHASE = "fedavg"
 class AnalyticStrategy(StagedStrategy):
     stats_phase: ClassVar[str | None] = None  # the statistics round of every stage (None: no round)
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
         self.fedavg = FedAvg(self.model, cfg.weighted_fedavg)
         feature_dim = self.model.backbone.feature_dim
@@ -42,6 +48,12 @@ class AnalyticStrategy(StagedStrategy):
         self.rf_dim = feature_dim if self.projection is None else int(self.projection.shape[1])
         self.weights: torch.Tensor | None = None
         self._withheld: dict[str, int] = {}  # samples each client kept back under min-class-count
+
+    @property
+    def feature_bounds(self) -> dict[str, Any]:
+        """What the checks of :mod:`fcl_flower.analytic.checks` may assume of every feature vector:
+        its norm bound (``feature-clip``, 0 = none) and its sign (random ReLU features are >= 0)."""
+        return {"norm_bound": self.cfg.feature_clip, "nonnegative": self.projection is not None}
 
     # ---------------------------------------------------------------- what a sibling says
     @abstractmethod
@@ -83,24 +95,31 @@ class AnalyticStrategy(StagedStrategy):
     def end_stage(self, task: int) -> dict[str, Any]:
         self.model.eval()  # frozen from here on: no later round trains it (keys stay the same
         # on both sides, so the broadcast state still matches the clients' models)
-        self.weights, extra = self.solve(task)
-        withheld, self._withheld = self._withheld, {}
-        if withheld:  # samples withheld under min-class-count are never silent
-            extra["withheld_samples"] = dict(sorted(withheld.items()))
-        return extra
+        try:
+            self.weights, extra = self.solve(task)
+        except (AnalyticInputError, NotPositiveDefiniteError) as err:
+            raise StageFailed(f"the ridge solve failed: {err}") from None
+        return {**extra, **self.pop_withheld()}
 
-    def test_features(self, task: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random features and labels of the test data of every class seen after ``task``."""
-        phis, labels = [], []
-        for features, y in iter_features(self.model, self.split.seen_test(task), self.cfg, self.device):
-            phis.append(random_features(features, self.projection))
-            labels.append(y)
-        return torch.cat(phis), torch.cat(labels)
+    def pop_withheld(self) -> dict[str, Any]:
+        """Samples withheld under min-class-count in this stage (never silent)."""
+        withheld, self._withheld = self._withheld, {}
+        return {"withheld_samples": dict(sorted(withheld.items()))} if withheld else {}
+
+    def stage_failed(self, task: int, reason: str) -> dict[str, Any]:
+        return {**super().stage_failed(task, reason), **self.pop_withheld()}
 
     def predict_seen(self, task: int) -> tuple[np.ndarray, np.ndarray]:
-        assert self.weights is not None, "end_stage solves before evaluation"
-        phi, labels = self.test_features(task)
-        return predict(phi, self.weights, cast(Head, self.cfg.head)).numpy(), labels.numpy()
+        """Predictions of the current classifier on the test data of every seen class (central
+        evaluation; fcl_flower.runtime.predict_ridge, as the clients under federated evaluation)."""
+        preds, labels = predict_ridge(
+            self.model, self.split.seen_test(task), self.cfg, self.device, self.weights, self.projection
+        )
+        return preds.numpy(), labels.numpy()
+
+    def evaluate_arrays(self) -> dict[str, Any]:
+        """What a client needs besides the backbone to score the model: the ridge weights W."""
+        return {} if self.weights is None else {"ridge": to_record({"weights": self.weights})}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "weights": self.weights}
@@ -109,6 +128,15 @@ class AnalyticStrategy(StagedStrategy):
         super().load_state_dict(state)
         self.weights = state["weights"]
         self.model.eval()
+
+
+@contextmanager
+def upload_checks() -> Iterator[None]:
+    """Statistics that no dataset can produce reject the upload, with the check's one-line reason."""
+    try:
+        yield
+    except StatisticsRejected as err:
+        raise UploadError(str(err)) from None
 
 
 def solve_dense(ridge: RidgeState, num_seen: int, cfg: RunConfig) -> tuple[torch.Tensor, dict[str, Any]]:

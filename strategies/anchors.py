@@ -24,7 +24,7 @@ import torch
 from flwr.common.logger import log
 
 from fcl_flower.config import RunConfig
-from fcl_flower.data import DatasetBundle
+from fcl_flower.data.plan import PUBLIC_SHAPES, TaskPlan
 from fcl_flower.fcl.generative import name_anchors
 
 NAME_HASH = "name-hash"
@@ -32,23 +32,26 @@ DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "e
 LTE_NORM = 10.0  # norm of the fallback anchors: that of the LTE the LANDER code ships
 
 
-def class_names(cfg: RunConfig, bundle: DatasetBundle) -> list[str]:
+def class_names(cfg: RunConfig, plan: TaskPlan) -> list[str]:
     """The label text of every class, in class-order position (label) order.
 
-    Digits: the number words. CIFAR-100: the fine label names of the dataset's ``meta`` file
-    (underscores as spaces). Tiny-ImageNet: the first WordNet lemma of each wnid (``words.txt``).
-    Anything else, or a file that cannot be read: ``"class <original id>"``.
+    Public datasets (the plan names each class by its original id): digits, the number words;
+    CIFAR-100, the fine label names of the dataset's ``meta`` file (underscores as spaces);
+    Tiny-ImageNet, the first WordNet lemma of each wnid (``words.txt``); anything else, or a file
+    that cannot be read, ``"class <original id>"``. ``dataset = custom``: the plan's class names.
     """
-    originals = [int(c) for c in bundle.class_order]
+    if plan.dataset not in PUBLIC_SHAPES:
+        return [name.replace("_", " ") for name in plan.class_names]
+    originals = [int(c) for c in plan.class_names]
     table: dict[int, str] = {}
     try:
-        if bundle.name == "digits":
+        if plan.dataset == "digits":
             table = dict(enumerate(DIGIT_NAMES))
-        elif bundle.name == "cifar100":
+        elif plan.dataset == "cifar100":
             with open(Path(cfg.data_dir) / "cifar-100-python" / "meta", "rb") as handle:
                 meta = pickle.load(handle, encoding="latin1")
             table = dict(enumerate(meta["fine_label_names"]))
-        elif bundle.name == "tiny-imagenet":
+        elif plan.dataset == "tiny-imagenet":
             folder = Path(cfg.data_dir) / "tiny-imagenet-200"
             wnids = sorted({w.strip() for w in (folder / "wnids.txt").read_text().splitlines() if w.strip()})
             words = dict(
@@ -56,7 +59,7 @@ def class_names(cfg: RunConfig, bundle: DatasetBundle) -> list[str]:
             )
             table = {i: words.get(w, w).split(",")[0].strip() for i, w in enumerate(wnids)}
     except (OSError, KeyError, ValueError, pickle.UnpicklingError) as err:
-        log(WARNING, "LANDER: no class names for %s (%s); using 'class <id>'", bundle.name, type(err).__name__)
+        log(WARNING, "LANDER: no class names for %s (%s); using 'class <id>'", plan.dataset, type(err).__name__)
         table = {}
     return [str(table.get(c, f"class {c}")).replace("_", " ") for c in originals]
 

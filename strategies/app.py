@@ -1,9 +1,13 @@
 """The ServerApp (``[tool.flwr.app.components] serverapp``): builds the run from its configuration
-and hands it to the strategy of the chosen method."""
+and hands it to the strategy of the chosen method.
+
+A run that cannot go on ends with one log line and :class:`RunAborted`, an exception, so that every
+launcher sees the failure: ``flwr run`` records the run as ``finished:failed`` (``flwr ls``), and
+experiments/sim.py exits non-zero. results.json then says ``"status": "failed"`` with the error.
+"""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from logging import ERROR
 from typing import Any
@@ -15,19 +19,51 @@ from flwr.serverapp import Grid, ServerApp
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import DatasetError
 from fcl_flower.models import ModelError
+from fcl_flower.quiet import quiet_known_noise
 from fcl_flower.results import ResultsRecorder
-from fcl_flower.runtime import federated_split
+from fcl_flower.runtime import server_split
+from fcl_flower.state_io import StateError
+from fcl_flower.tracking import make_trackers
 from strategies import build_strategy
+from strategies.checkpoint import open_run_folder
+from strategies.loop import RunFailed
 
-USER_ERRORS = (ConfigError, DatasetError, ModelError)
+#: Errors that are the user's to fix (config, data, model, checkpoint): one line, no traceback.
+USER_ERRORS = (ConfigError, DatasetError, ModelError, StateError)
+#: Errors the run ends on by design (require-all-clients and a client missing): one line too.
+RUN_ERRORS = (RunFailed,)
+
+
+class RunAborted(RuntimeError):
+    """The run stopped on an error whose one-line message was logged; ``exit_code`` for launchers:
+    2 for a configuration/data error (nothing was computed), 1 for a run that failed under way."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def run_experiment(grid: Grid, cfg: RunConfig) -> ResultsRecorder:
-    """Everything a run does, given a grid of connected client nodes."""
-    split = federated_split(cfg)
-    recorder = ResultsRecorder(cfg.output_dir, cfg.strategy, cfg.to_mapping())
-    strategy = build_strategy(cfg, split, recorder)
-    strategy.start(grid)
+    """Everything a run does, given a grid of connected client nodes.
+
+    Before any training: the run folder is made, checked writable and not another configuration's,
+    and locked; the dataset is checked (under federated evaluation the server opens none: it holds
+    only the task plan). results.json says ``running`` from the start and
+    ``completed`` or ``failed`` (with the error) at the end; results.png is drawn then.
+    """
+    with open_run_folder(cfg) as folder:
+        split = server_split(cfg)
+        trackers = make_trackers(cfg, folder)
+        recorder = ResultsRecorder(folder, cfg.strategy, cfg.to_mapping(), num_tasks=cfg.num_tasks, trackers=trackers)
+        strategy = build_strategy(cfg, split, recorder)
+        try:
+            strategy.start(grid)
+        except BaseException as err:
+            recorder.finish(
+                error=f"{type(err).__name__}: {err}" if not isinstance(err, USER_ERRORS + RUN_ERRORS) else str(err)
+            )
+            raise
+        recorder.finish()
     return recorder
 
 
@@ -42,10 +78,14 @@ def build_server_app(overrides: Mapping[str, Any] | None = None) -> ServerApp:
             cfg = RunConfig.from_mapping({**dict(context.run_config), **dict(overrides or {})})
             run_experiment(grid, cfg)
         except USER_ERRORS as err:
-            log(ERROR, "fcl-flower: %s", err)
-            sys.exit(2)
+            log(ERROR, "fcl-flower: error: %s", err)
+            raise RunAborted(str(err), exit_code=2) from None
+        except RUN_ERRORS as err:
+            log(ERROR, "fcl-flower: the run failed: %s", err)
+            raise RunAborted(str(err), exit_code=1) from None
 
     return app
 
 
+quiet_known_noise()
 app = build_server_app()

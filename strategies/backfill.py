@@ -8,8 +8,8 @@ equals the fault-free run's. Stage extras record who still owes which stage
 (``statistics_missing``) and whose late statistics arrived (``backfilled``); ``missing`` is part
 of the checkpoint.
 
-Under secure aggregation every participant must send every record for the masks to cancel, so
-each one answers for every owed stage, with zeros for stages it does not owe itself.
+Under secure aggregation late statistics ride inside the regular masked upload instead
+(strategies/stsa.py); :meth:`Backfill.strike` records them.
 """
 
 from __future__ import annotations
@@ -39,32 +39,22 @@ class Backfill(Generic[P]):
         """What a statistics round asks for: client id -> tasks it owes."""
         return {int(c.rsplit("-", 1)[1]): tuple(tasks) for c, tasks in self.missing.items() if tasks}
 
-    def read(self, client: str, reply: StatsRes, read: Callable[[int, ArrayRecord], P], *, secure: bool) -> Late[P]:
+    def read(self, client: str, reply: StatsRes, read: Callable[[int, ArrayRecord], P]) -> Late[P]:
         """The late statistics in ``reply``, each read like an on-time upload of its task.
 
         Only tasks this client owes are accepted: anything else would count its data twice, so
         the whole reply is rejected (its on-time statistics included).
         """
         owed = self.missing.get(client, [])
-        asked = sorted({t for ts in self.missing.values() for t in ts}) if secure else owed
         late: Late[P] = {}
         for task, upload in reply.backfill.items():
             name = f"backfill-{task}"
-            if task not in asked:
+            if task not in owed:
                 raise UploadError(f"record '{name}' was not asked for ({client} owes stages {[t + 1 for t in owed]})")
-            if task not in owed and upload.num_examples:
-                raise UploadError(
-                    f"record '{name}' carries {upload.num_examples} samples of a stage {client} does not owe"
-                )
             try:
                 late[task] = (read(task, upload.arrays), upload.num_examples)
             except UploadError as err:
                 raise UploadError(f"record '{name}': {err}") from None
-        if secure and sorted(late) != asked:
-            raise UploadError(
-                f"secure round: backfill records for stages {[t + 1 for t in sorted(late)]}, "
-                f"expected {[t + 1 for t in asked]}"
-            )
         return late
 
     def fold(
@@ -83,15 +73,19 @@ class Backfill(Generic[P]):
         for task, replies in sorted(by_task.items()):
             add(task, replies)
             for reply in replies:
-                if task not in self.missing.get(reply.client, []):
-                    continue  # a secure round's zero record from a client that did not owe it
-                self.missing[reply.client].remove(task)
-                if not self.missing[reply.client]:
-                    del self.missing[reply.client]
-                self.arrived.setdefault(reply.client, []).append(task)
-                log(INFO, "%s backfilled its statistics of stage %d", reply.client, task + 1)
+                self.strike(reply.client, task)
             if not any(task in owed for owed in self.missing.values()):
                 release(task)
+
+    def strike(self, client: str, task: int) -> None:
+        """``client``'s statistics of ``task`` are in."""
+        if task not in self.missing.get(client, []):
+            return
+        self.missing[client].remove(task)
+        if not self.missing[client]:
+            del self.missing[client]
+        self.arrived.setdefault(client, []).append(task)
+        log(INFO, "%s backfilled its statistics of stage %d", client, task + 1)
 
     def note_missing(self, task: int, answered: set[str]) -> list[str]:
         """Every client without an accepted upload in the task's statistics round owes ``task``."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import secrets
 from abc import abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any, Generic, TypeVar
@@ -37,7 +37,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from fcl_flower import methods
 from fcl_flower.averaging import cosine_lr
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.methods import Kind
 from fcl_flower.metrics import accuracy_by_task, task_pool_accuracy
 from fcl_flower.models import trainable_state
@@ -77,6 +77,15 @@ class RoundPlan:
     lr: float = 0.0  # learning rate for this round (train rounds)
 
 
+class StageFailed(RuntimeError):
+    """The stage cannot produce a classifier (no valid statistics, a sum that fails its checks, a
+    secure sum that cannot be opened, a solve that fails): the previous classifier is kept."""
+
+
+class RoundFailed(RuntimeError):
+    """No reply of a round could be accepted."""
+
+
 @dataclass(frozen=True)
 class Accepted(Generic[P]):
     """A reply that passed every check: which client, how many examples, the method's payload."""
@@ -90,7 +99,7 @@ class Accepted(Generic[P]):
 class StagedStrategy(Strategy):
     """Base class: the protocol, the Flower hooks and the components; methods subclass it."""
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         self.cfg = cfg
         self.method = methods.get(cfg.strategy)
         self.split = split
@@ -138,12 +147,21 @@ class StagedStrategy(Strategy):
         """What the clients receive: the trainable state of the global model."""
         return to_record(trainable_state(self.model))
 
+    def stage_failed(self, task: int, reason: str) -> dict[str, Any]:
+        """The stage failed (:class:`StageFailed`): keep the previous classifier; result extras."""
+        self.model.eval()
+        return {"failed": reason}
+
     def state_dict(self) -> dict[str, Any]:
         """Everything the server needs to continue after a crash (extended by subclasses)."""
-        return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}}
+        return {
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "nodes": self.nodes.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
+        self.nodes.load_state_dict(state.get("nodes", {}))
 
     # ------------------------------------------------------------------ helpers for methods
     def num_seen(self, task: int) -> int:
@@ -157,8 +175,32 @@ class StagedStrategy(Strategy):
         """``rounds`` local-SGD rounds with the per-round cosine learning rate."""
         return [self.round_plan(task, phase, i, rounds, cosine_lr(self.cfg.lr, i, rounds)) for i in range(rounds)]
 
-    def score_stage(self, task: int) -> tuple[float, list[float], dict[str, Any]]:
+    def score_stage(self, task: int, grid: Grid | None = None) -> tuple[float, list[float], dict[str, Any]]:
         """(stage accuracy, per-task accuracies, result extras) of the global model after ``task``.
+
+        ``evaluation`` central: the server scores its test set (:meth:`score_central`); federated:
+        the clients score their own held-out data and send counts (strategies/evaluation.py);
+        both: the central numbers, and the federated ones in ``extra["federated_evaluation"]``.
+        """
+        mode = self.cfg.evaluation
+        if mode == "central" or grid is None:
+            return self.score_central(task)
+        from strategies import evaluation
+
+        scores = evaluation.collect(self, grid, task)
+        accuracy, per_task, extra = evaluation.score(self, scores, task)
+        if mode == "federated":
+            return accuracy, per_task, {**extra, "evaluation": {"mode": "federated", **scores.summary()}}
+        central = self.score_central(task)
+        federated = {"accuracy": accuracy, "per_task_accuracy": per_task, **extra, **scores.summary()}
+        return central[0], central[1], {**central[2], "federated_evaluation": federated}
+
+    def evaluate_arrays(self) -> dict[str, Any]:
+        """Extra records of the evaluate message besides the global model (analytic: W)."""
+        return {}
+
+    def score_central(self, task: int) -> tuple[float, list[float], dict[str, Any]]:
+        """The server scores the global model on the test data of all seen classes.
 
         Shared task stream: accuracy over all seen test samples and per global task. STAMP's
         task pool (``partition = task-pool``): every client is scored on its own tasks' test
@@ -193,11 +235,14 @@ class StagedStrategy(Strategy):
         plan: RoundPlan,
         attempt: int,
         exclude: set[int],
-        instruction: Instruction | None = None,
+        build: Callable[[int], Instruction] | None = None,
         only: set[int] | None = None,
+        side: bool = False,
     ) -> list[Message]:
-        """The round's messages for ``attempt``: one per target node not in ``exclude``
-        (and in ``only``, if given), all carrying ``instruction`` (default: the plan's)."""
+        """The round's messages for ``attempt``: one per target node not in ``exclude`` (and in
+        ``only``, if given); ``build(node)`` makes each node's instruction (default: the plan's).
+        ``side``: an exchange whose replies its caller parses (a secure round's key, share and
+        unmask steps), not the round's own replies that :meth:`aggregate_train` parses."""
         targets = self.nodes.targets(
             self.nodes.connected(grid),
             plan.task,
@@ -208,14 +253,20 @@ class StagedStrategy(Strategy):
         )
         self._round_expected = targets.expected
         self.accounting.expect(targets.expected)
+        for client, nodes in self.nodes.contested.items():
+            self.accounting.reject(client_name(client), f"contested by nodes {', '.join(map(str, nodes))}")
         if targets.sampled is not None:
             self.accounting.sampled(self.server_round, targets.sampled)
-        ins = instruction or self.instruction(plan, self.header(plan, attempt))
+        if build is None:
+            shared = self.instruction(plan, self.header(plan, attempt))
+            build = lambda node: shared  # noqa: E731 (one instruction for every node)
         out = []
         for node in targets.nodes:
             if node in exclude or (only is not None and node not in only):
                 continue
-            self._sent[node] = ins.header
+            ins = build(node)
+            if not side:
+                self._sent[node] = ins.header
             out.append(ins.to_message(node))
         return out
 
@@ -224,12 +275,16 @@ class StagedStrategy(Strategy):
         plan = self._require_plan()
         header = Header(self.run_id, "info", plan.task, plan.task + 1, self.server_round, 0)
         ins = InfoIns(header, self.cfg)
+        claims: dict[int, int] = {}
         for message in grid.send_and_receive([ins.to_message(n) for n in node_ids], timeout=self.cfg.round_timeout):
             node = message.metadata.src_node_id
             try:
-                self.nodes.learn(node, self.client_id(parse_reply(message, header, Kind.INFO)))
+                if node not in node_ids:
+                    raise ProtocolError("an answer from a node that was not asked")
+                claims[node] = self.client_id(parse_reply(message, header, Kind.INFO))
             except ProtocolError as err:
-                log(WARNING, "node %d did not say which client it serves (%s); it is not sampled", node, err)
+                log(WARNING, "node %d did not say which client it serves (%s); it gets no round", node, err)
+        self.nodes.first_contact(claims)
 
     # ------------------------------------------------------------------ Flower hooks
     def summary(self) -> None:
@@ -268,7 +323,7 @@ class StagedStrategy(Strategy):
             self.accounting.accept(item.client, payload_bytes(message.content), message_bytes(message.content))
             accepted.append(item)
         if not accepted:
-            raise RuntimeError(f"round {server_round}: no valid reply; see the rejected uploads above")
+            raise RoundFailed(f"round {server_round}: no valid reply")
         # Replies arrive in whatever order the nodes finish; aggregating in client order makes
         # every float sum (and any seeded shuffle of the replies) independent of that order.
         accepted.sort(key=lambda a: client_order(a.client))
@@ -280,7 +335,7 @@ class StagedStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        return []  # evaluation is central: the server holds the test data of all seen classes
+        return []  # the stage loop runs evaluation itself, after each stage (score_stage)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return None
@@ -307,6 +362,12 @@ class StagedStrategy(Strategy):
             raise UploadError(f"partition-id {reply.client} outside 0..{self.cfg.num_clients - 1}")
         return reply.client
 
+    def identify(self, node: int, reply: Reply) -> str:
+        """The client a reply speaks for: the one its node is mapped to (see strategies/nodes.py)."""
+        client = self.client_id(reply)
+        self.nodes.claim(node, client)
+        return client_name(client)
+
     def accept(self, plan: RoundPlan, message: Message, taken: set[str]) -> Accepted[Any]:
         """Identify, parse and check one reply; ``taken``: clients already accepted this round.
 
@@ -319,16 +380,21 @@ class StagedStrategy(Strategy):
             if sent is None:
                 raise UploadError("reply from a node this round was not sent to")
             reply = parse_reply(message, sent, plan.kind)
-            client = client_name(self.client_id(reply))
-            self.nodes.learn(node, reply.client)
+            client = self.identify(node, reply)
             if client in taken:
                 claimed, client = client, f"node-{node}"  # name the sender: `claimed` is already in
                 raise UploadError(f"duplicate upload: {claimed} already uploaded in this round")
-            return Accepted(client, reply.num_examples, self.read_reply(plan, reply), reply)
+            try:
+                payload = self.read_reply(plan, reply)
+            except ProtocolError:
+                raise
+            except Exception as exc:  # any failure on an untrusted reply rejects that reply, never the run
+                raise UploadError(f"cannot read the upload ({type(exc).__name__}: {exc})") from None
+            return Accepted(client, reply.num_examples, payload, reply)
         except ProtocolError as err:
-            claim = err.claimed_client
-            if client.startswith("node-") and claim is not None and 0 <= claim < self.cfg.num_clients:
-                client = client_name(claim)
+            mapped = self.nodes.client_of.get(node)
+            if client.startswith("node-") and mapped is not None:
+                client = client_name(mapped)  # the node's own client, whatever the reply claimed
             error = err if isinstance(err, UploadError) else UploadError(str(err))
             error.client = client
             raise error from None

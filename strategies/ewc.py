@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fcl_flower.config import ConfigError, RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.fcl.ewc import aggregate_fishers, merge_task_fishers, trainable_parameters
 from fcl_flower.protocol import Instruction, Reply, StatsRes, TrainIns, UploadError, cast_for_wire, to_record
 from fcl_flower.protocol.payloads import read_fisher
@@ -37,7 +37,7 @@ FISHER_PHASE = "ewc-stats"
 class EWCStrategy(GradientStrategy):
     later_phase = "ewc"
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
         if cfg.ewc_lambda < 0:
             raise ConfigError(f"ewc-lambda must be >= 0 (got {cfg.ewc_lambda})")

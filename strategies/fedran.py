@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fcl_flower.analytic.checks import check_lowrank_statistics, wire_epsilon
 from fcl_flower.analytic.communication import WIRE_DTYPE_BYTES, fedran_upload_numbers
 from fcl_flower.analytic.lowrank import (
     LowRankError,
@@ -24,11 +25,12 @@ from fcl_flower.analytic.lowrank import (
 from fcl_flower.analytic.ridge import GCVRow
 from fcl_flower.analytic.subspace import pad_label_corr, select_subspace_ridge_gcv, solve_subspace_ridge
 from fcl_flower.config import ConfigError, RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import FedranReport, Instruction, StatsIns, StatsRes, UploadError
+from fcl_flower.protocol.arrays import WIRE_DTYPES
 from fcl_flower.protocol.payloads import FedranStats
 from fcl_flower.results import ResultsRecorder
-from strategies.analytic import AnalyticStrategy, ridge_extras
+from strategies.analytic import AnalyticStrategy, ridge_extras, upload_checks
 from strategies.base import Accepted, RoundPlan
 
 
@@ -54,14 +56,15 @@ class FedRANStrategy(AnalyticStrategy):
     summed over the clients.
 
     Uploads are checked (only U, σ, B; shapes; finite; σ descending ≥ 0; UᵀU = I; r_k ≤ min(r, ñ, M);
-    consistent counts) and a bad one is rejected alone. A client missing from a stage is recorded
+    consistent counts; ‖B‖_F ≤ σ₁√ñ, B ≥ 0 for ReLU features and the feature-clip bounds, see
+    fcl_flower/analytic/checks.py) and a bad one is rejected alone. A client missing from a stage is recorded
     in ``left_out`` and not asked again: FedRAN does not backfill, because a truncated merge
     depends on the order in which summaries arrive.
     """
 
     stats_phase = "fedran-stats"
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
         self.bytes_per_number = WIRE_DTYPE_BYTES[cfg.wire_dtype]
         self.summary_state = LowRankSummary.empty(self.rf_dim)
@@ -133,6 +136,14 @@ class FedRANStrategy(AnalyticStrategy):
             raise UploadError("num-examples differs from labelled + accepted pseudo-labelled - withheld samples")
         if not counts.pseudo_correct <= counts.pseudo_accepted <= counts.pseudo_unlabelled:
             raise UploadError("pseudo-label counts are inconsistent (correct <= accepted <= unlabelled)")
+        with upload_checks():
+            check_lowrank_statistics(
+                stats.singular_values,
+                stats.label_corr,
+                n,
+                relative_tolerance=wire_epsilon(WIRE_DTYPES[self.cfg.wire_dtype]),
+                **self.feature_bounds,
+            )
         try:
             summary = LowRankSummary(stats.basis, stats.singular_values, n)
         except LowRankError as err:

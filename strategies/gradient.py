@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import Reply
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import predict_logits
@@ -25,7 +25,7 @@ class GradientStrategy(StagedStrategy):
     first_phase: ClassVar[str] = "fedavg"
     later_phase: ClassVar[str] = "fedavg"
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
         self.fedavg = FedAvg(self.model, cfg.weighted_fedavg)
 

@@ -10,7 +10,7 @@ import torch
 from fcl_flower.analytic import StatisticsAccumulator, random_features
 from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import StatsRes, UploadError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import iter_features
@@ -21,9 +21,9 @@ from strategies.base import Accepted, RoundPlan
 class JointStrategy(AnalyticStrategy):
     stats_phase = None
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
-        self.ridge = RidgeState.empty(self.rf_dim, split.bundle.num_classes)
+        self.ridge = RidgeState.empty(self.rf_dim, split.num_classes)
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
         raise UploadError("joint has no statistics round")
@@ -36,7 +36,7 @@ class JointStrategy(AnalyticStrategy):
         accumulator = StatisticsAccumulator(self.rf_dim, len(classes), with_gram=True)
         pooled = self.split.task_train(task, eval_transform=True)
         for features, y in iter_features(self.model, pooled, self.cfg, self.device):
-            accumulator.update(random_features(features, self.projection), y - classes.start)
+            accumulator.update(random_features(features, self.projection, self.cfg.feature_clip), y - classes.start)
         stats = accumulator.result()
         assert stats.gram is not None
         self.ridge.add(classes, stats.gram, stats.class_sums, stats.num_samples)

@@ -32,7 +32,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.models import load_trainable_state, trainable_state
 from fcl_flower.protocol import Instruction, TrainIns, TrainRes, to_record
 from fcl_flower.results import ResultsRecorder
@@ -46,11 +46,11 @@ class LANDERStrategy(GradientStrategy):
     first_phase = "lander"
     later_phase = "lander"
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
-        names = class_names(cfg, split.bundle)
+        names = class_names(cfg, split.plan)
         self.anchors, self.anchor_source = label_text_embeddings(names, cfg.text_encoder, self.method.anchor_dim)
-        self.replay = DataFreeReplay(cfg, split.bundle.image_shape, "lander", self.device, anchors=self.anchors)
+        self.replay = DataFreeReplay(cfg, split.image_shape, "lander", self.device, anchors=self.anchors)
         self.teacher: dict[str, torch.Tensor] | None = None
         self._anchor_record = to_record({"anchors": self.anchors})
         self._records: tuple[ArrayRecord, ArrayRecord] | None = None

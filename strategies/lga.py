@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from fcl_flower.config import ConfigError, RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.fcl.lga_proxy import (
     BestOldModelTracker,
     class_feature_variance,
@@ -58,16 +58,15 @@ class LGAStrategy(GradientStrategy):
     first_phase = "lga"
     later_phase = "lga"
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
         if self.cfg.proxy_iterations < 0:
             raise ConfigError(f"proxy-iterations must be >= 0 (got {self.cfg.proxy_iterations})")
-        bundle = self.split.bundle
-        self.encoder = gradient_encoder(bundle.image_shape, bundle.num_classes, self.cfg.seed)
+        self.encoder = gradient_encoder(self.split.image_shape, self.split.num_classes, self.cfg.seed)
         self.encoder_shapes = [tuple(p.shape) for p in self.encoder.parameters()]
         self.teacher: dict[str, torch.Tensor] | None = None
         self.tracker: BestOldModelTracker[dict[str, torch.Tensor]] = BestOldModelTracker()
-        self.monitor_images = torch.zeros(0, *bundle.image_shape)
+        self.monitor_images = torch.zeros(0, *self.split.image_shape)
         self.monitor_labels = torch.zeros(0, dtype=torch.int64)
         self.omega = 0.0
         self._stage_log: dict[str, Any] = {}
@@ -134,7 +133,7 @@ class LGAStrategy(GradientStrategy):
                     self.encoder,
                     grads,
                     inferred,
-                    self.split.bundle.image_shape,
+                    self.split.image_shape,
                     iterations=self.cfg.proxy_iterations,
                     generator=gen,
                 )

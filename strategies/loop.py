@@ -2,6 +2,12 @@
 
 After each stage the server state is checkpointed atomically, so ``resume`` continues from the
 next stage and ends with the same classifier as an uninterrupted run.
+
+Failures caused by clients never crash the run. A training round with no acceptable reply leaves
+the model as it was; a stage that cannot produce a classifier (:class:`StageFailed`: no valid
+statistics, a sum that fails its checks, a secure sum that cannot be opened) keeps the previous
+classifier and is recorded as failed, with the reason, in results.json (``extra.failed``). With
+``require-all-clients`` either stops the run with one line (:class:`RunFailed`).
 """
 
 from __future__ import annotations
@@ -15,11 +21,17 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
+from fcl_flower.methods import Kind
 from fcl_flower.results import StageRecord, format_stage_table
+from strategies.base import RoundFailed, StageFailed
 from strategies.checkpoint import resumable_config
 
 if TYPE_CHECKING:
     from strategies.base import StagedStrategy
+
+
+class RunFailed(RuntimeError):
+    """A round or stage failed while ``require-all-clients`` asks for every client in every round."""
 
 
 def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Result:
@@ -28,39 +40,38 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
     strategy.summary()
     result = Result()
     first_task = restore(strategy) if cfg.resume else 0
+    strategy.recorder.start()
     for task in range(first_task, strategy.num_tasks):
         began = time.perf_counter()
         strategy.accounting.reset()
         plans = strategy.plan_stage(task)
-        for plan in plans:
-            strategy.begin_round(plan)
+        try:
+            for plan in plans:
+                run_one_round(strategy, grid, plan, timeout, result)
+            extra = strategy.end_stage(task)
+        except StageFailed as failure:
+            if cfg.require_all_clients:
+                raise RunFailed(f"stage {task + 1} failed: {failure} (require-all-clients is set)") from None
             log(
-                INFO,
-                "[stage %d/%d] round %d/%d (%s)",
+                WARNING,
+                "[stage %d/%d] failed, the previous classifier is kept: %s",
                 task + 1,
                 strategy.num_tasks,
-                plan.index + 1,
-                plan.total,
-                plan.phase,
+                failure,
             )
-            replies = strategy.run_round(grid, plan, timeout)
-            arrays, metrics = strategy.aggregate_train(strategy.server_round, replies)
-            if metrics is not None:
-                result.train_metrics_clientapp[strategy.server_round] = metrics
-            if arrays is not None:
-                result.arrays = arrays
-        extra = strategy.end_stage(task)
-        record = stage_record(strategy, task, rounds=len(plans), began=began, extra=extra)
+            extra = strategy.stage_failed(task, str(failure))
+        record = stage_record(strategy, task, rounds=len(plans), began=began, extra=extra, grid=grid)
         strategy.recorder.add(record)
         save(strategy, task)
         log(
             INFO,
-            "[stage %d/%d] accuracy on %d seen classes: %.2f%% (%.1f s)",
+            STAGE_DONE_MSG,
             task + 1,
             strategy.num_tasks,
             strategy.num_seen(task),
             record.accuracy,
             record.seconds,
+            eta(strategy.recorder.stages, strategy.num_tasks),
         )
         if record.left_out:
             log(
@@ -75,10 +86,69 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
     return result
 
 
+STAGE_ROUND_MSG = "[stage %d/%d] round %d/%d (%s)"
+STAGE_DONE_MSG = "[stage %d/%d] accuracy on %d seen classes: %.2f%% (%.1f s%s)"
+
+
+def eta(stages: list[StageRecord], num_tasks: int) -> str:
+    """``; ETA 1 min 24 s``: the stages left times the mean time of the stages after the first.
+    Stage 1 alone says nothing about the others (it also trains the backbone, or not), so until a
+    second stage is done the ETA waits for it; empty after the last stage."""
+    left = num_tasks - len(stages)
+    if left <= 0 or not stages:
+        return ""
+    if len(stages) < 2:
+        return "; ETA after stage 2"
+    later = stages[1:]
+    seconds = left * sum(s.seconds for s in later) / len(later)
+    minutes, rest = divmod(round(seconds), 60)
+    return f"; ETA {minutes} min {rest} s" if minutes else f"; ETA {rest} s"
+
+
+def run_one_round(strategy: StagedStrategy, grid: Grid, plan: Any, timeout: float, result: Result) -> None:
+    strategy.begin_round(plan)
+    began = time.perf_counter()
+    uploaded = sum(strategy.accounting.upload.values())
+    rejected = len(strategy.accounting.rejected)
+    log(
+        INFO,
+        STAGE_ROUND_MSG,
+        plan.task + 1,
+        strategy.num_tasks,
+        plan.index + 1,
+        plan.total,
+        plan.phase,
+    )
+    replies = strategy.run_round(grid, plan, timeout)
+    try:
+        arrays, metrics = strategy.aggregate_train(strategy.server_round, replies)
+    except RoundFailed as failure:
+        strategy.recorder.round(strategy.server_round, {"seconds": time.perf_counter() - began, "replies": 0.0})
+        if strategy.cfg.require_all_clients:
+            raise RunFailed(f"{failure} (require-all-clients is set)") from None
+        if plan.kind is not Kind.TRAIN:  # a statistics round without statistics: no classifier
+            raise StageFailed(f"{failure}: no statistics") from None
+        log(WARNING, "%s: the model is left as it was", failure)
+        return
+    strategy.recorder.round(
+        strategy.server_round,
+        {
+            "seconds": time.perf_counter() - began,
+            "replies": float(metrics["num-clients"]) if metrics is not None else 0.0,  # type: ignore[arg-type]  # ints we put there
+            "rejected": float(len(strategy.accounting.rejected) - rejected),
+            "upload_bytes": float(sum(strategy.accounting.upload.values()) - uploaded),
+        },
+    )
+    if metrics is not None:
+        result.train_metrics_clientapp[strategy.server_round] = metrics
+    if arrays is not None:
+        result.arrays = arrays
+
+
 def stage_record(
-    strategy: StagedStrategy, task: int, *, rounds: int, began: float, extra: dict[str, Any]
+    strategy: StagedStrategy, task: int, *, rounds: int, began: float, extra: dict[str, Any], grid: Grid | None = None
 ) -> StageRecord:
-    accuracy, per_task, scores = strategy.score_stage(task)
+    accuracy, per_task, scores = strategy.score_stage(task, grid)
     accounting = strategy.accounting
     extra = {**extra, **scores, **accounting.sampling_extra()}
     old_only = strategy.split.old_only

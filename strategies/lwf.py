@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fcl_flower.config import ConfigError, RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.models import trainable_state
 from fcl_flower.protocol import Instruction, TrainIns, to_record
 from fcl_flower.results import ResultsRecorder
@@ -30,7 +30,7 @@ from strategies.gradient import GradientStrategy
 class LwFStrategy(GradientStrategy):
     later_phase = "lwf"
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
         if cfg.lwf_alpha < 0:
             raise ConfigError(f"lwf-alpha must be >= 0 (got {cfg.lwf_alpha})")

@@ -3,10 +3,17 @@
 * Waiting: the first round waits up to ``round-timeout`` for ``num-clients`` SuperNodes (they are
   still connecting); later rounds wait at most :data:`RECONNECT_GRACE_S` for a node that went
   away, then go on without it (its missing statistics are backfilled when it comes back).
-* Sampling: train rounds with ``clients-per-round > 0`` go only to the nodes of a seeded sample of
-  the clients joined by the task (LGA: 10 per round); every other round goes to every node.
-* Identity: the server only knows node ids, and clients are partitions. A node's client is
-  learnt from its replies (and a tiny ``query.info`` message when sampling needs it before).
+* Identity: a reply's client is the Flower node that sent it (the message metadata; with
+  SuperNode authentication, a node id is bound to a registered key). A node is mapped to the
+  client it claims once, at first contact -- a tiny ``query.info`` message to every node the
+  server has not heard from, before any round that carries data -- and the map is one-to-one
+  and checkpointed. A node claiming a second client, or a client already served by another
+  node, is rejected; two unknown nodes claiming the same client in the same discovery leave
+  that client *contested*: neither node is mapped, both are named, and the client is left out
+  (so an impostor that answers first cannot take over a client, it can only get it excluded).
+* Sampling: train rounds with ``clients-per-round > 0`` go only to the nodes of a seeded sample
+  of the clients joined by the task (LGA: 10 per round); every other round goes to every mapped
+  node.
 """
 
 from __future__ import annotations
@@ -16,15 +23,17 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from logging import WARNING
+from typing import Any
 
 import numpy as np
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.data.paper_partitions import sample_clients
 from fcl_flower.methods import Kind
+from fcl_flower.protocol import UploadError
 from strategies.accounting import client_name
 
 RECONNECT_GRACE_S = 30.0  # after the first round: how long to wait for a node that went away
@@ -43,7 +52,7 @@ class NodeDirectory:
     def __init__(
         self,
         cfg: RunConfig,
-        split: FederatedSplit,
+        split: FederationLayout,
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -52,9 +61,63 @@ class NodeDirectory:
         self.split = split
         self.clock = clock
         self.sleep = sleep
-        self.client_of: dict[int, int] = {}  # node id -> client (partition), learnt from replies
+        self.client_of: dict[int, int] = {}  # node id -> client (partition), one-to-one
+        self.contested: dict[int, list[int]] = {}  # client -> the nodes that claimed it at once
+        self._restored = False  # the map came from a checkpoint and has not met the federation yet
         self._waited = False
 
+    # ---------------------------------------------------------------- identity
+    def node_of(self, client: int) -> int | None:
+        for node, mapped in self.client_of.items():
+            if mapped == client:
+                return node
+        return None
+
+    def claim(self, node: int, client: int) -> None:
+        """Accept ``node``'s claim to serve ``client``, or raise UploadError naming both sides."""
+        if client in self.contested:
+            raise UploadError(f"client-{client} is contested by nodes {', '.join(map(str, self.contested[client]))}")
+        mapped = self.client_of.get(node)
+        if mapped is not None and mapped != client:
+            raise UploadError(f"node {node} serves client-{mapped} and now claims client-{client}: rejected")
+        holder = self.node_of(client)
+        if holder is not None and holder != node:
+            raise UploadError(f"client-{client} is served by node {holder}; node {node} claims it too: rejected")
+        if mapped is None:
+            self.client_of[node] = client
+
+    def first_contact(self, claims: dict[int, int]) -> None:
+        """Map the nodes of one discovery (node -> claimed client); clients claimed twice are contested."""
+        by_client: dict[int, list[int]] = {}
+        for node, client in claims.items():
+            by_client.setdefault(client, []).append(node)
+        for client, nodes in sorted(by_client.items()):
+            if len(nodes) > 1:
+                self.contested[client] = sorted(nodes)
+                log(
+                    WARNING,
+                    "client-%d is claimed by nodes %s at once: neither is mapped, the client is left out",
+                    client,
+                    ", ".join(map(str, sorted(nodes))),
+                )
+                continue
+            try:
+                self.claim(nodes[0], client)
+            except UploadError as err:
+                log(WARNING, "node %d: %s", nodes[0], err)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "client_of": {str(n): c for n, c in self.client_of.items()},
+            "contested": {str(c): nodes for c, nodes in self.contested.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.client_of = {int(n): int(c) for n, c in state.get("client_of", {}).items()}
+        self.contested = {int(c): [int(n) for n in nodes] for c, nodes in state.get("contested", {}).items()}
+        self._restored = True
+
+    # ---------------------------------------------------------------- waiting
     def connected(self, grid: Grid) -> list[int]:
         """All connected nodes, after waiting (bounded) for ``num-clients`` of them."""
         patience = self.cfg.round_timeout if not self._waited else min(self.cfg.round_timeout, RECONNECT_GRACE_S)
@@ -69,24 +132,32 @@ class NodeDirectory:
             raise RuntimeError("no SuperNode connected")
         if len(node_ids) < self.cfg.num_clients:
             log(WARNING, "only %d of %d clients connected", len(node_ids), self.cfg.num_clients)
+        if self._restored:
+            self._restored = False
+            if self.client_of and not set(self.client_of) & set(node_ids):
+                log(
+                    WARNING,
+                    "resume: none of the checkpoint's nodes is connected (a new federation): "
+                    "the node -> client map starts afresh",
+                )
+                self.client_of, self.contested = {}, {}
         return node_ids
 
-    def learn(self, node: int, client: int) -> None:
-        self.client_of[node] = client
-
+    # ---------------------------------------------------------------- who a round goes to
     def targets(
         self, node_ids: list[int], task: int, phase: str, index: int, kind: Kind, discover: Callable[[list[int]], None]
     ) -> Targets:
         """Who a round goes to (see the module doc). ``discover`` asks unknown nodes who they serve."""
-        everyone = {client_name(i) for i in range(self.cfg.num_clients)}
-        if self.cfg.clients_per_round == 0 or kind is not Kind.TRAIN:
-            return Targets(node_ids, everyone)
-        # seeded by (seed, task, phase, round in stage): a rerun or a resumed run samples the same
-        rng = np.random.default_rng([self.cfg.seed, task, zlib.crc32(phase.encode()), index])
-        sampled = sample_clients(self.split.active_clients(task), self.cfg.clients_per_round, rng)
         unknown = [n for n in node_ids if n not in self.client_of]
         if unknown:
             discover(unknown)
+        mapped = [n for n in node_ids if n in self.client_of]
+        everyone = {client_name(i) for i in range(self.cfg.num_clients)}
+        if self.cfg.clients_per_round == 0 or kind is not Kind.TRAIN:
+            return Targets(mapped, everyone)
+        # seeded by (seed, task, phase, round in stage): a rerun or a resumed run samples the same
+        rng = np.random.default_rng([self.cfg.seed, task, zlib.crc32(phase.encode()), index])
+        sampled = sample_clients(self.split.active_clients(task), self.cfg.clients_per_round, rng)
         names = [client_name(c) for c in sampled.tolist()]
         wanted = set(sampled.tolist())
-        return Targets([n for n in node_ids if self.client_of.get(n) in wanted], set(names), names)
+        return Targets([n for n in mapped if self.client_of[n] in wanted], set(names), names)

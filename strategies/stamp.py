@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fcl_flower.config import ConfigError, RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.fcl.stamp import gradient_match_result
 from fcl_flower.models import load_trainable_state, trainable_state
 from fcl_flower.results import ResultsRecorder
@@ -29,7 +29,7 @@ class STAMPStrategy(GradientStrategy):
     first_phase = "stamp"
     later_phase = "stamp"
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
         if not cfg.gm_c >= 0:
             raise ConfigError(f"gm-c must be >= 0 (got {cfg.gm_c})")

@@ -20,14 +20,16 @@ import torch
 from flwr.app import ArrayRecord
 
 from fcl_flower.analytic import estimate_gram
+from fcl_flower.analytic.checks import check_class_sums, check_counts, wire_epsilon
 from fcl_flower.analytic.estimator import GramEstimator, KMode
 from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import Instruction, StatsIns, StatsRes, UploadError
+from fcl_flower.protocol.arrays import WIRE_DTYPES
 from fcl_flower.protocol.payloads import StsaEStats
 from fcl_flower.results import ResultsRecorder
-from strategies.analytic import AnalyticStrategy, solve_dense
+from strategies.analytic import AnalyticStrategy, solve_dense, upload_checks
 from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundPlan
 
@@ -35,9 +37,9 @@ from strategies.base import Accepted, RoundPlan
 class STSAEStrategy(AnalyticStrategy):
     stats_phase = "stsa-e-stats"
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
-        self.ridge = RidgeState.empty(self.rf_dim, split.bundle.num_classes)
+        self.ridge = RidgeState.empty(self.rf_dim, split.num_classes)
         self.backfill: Backfill[StsaEStats] = Backfill(cfg.num_clients)
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # task -> (sums, counts) so far
         self.k_mode = cast(KMode, cfg.k_mode)  # validated against K_MODES by RunConfig
@@ -54,13 +56,23 @@ class STSAEStrategy(AnalyticStrategy):
         )
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
+        """Class sums and counts of some dataset (fcl_flower/analytic/checks.py), this stage's and
+        every backfilled one's, each adding up to its reported number of samples."""
         stats = self.read_payload(plan.task, reply.arrays)
-        late = self.backfill.read(client, reply, self.read_payload, secure=False)
-        if int(stats.counts.sum()) != reply.num_examples:
-            raise UploadError("counts do not add up to num-examples")
-        for task, (payload, count) in late.items():
-            if int(payload.counts.sum()) != count:
-                raise UploadError(f"backfilled counts of stage {task + 1} do not add up to their num-examples")
+        late = self.backfill.read(client, reply, self.read_payload)
+        for task, (payload, count) in {plan.task: (stats, reply.num_examples), **late}.items():
+            where = "" if task == plan.task else f"backfilled stage {task + 1}: "
+            try:
+                with upload_checks():
+                    check_counts(payload.counts, count)
+                    check_class_sums(
+                        payload.class_sums,
+                        payload.counts,
+                        relative_tolerance=wire_epsilon(WIRE_DTYPES[self.cfg.wire_dtype]),
+                        **self.feature_bounds,
+                    )
+            except UploadError as err:
+                raise UploadError(f"{where}{err}") from None
         return {"stats": stats, "late": late}
 
     def aggregate_stats(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:

@@ -26,7 +26,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit
+from fcl_flower.data import FederationLayout
 from fcl_flower.models import trainable_state
 from fcl_flower.protocol import Instruction, TrainIns, to_record
 from fcl_flower.results import ResultsRecorder
@@ -38,9 +38,9 @@ from strategies.gradient import GradientStrategy
 class TARGETStrategy(GradientStrategy):
     later_phase = "target"
 
-    def __init__(self, cfg: RunConfig, split: FederatedSplit, recorder: ResultsRecorder) -> None:
+    def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
-        self.replay = DataFreeReplay(cfg, split.bundle.image_shape, "target", self.device)
+        self.replay = DataFreeReplay(cfg, split.image_shape, "target", self.device)
         self.teacher: dict[str, torch.Tensor] | None = None
         self._records: tuple[ArrayRecord, ArrayRecord] | None = None
 

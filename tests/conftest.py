@@ -22,11 +22,11 @@ from fcl_flower.config import RunConfig
 from fcl_flower.local_grid import LocalGrid
 from fcl_flower.protocol.messages import HEADER, Header
 from fcl_flower.results import ResultsRecorder
-from fcl_flower.runtime import federated_split
+from fcl_flower.runtime import server_split
 from strategies import build_strategy
 from strategies.base import StagedStrategy
 
-NODE_BASE = 1000  # node ids differ from partition ids, as on a real SuperLink
+NODE_BASE = 2**64 - 1000  # node ids differ from partition ids and, as on a real SuperLink, use all 64 bits
 
 
 def small_config(tmp: Path, **changes) -> RunConfig:
@@ -71,6 +71,11 @@ def sent_header(message: Message) -> Header:
     return Header.from_record(message.content.config_records[HEADER])
 
 
+def round_messages(messages: list[Message]) -> list[Message]:
+    """The messages of the rounds themselves, without the nodes' first-contact ``query.info``."""
+    return [m for m in messages if m.metadata.message_type != "query.info"]
+
+
 def in_process_grid(num_clients: int, tamper: Tamper | None = None) -> LocalGrid:
     """A LocalGrid with node ids NODE_BASE.. whose replies pass through ``tamper(task, phase, replies)``."""
 
@@ -91,7 +96,7 @@ def server_identity() -> None:
 def build(cfg: RunConfig) -> StagedStrategy:
     """The strategy of ``cfg.strategy`` with its split and a recorder in ``cfg.output_dir``."""
     recorder = ResultsRecorder(cfg.output_dir, cfg.strategy, cfg.to_mapping())
-    return build_strategy(cfg, federated_split(cfg), recorder)
+    return build_strategy(cfg, server_split(cfg), recorder)
 
 
 def run_in_process(cfg: RunConfig, tamper: Tamper | None = None) -> StagedStrategy:

@@ -30,7 +30,7 @@ from fcl_flower.protocol import Header, StatsRes, TrainIns, UploadError, to_reco
 from fcl_flower.protocol.messages import EWC_ANCHOR, EWC_FISHER, TEACHER
 from fcl_flower.runtime import build_model, federated_split, make_loader
 from strategies.base import RoundPlan
-from tests.conftest import build, in_process_grid, sent_header, server_identity, small_config
+from tests.conftest import build, in_process_grid, round_messages, sent_header, server_identity, small_config
 
 
 @pytest.fixture(autouse=True)
@@ -258,9 +258,9 @@ def test_ewc_run_aggregates_the_pooled_fisher_and_sends_it_with_the_anchor(out_d
         torch.testing.assert_close(strategy.fisher[key], pooled[key], rtol=1e-5, atol=1e-12)
         torch.testing.assert_close(strategy.anchor[key], trainable_parameters(initial)[key].detach())
 
-    phases = [_task_and_phase(m) for m in grid.sent]
+    phases = [_task_and_phase(m) for m in round_messages(grid.sent)]
     assert sorted(set(phases)) == [(0, "ewc-stats"), (1, "ewc")]  # no Fisher round after the last task
-    for message in grid.sent:
+    for message in round_messages(grid.sent):
         task, _ = _task_and_phase(message)
         has = {EWC_FISHER, EWC_ANCHOR} <= set(message.content.array_records)
         assert has == (task == 1)
@@ -309,7 +309,7 @@ def test_lwf_run_sends_the_previous_task_model_as_teacher(out_dir) -> None:
         others = [c for c in range(before.shape[0]) if c not in new]
         torch.testing.assert_close(after[others], before[others], rtol=1e-6, atol=1e-7)
         assert not torch.allclose(after[new.start : new.stop], before[new.start : new.stop])
-    for message in grid.sent:
+    for message in round_messages(grid.sent):
         task, phase = _task_and_phase(message)
         records = message.content.array_records
         if task == 0:

@@ -66,7 +66,7 @@ def write(tmp_path: Path, text: str) -> Path:
 @pytest.mark.parametrize(
     "text, fragment",
     [
-        ('strategies = ["stsa"]\n[run]\nnum-taks = 3\n', "unknown config key(s): num-taks"),
+        ('strategies = ["stsa"]\n[run]\nnum-taks = 3\n', "unknown config key 'num-taks' (did you mean 'num-tasks'?)"),
         ('strategies = ["stsa"]\nbogus = 1\n', "unknown key(s) bogus"),
         ('strategies = ["stsa"]\n[run]\nseed = 3\n', "seed may not be set in [run]"),
         ('strategies = ["stsa"]\n[sweep]\nrf-dims = [1, 2]\n', "unknown config key: rf-dims"),

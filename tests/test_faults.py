@@ -21,6 +21,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 
+import fcl_flower.state_io
 import strategies.loop
 from clients.app import app as client_app
 from clients.statistics import backfill_tasks
@@ -30,6 +31,7 @@ from fcl_flower.local_grid import LocalGrid
 from fcl_flower.protocol import Header, ProtocolError, StatsIns
 from fcl_flower.protocol.messages import decode_backfill, encode_backfill
 from fcl_flower.runtime import build_model, federated_split
+from fcl_flower.state_io import load_state
 from strategies.base import StagedStrategy
 from strategies.stsa import STSAStrategy
 from tests.conftest import build, reply_partition, sent_header
@@ -217,7 +219,7 @@ def test_require_all_clients_gives_up_after_round_retries(out: Path) -> None:
     with pytest.raises(RuntimeError, match=r"no reply from client-1 after 3 attempts \(require-all-clients"):
         run(cfg, grid)
     assert grid.attempts[1, 2] == 3
-    saved = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=False)
+    saved = load_state(cfg.output_dir / "checkpoint.json")
     assert saved["completed_tasks"] == 1  # stage 1 is safe: the run can be resumed
 
 
@@ -317,20 +319,21 @@ def test_a_failing_checkpoint_write_leaves_the_previous_checkpoint_intact(runs, 
     with pytest.raises(ServerKilled):
         run(cfg, FaultyGrid(3))
     monkeypatch.undo()
-    path = cfg.output_dir / "checkpoint.pt"
-    before = path.read_bytes()
+    path = cfg.output_dir / "checkpoint.json"
+    before = {p.name: p.read_bytes() for p in cfg.output_dir.iterdir() if p.name.startswith("checkpoint")}
 
-    def torn_write(obj, target, *args, **kwargs) -> None:
+    def torn_write(tensors, target, *args, **kwargs) -> None:
         Path(target).write_bytes(b"half a checkpoint")  # the disk fills up mid-write
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(torch, "save", torn_write)
+    monkeypatch.setattr(fcl_flower.state_io, "save_file", torn_write)
     strategy = build(cfg)
     with pytest.raises(OSError, match="No space left"):
         strategies.loop.save(strategy, 4)
     monkeypatch.undo()
-    assert path.read_bytes() == before
-    assert sorted(p.name for p in cfg.output_dir.iterdir()) == ["checkpoint.pt", "results.json"]  # no temp left
+    after = {p.name: p.read_bytes() for p in cfg.output_dir.iterdir() if p.name.startswith("checkpoint")}
+    assert after == before and path.name in after
+    assert not [p.name for p in cfg.output_dir.iterdir() if p.name.startswith(".") and p.name != ".lock"]
     resumed = run(cfg.replace(resume=True), FaultyGrid(3))
     assert torch.equal(resumed.weights, runs("fault-free").weights)
 
@@ -452,3 +455,15 @@ def test_only_the_first_round_waits_the_whole_timeout_for_missing_nodes(tmp_path
     assert 1000.0 <= first <= 1001.0
     assert nodes.connected(grid) == [11, 12]
     assert clock["now"] - first <= RECONNECT_GRACE_S + 1.0
+
+
+def test_a_state_that_shares_tensors_round_trips_and_shares_them_again(tmp_path: Path) -> None:
+    """LGA keeps its teacher and trackers as the very tensors of the model: a checkpoint stores
+    each once and loads them shared again; an overlapping view is stored as a copy."""
+    from fcl_flower.state_io import save_state
+
+    weight = torch.randn(4, 3)
+    state = {"model": {"w": weight}, "teacher": {"w": weight}, "row": weight[1], "ids": torch.arange(5)}
+    loaded = load_state(save_state(tmp_path, "ck", state))
+    assert torch.equal(loaded["model"]["w"], weight) and loaded["model"]["w"] is loaded["teacher"]["w"]
+    assert torch.equal(loaded["row"], weight[1]) and torch.equal(loaded["ids"], torch.arange(5))

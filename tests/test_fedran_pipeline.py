@@ -219,7 +219,9 @@ def test_resume_after_a_crash_ends_with_the_uninterrupted_classifier(runs):
     cfg = base_config(runs["tmp"], strategy="fedran", run_name="resume")
     split = federated_split(cfg)
     with pytest.raises(KeyboardInterrupt):
-        FedRANStrategy(cfg, split, ResultsRecorder(cfg.output_dir, "fedran", {})).start(CrashingGrid(NUM_CLIENTS, 3))
+        FedRANStrategy(cfg, split, ResultsRecorder(cfg.output_dir, "fedran", {})).start(
+            CrashingGrid(NUM_CLIENTS, 4)
+        )  # send 1 is the nodes' discovery
     resumed = recording(FedRANStrategy)(cfg.replace(resume=True), split, ResultsRecorder(cfg.output_dir, "fedran", {}))
     resumed.start(LocalGrid(client_app, NUM_CLIENTS))
     assert len(resumed.history) == NUM_TASKS - 2 and len(resumed.recorder.stages) == NUM_TASKS

@@ -23,6 +23,7 @@ from fcl_flower.data.paper_partitions import (
     class_subset_partition,
     join_tasks,
 )
+from tests.conftest import round_messages
 
 
 def _labels(num_classes: int = 10, per_class: int = 7, seed: int = 0) -> np.ndarray:
@@ -145,7 +146,7 @@ def test_lga_class_subsets_with_joining_client_runs(tmp_path):
     result = json.loads(run_experiment(grid, cfg).path.read_text())
     assert len(result["stages"]) == 2
     counts = {}
-    for m in grid.replies:
+    for m in round_messages(grid.replies):
         metrics = m.content.metric_records.get("metrics")
         if metrics is not None:
             counts.setdefault(int(metrics["partition-id"]), []).append(int(metrics["num-examples"]))

@@ -47,7 +47,7 @@ CASES = {
 def expected_shapes(strategy: str, classes: int, seen: int) -> dict[str, tuple[int, ...]]:
     """What a reply may contain: sizes fixed by the method's settings, never by n."""
     if strategy == "stsa":
-        return {"gram-packed": (packed_length(M),), "class-sums": (M, classes)}
+        return {"gram-packed": (packed_length(M),), "class-sums": (M, classes), "counts": (classes,)}
     if strategy == "stsa-e":
         return {"class-sums": (DUMMIES, M, classes), "counts": (DUMMIES, classes)}
     return {"basis": (M, RANK), "singular-values": (RANK,), "label-corr": (M, seen)}

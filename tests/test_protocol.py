@@ -14,6 +14,8 @@ from fcl_flower.config import RunConfig
 from fcl_flower.methods import Kind
 from fcl_flower.protocol import (
     Backfill,
+    EvaluateIns,
+    EvaluateRes,
     FedranReport,
     Header,
     InfoIns,
@@ -22,12 +24,17 @@ from fcl_flower.protocol import (
     KeysRes,
     LGAReport,
     ProtocolError,
+    PublicKeys,
     SecAggRound,
+    SharesIns,
+    SharesRes,
     StampReport,
     StatsIns,
     StatsRes,
     TrainIns,
     TrainRes,
+    UnmaskIns,
+    UnmaskRes,
     UploadError,
     parse_instruction,
     parse_reply,
@@ -73,10 +80,26 @@ INSTRUCTIONS = [
         model=MODEL,
         backfill={0: (1,), 2: (0, 1)},
         rank=16,
-        secagg=SecAggRound({3: b"a" * 32, 9: b"b" * 32}),
+        secagg=SecAggRound(
+            (3, 9, 11),
+            {3: PublicKeys(b"a" * 32, b"b" * 32), 9: PublicKeys(b"c" * 32, b"d" * 32, b"signer", b"sig")},
+            {3: 0, 9: 2},
+            2,
+            {3: b"bundle-from-3", 9: b"bundle-from-9"},
+        ),
     ),
     KeysIns(HEADER, CFG),
+    SharesIns(
+        HEADER,
+        CFG,
+        keys={3: PublicKeys(b"a" * 32, b"b" * 32), 9: PublicKeys(b"c" * 32, b"d" * 32)},
+        clients={3: 0, 9: 1},
+        threshold=2,
+    ),
+    UnmaskIns(HEADER, CFG, survivors=(3, 9), dropped=(11,)),
     InfoIns(HEADER, CFG),
+    EvaluateIns(HEADER, CFG, num_seen=6, model=MODEL),
+    EvaluateIns(HEADER, CFG, num_seen=6, model=MODEL, ridge=to_record({"weights": torch.ones(5, 6)})),
 ]
 
 
@@ -106,8 +129,11 @@ REPLIES = [
     TrainRes(HEADER, 1, 40, model=MODEL, loss=0.5, stamp=StampReport(0.3, 2, 20)),
     StatsRes(HEADER, 2, 40, arrays=MODEL, withheld=3, backfill={0: Backfill(MODEL, 9), 1: Backfill(MODEL, 0)}),
     StatsRes(HEADER, 2, 40, arrays=MODEL, fedran=FedranReport(30, 10, 8, 7)),
-    KeysRes(HEADER, 0, 0, public_key=b"k" * 32),
+    KeysRes(HEADER, 0, 0, keys=PublicKeys(b"k" * 32, b"s" * 32, b"signer", b"signature")),
+    SharesRes(HEADER, 0, 0, shares={3: b"x", 9: b"y"}),
+    UnmaskRes(HEADER, 0, 0, seed_shares={3: b"x"}, key_shares={11: b"z"}),
     InfoRes(HEADER, 2, 0),
+    EvaluateRes(HEADER, 2, 7, counts=to_record({"correct": torch.tensor([1, 2]), "total": torch.tensor([3, 4])})),
 ]
 
 
@@ -221,11 +247,18 @@ def test_unknown_message_types_are_refused() -> None:
 
 # ------------------------------------------------------------------------------- payloads
 def test_payload_shapes_come_from_the_server_not_the_reply() -> None:
-    good = StsaStats(torch.zeros(6), torch.zeros(3, 2)).to_record("float64")
+    good = StsaStats(torch.zeros(6), torch.zeros(3, 2), torch.zeros(2)).to_record("float64")
     StsaStats.read(good, packed=6, dim=3, classes=2)
     with pytest.raises(UploadError, match="'gram-packed' has shape"):
         StsaStats.read(good, packed=10, dim=4, classes=2)
-    extra = to_record({"gram-packed": torch.zeros(6), "class-sums": torch.zeros(3, 2), "gram": torch.zeros(9)})
+    extra = to_record(
+        {
+            "gram-packed": torch.zeros(6),
+            "class-sums": torch.zeros(3, 2),
+            "counts": torch.zeros(2),
+            "gram": torch.zeros(9),
+        }
+    )
     with pytest.raises(UploadError, match="unexpected array"):
         StsaStats.read(extra, packed=6, dim=3, classes=2)
     counts = StsaEStats(torch.zeros(1, 3, 2), torch.tensor([[1.5, 0.0]])).to_record("float64")

@@ -79,7 +79,9 @@ def test_stsa_ray_simulation_end_to_end(tmp_path: Path) -> None:
         assert all(0.0 <= a <= 100.0 for a in stage["per_task_accuracy"])
         assert stage["seconds"] > 0
         assert stage["clients"] == clients and stage["left_out"] == {}
-        stats = bytes_for(stsa_upload_numbers(cfg.rf_dim, len(split.tasks[t]), packed=True), cfg.wire_dtype)
+        stats = bytes_for(
+            stsa_upload_numbers(cfg.rf_dim, len(split.tasks[t]), packed=True, counts=True), cfg.wire_dtype
+        )
         fedavg = cfg.stage1_rounds * model_bytes if t == 0 else 0  # the trainable state, each round
         assert stage["upload_bytes_per_client"] == dict.fromkeys(clients, stats + fedavg)
         for c in clients:

@@ -174,7 +174,7 @@ def test_stsa_upload_bytes_match_formula(out_dir: Path, wire_dtype: str) -> None
     cfg = small_config(out_dir, wire_dtype=wire_dtype, num_tasks=4, first_task_classes=4)
     strategy = run_in_process(cfg)
     for record in strategy.recorder.stages:
-        expected = bytes_for(stsa_upload_numbers(cfg.rf_dim, len(record.classes), packed=True), wire_dtype)
+        expected = bytes_for(stsa_upload_numbers(cfg.rf_dim, len(record.classes), packed=True, counts=True), wire_dtype)
         assert record.upload_bytes_per_client == {f"client-{k}": expected for k in range(cfg.num_clients)}
         for nbytes in record.upload_message_bytes_per_client.values():
             assert expected < nbytes <= expected + 2048 and nbytes <= 1.02 * expected
@@ -230,16 +230,22 @@ BAD_UPLOADS = {
     "nan-class-sums": ("stsa", BAD_PARTITION, _nan_class_sums, f"client-{BAD_PARTITION}", "NaN"),
     "wrong-shape-gram": ("stsa", BAD_PARTITION, _short_gram, f"client-{BAD_PARTITION}", "shape"),
     "negative-count": ("stsa-e", BAD_PARTITION, _negative_count, f"client-{BAD_PARTITION}", "negative"),
-    # partition 2 claims to be partition 1, which has already uploaded: the sender is rejected
-    "duplicate-partition-id": ("stsa", 2, _claim_partition(BAD_PARTITION), f"node-{NODE_BASE + 2}", "duplicate"),
+    # client 2's node claims to serve client 1: identity comes from the node, the claim is rejected
+    "duplicate-partition-id": (
+        "stsa",
+        2,
+        _claim_partition(BAD_PARTITION),
+        "client-2",
+        f"node {NODE_BASE + 2} serves client-2 and now claims client-1",
+    ),
     "out-of-range-partition-id": (
         "stsa",
         BAD_PARTITION,
         _claim_partition(7),
-        f"node-{NODE_BASE + BAD_PARTITION}",
+        f"client-{BAD_PARTITION}",
         "partition-id 7",
     ),
-    "error-reply": ("stsa", BAD_PARTITION, None, f"node-{NODE_BASE + BAD_PARTITION}", "client failed"),
+    "error-reply": ("stsa", BAD_PARTITION, None, f"client-{BAD_PARTITION}", "client failed"),
 }
 
 

@@ -24,7 +24,8 @@ from fcl_flower.data import DatasetError, FederatedSplit, load_dataset
 from fcl_flower.data.task_pool import client_task_classes, resolve_classes_per_task, task_pool_classes
 from fcl_flower.metrics import forgetting, summarise_clients, task_pool_accuracy
 from fcl_flower.protocol import parse_instruction
-from tests.conftest import run_locally
+from fcl_flower.state_io import load_state
+from tests.conftest import round_messages, run_locally
 
 
 # ------------------------------------------------------------------------------ sequences
@@ -187,7 +188,7 @@ def test_run_records_per_client_results(runs, strategy):
     assert (result["A_avg"], result["A_T"], result["F_T"]) == pytest.approx((mean.A_avg, mean.A_T, mean.F_T))
     assert result["per_client"]["client-1"]["F_T"] == pytest.approx(each[1].F_T)
     # every training message offers the whole head
-    assert {parse_instruction(m).num_seen for m in grid.sent} == {10}
+    assert {parse_instruction(m).num_seen for m in round_messages(grid.sent)} == {10}
 
 
 def test_final_scores_equal_a_direct_evaluation(runs):
@@ -196,7 +197,7 @@ def test_final_scores_equal_a_direct_evaluation(runs):
     cfg, _, result = runs["stamp"]
     split = federated_split(cfg)
     model = build_model(cfg, split)
-    model.load_state_dict(torch.load(cfg.output_dir / "checkpoint.pt", weights_only=False)["state"]["model"])
+    model.load_state_dict(load_state(cfg.output_dir / "checkpoint.json")["state"]["model"])
     final = result["stages"][-1]["extra"]["per_client"]
     for u in range(NUM_CLIENTS):
         for i in range(NUM_TASKS):

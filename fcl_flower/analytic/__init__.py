@@ -18,7 +18,7 @@ from .errors import AnalyticInputError, NotPositiveDefiniteError
 from .estimator import K_MODES, estimate_gram, split_into_dummy_clients
 from .heads import HEADS, logits, predict
 from .packing import pack_upper, packed_length, unpack_upper
-from .random_features import random_features, random_projection
+from .random_features import clip_rows, random_features, random_projection
 from .ridge import GCVRow, default_ridge_grid, ridge_residual, select_ridge_gcv, solve_ridge
 from .statistics import ClassStatistics, StatisticsAccumulator, accumulate_over_stages, aggregate
 
@@ -34,6 +34,7 @@ __all__ = [
     "accumulate_over_stages",
     "aggregate",
     "bytes_for",
+    "clip_rows",
     "default_ridge_grid",
     "estimate_gram",
     "fedran_upload_numbers",

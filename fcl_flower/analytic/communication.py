@@ -33,12 +33,13 @@ def _positive(name: str, value: int, allow_zero: bool = False) -> int:
     return value
 
 
-def stsa_upload_numbers(rf_dim: int, classes_in_task: int, packed: bool = False) -> int:
-    """STSA {G, C}: paper count (M + c_t)·M, or M(M+1)/2 + M·c_t with the packed upper triangle."""
+def stsa_upload_numbers(rf_dim: int, classes_in_task: int, packed: bool = False, counts: bool = False) -> int:
+    """STSA {G, C}: paper count (M + c_t)·M, or M(M+1)/2 + M·c_t with the packed upper triangle;
+    ``counts`` adds the c_t class counts fcl-flower uploads so the server can check the upload."""
     m = _positive("rf_dim", rf_dim)
     c = _positive("classes_in_task", classes_in_task)
     gram = m * (m + 1) // 2 if packed else m * m
-    return gram + m * c
+    return gram + m * c + (c if counts else 0)
 
 
 def stsa_e_upload_numbers(rf_dim: int, classes_in_task: int, dummy_clients: int) -> int:

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .errors import AnalyticInputError
 
-__all__ = ["random_features", "random_projection"]
+__all__ = ["clip_rows", "random_features", "random_projection"]
 
 
 def random_projection(in_dim: int, rf_dim: int, seed: int) -> Tensor | None:
@@ -33,8 +33,23 @@ def random_projection(in_dim: int, rf_dim: int, seed: int) -> Tensor | None:
     return torch.randn(in_dim, rf_dim, generator=generator, dtype=torch.float64, device="cpu")
 
 
-def random_features(features: Tensor, projection: Tensor | None) -> Tensor:
-    """Φ = ReLU(F @ W_rand) in float64; Φ = F (float64, no ReLU) when ``projection`` is None.
+def clip_rows(rows: Tensor, bound: float) -> Tensor:
+    """Each row scaled down to L2 norm at most ``bound`` (0: unchanged): φ ← φ · min(1, B / ‖φ‖).
+
+    This is what gives every sample's contribution a known size: tr(ΦᵀΦ) ≤ n B² (the server's
+    upload check) and a per-sample sensitivity of B² and B (the noise of differential privacy).
+    """
+    if bound < 0 or not torch.isfinite(torch.tensor(bound)):
+        raise AnalyticInputError(f"clip bound must be a finite number >= 0, got {bound!r}")
+    if bound == 0 or rows.numel() == 0:
+        return rows
+    norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
+    return rows * torch.clamp(bound / norms.clamp_min(torch.finfo(rows.dtype).tiny), max=1.0)
+
+
+def random_features(features: Tensor, projection: Tensor | None, clip: float = 0.0) -> Tensor:
+    """Φ = ReLU(F @ W_rand) in float64; Φ = F (float64, no ReLU) when ``projection`` is None;
+    with ``clip`` B > 0 every row is then scaled to norm at most B (:func:`clip_rows`).
 
     ``features`` is (n, d), typically float32 backbone output; the product is taken in float64
     because the Gram matrix built from Φ is summed over many samples and clients.
@@ -43,10 +58,10 @@ def random_features(features: Tensor, projection: Tensor | None) -> Tensor:
         raise AnalyticInputError(f"features must be 2-D (n, d), got shape {tuple(features.shape)}")
     feats = features.to(torch.float64)
     if projection is None:
-        return feats
+        return clip_rows(feats, clip)
     if projection.dim() != 2 or projection.shape[0] != feats.shape[1]:
         raise AnalyticInputError(
             f"projection shape {tuple(projection.shape)} does not match feature dim {feats.shape[1]}"
         )
     proj = projection.to(device=feats.device, dtype=torch.float64)
-    return torch.relu(feats @ proj)
+    return clip_rows(torch.relu(feats @ proj), clip)

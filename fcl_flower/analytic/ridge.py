@@ -174,14 +174,15 @@ class RidgeState:
     def empty(cls, dim: int, num_classes: int) -> RidgeState:
         return cls(torch.zeros(dim, dim, dtype=torch.float64), torch.zeros(dim, num_classes, dtype=torch.float64))
 
-    def add(self, classes: range, gram: Tensor, class_sums: Tensor, num_samples: int) -> None:
-        """G grows by G_t; the columns of ``classes`` receive C_t."""
+    def add(self, classes: range, gram: Tensor | None, class_sums: Tensor, num_samples: int) -> None:
+        """G grows by G_t (``None``: G is unchanged); the columns of ``classes`` receive C_t."""
         if tuple(class_sums.shape) != (self.gram.shape[0], len(classes)):
             raise AnalyticInputError(
                 f"class_sums shape {tuple(class_sums.shape)} does not fit "
                 f"{self.gram.shape[0]} features and {len(classes)} classes"
             )
-        self.gram += gram
+        if gram is not None:
+            self.gram += gram
         self.class_sums[:, classes.start : classes.stop] += class_sums
         self.num_samples += int(num_samples)
 

@@ -12,6 +12,7 @@ from .errors import DatasetError
 from .federated import FederatedSplit, get_federated_split
 from .labelled import LabelledDataset
 from .partition import dirichlet_partition
+from .plan import FederationLayout, TaskPlan
 from .registry import DATASETS, default_root, load_dataset
 from .synthetic import SyntheticSpec, make_synthetic
 from .tasks import task_class_ranges
@@ -21,8 +22,10 @@ __all__ = [
     "DatasetBundle",
     "DatasetError",
     "FederatedSplit",
+    "FederationLayout",
     "LabelledDataset",
     "SyntheticSpec",
+    "TaskPlan",
     "class_order",
     "default_root",
     "dirichlet_partition",

@@ -35,32 +35,27 @@ import numpy as np
 from .bundle import DatasetBundle
 from .errors import DatasetError
 from .labelled import LabelledDataset
-from .paper_partitions import class_subset_partition, join_tasks, old_only_clients
+from .paper_partitions import class_subset_partition
 from .partition import dirichlet_partition
+from .plan import FederationLayout, TaskPlan, plan_tasks
 from .registry import load_dataset
-from .task_pool import samples_of_classes, task_pool_classes
-from .tasks import task_class_ranges
+from .task_pool import samples_of_classes
 
 PARTITIONS = ("dirichlet", "class-subsets", "task-pool")
 
 
-class FederatedSplit:
+class FederatedSplit(FederationLayout):
     """Which training samples each client holds at each task, and the matching test sets.
 
-    Built once per (bundle, num_tasks, first_task_classes, num_clients, beta, seed). Tasks and
-    clients are 0-based. Client index arrays are positions in ``bundle.train`` (equivalently
-    ``bundle.train_eval``), sorted per task for the pooled views and shuffled per client.
+    A :class:`~fcl_flower.data.plan.FederationLayout` (tasks, joining and memory-only clients,
+    task-pool sequences: all drawn from the seed) plus the data. Built once per (bundle,
+    num_tasks, first_task_classes, num_clients, beta, seed). Tasks and clients are 0-based.
+    Client index arrays are positions in ``bundle.train`` (equivalently ``bundle.train_eval``),
+    sorted per task for the pooled views and shuffled per client.
     """
 
     bundle: DatasetBundle
-    tasks: list[range]
-    num_clients: int
     beta: float
-    seed: int
-    partition: str
-    join_task: np.ndarray
-    old_only: list[np.ndarray]  # per task: LGA's Z_o (joined earlier, no data of the task)
-    client_classes: np.ndarray | None  # task pool: (clients, tasks, cpt) class blocks
     _task_idx: list[np.ndarray]
     _client_idx: list[list[np.ndarray]]
 
@@ -87,36 +82,41 @@ class FederatedSplit:
             raise DatasetError(f"beta (Dirichlet concentration) must be a finite number > 0, got {beta!r}")
         if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
             raise DatasetError(f"seed must be an integer >= 0, got {seed!r}")
+        task_pool = partition == "task-pool"
+        if task_pool and first_task_classes:
+            raise DatasetError("partition task-pool has no large first task; set first-task-classes to 0")
+        plan = TaskPlan(
+            bundle.name,
+            tuple(str(int(c)) for c in bundle.class_order),
+            plan_tasks(bundle.num_classes, num_tasks, first_task_classes, task_pool),
+            bundle.image_shape,
+        )
+        super().__init__(
+            plan,
+            int(num_clients),
+            int(seed),
+            partition,
+            initial_clients=initial_clients,
+            joining_per_task=joining_per_task,
+            old_only_fraction=old_only_fraction,
+            classes_per_task=classes_per_task,
+        )
         self.bundle = bundle
-        self.client_classes: np.ndarray | None = None  # task pool: (clients, tasks, cpt) class blocks
-        if partition == "task-pool":
-            self._build_task_pool(
-                num_tasks,
-                first_task_classes,
-                int(num_clients),
-                float(beta),
-                int(seed),
-                classes_per_task,
-                initial_clients,
-                old_only_fraction,
-            )
-            return
-        self.tasks: list[range] = task_class_ranges(bundle.num_classes, num_tasks, first_task_classes)
-        self.num_clients = int(num_clients)
         self.beta = float(beta)
-        self.seed = int(seed)
-        self.partition = partition
-        self.join_task = join_tasks(self.num_clients, len(self.tasks), initial_clients, joining_per_task)
-        self.old_only: list[np.ndarray] = []  # per task: LGA's Z_o (joined earlier, no data of the task)
         train_y = bundle.train.targets
-        self._task_idx: list[np.ndarray] = []
-        self._client_idx: list[list[np.ndarray]] = []
+        self._task_idx, self._client_idx = [], []
+        if self.client_classes is not None:  # STAMP's task pool: all samples of each client's classes
+            for t in range(len(self.tasks)):
+                clients = [samples_of_classes(train_y, self.client_classes[u, t]) for u in range(self.num_clients)]
+                pooled = np.unique(np.concatenate(clients))
+                for ix in (*clients, pooled):
+                    ix.setflags(write=False)
+                self._task_idx.append(pooled)
+                self._client_idx.append(clients)
+            return
         for t, r in enumerate(self.tasks):
             idx = np.flatnonzero((train_y >= r.start) & (train_y < r.stop)).astype(np.int64)
-            old_only = old_only_clients(self.join_task, t, old_only_fraction, np.random.default_rng([self.seed, t, 1]))
-            old_only.setflags(write=False)
-            self.old_only.append(old_only)
-            active = np.setdiff1d(np.flatnonzero(self.join_task <= t), old_only)
+            active = np.setdiff1d(np.flatnonzero(self.join_task <= t), self.old_only[t])
             if len(idx) < len(active):
                 raise DatasetError(
                     f"task {t} has {len(idx)} training samples but num_clients={len(active)}; "
@@ -138,81 +138,6 @@ class FederatedSplit:
             for c in clients:
                 c.setflags(write=False)
             self._client_idx.append(clients)
-
-    def _build_task_pool(
-        self,
-        num_tasks: int,
-        first_task_classes: int,
-        num_clients: int,
-        beta: float,
-        seed: int,
-        classes_per_task: int,
-        initial_clients: int,
-        old_only_fraction: float,
-    ) -> None:
-        """STAMP's limitless task pool (docs/methods/lga_stamp.md B1.4): per-client task sequences."""
-        if first_task_classes:
-            raise DatasetError("partition task-pool has no large first task; set first-task-classes to 0")
-        if 0 < initial_clients < num_clients or old_only_fraction:
-            raise DatasetError("partition task-pool has no joining or memory-only clients (STAMP B1.3)")
-        self.num_clients, self.beta, self.seed, self.partition = num_clients, beta, seed, "task-pool"
-        classes = task_pool_classes(self.bundle.num_classes, num_tasks, classes_per_task, num_clients, seed)
-        self.client_classes = classes
-        self.tasks = [range(self.bundle.num_classes)] * classes.shape[1]  # one head over all classes
-        self.join_task = np.zeros(num_clients, dtype=np.int64)
-        self.old_only = [np.zeros(0, dtype=np.int64) for _ in self.tasks]
-        train_y = self.bundle.train.targets
-        self._task_idx, self._client_idx = [], []
-        for t in range(len(self.tasks)):
-            clients = [samples_of_classes(train_y, classes[u, t]) for u in range(num_clients)]
-            pooled = np.unique(np.concatenate(clients))
-            for ix in (*clients, pooled):
-                ix.setflags(write=False)
-            self._task_idx.append(pooled)
-            self._client_idx.append(clients)
-
-    @property
-    def is_task_pool(self) -> bool:
-        """Whether every client has its own task sequence (STAMP's limitless task pool)."""
-        return self.client_classes is not None
-
-    def client_task_classes(self, task: int, client: int) -> np.ndarray:
-        """The classes of client ``client``'s task ``task``: its own block under the task pool,
-        else the shared task's classes (a Dirichlet client may hold samples of only some)."""
-        task, client = self._task(task), self._client(client)
-        if self.client_classes is not None:
-            return self.client_classes[client, task]
-        return np.arange(self.tasks[task].start, self.tasks[task].stop, dtype=np.int64)
-
-    def stage_classes(self, task: int) -> list[int]:
-        """Classes trained at stage ``task``: the task's, or (task pool) every client's block."""
-        task = self._task(task)
-        if self.client_classes is not None:
-            return sorted(set(self.client_classes[:, task].reshape(-1).tolist()))
-        return list(self.tasks[task])
-
-    def classes_through(self, task: int) -> int:
-        """Classes learnt by the end of ``task``, counted task by task (a client's; EWC's task
-        weights): ``tasks[task].stop`` on the shared stream, ``(task + 1) * cpt`` in the pool."""
-        task = self._task(task)
-        if self.client_classes is not None:
-            return (task + 1) * self.client_classes.shape[2]
-        return self.tasks[task].stop
-
-    # -- validation ------------------------------------------------------------------------
-    @property
-    def num_tasks(self) -> int:
-        return len(self.tasks)
-
-    def _task(self, task: int) -> int:
-        if not isinstance(task, numbers.Integral) or isinstance(task, bool) or not 0 <= task < len(self.tasks):
-            raise DatasetError(f"task must be an integer in [0, {len(self.tasks)}), got {task!r}")
-        return int(task)
-
-    def _client(self, client: int) -> int:
-        if not isinstance(client, numbers.Integral) or isinstance(client, bool) or not 0 <= client < self.num_clients:
-            raise DatasetError(f"client must be an integer in [0, {self.num_clients}), got {client!r}")
-        return int(client)
 
     def _source(self, eval_transform: bool) -> LabelledDataset:
         return self.bundle.train_eval if eval_transform else self.bundle.train
@@ -243,10 +168,6 @@ class FederatedSplit:
         )
 
     # -- test views ------------------------------------------------------------------------
-    def num_seen_classes(self, upto_task: int) -> int:
-        """Number of classes in tasks ``0..upto_task``; they are labels ``0..n-1``."""
-        return self.tasks[self._task(upto_task)].stop
-
     def seen_test(self, upto_task: int) -> LabelledDataset:
         """Test samples of every class of tasks ``0..upto_task`` (evaluation without task id)."""
         n = self.num_seen_classes(upto_task)
@@ -258,6 +179,42 @@ class FederatedSplit:
         y = self.bundle.test.targets
         return self.bundle.test.subset(np.flatnonzero((y >= r.start) & (y < r.stop)))
 
+    def client_test(self, upto_task: int, client: int) -> LabelledDataset:
+        """Client ``client``'s held-out samples of every class of tasks ``0..upto_task`` (federated
+        evaluation in simulation). The clients' test sets partition the test set: each class's test
+        samples are dealt to the clients in proportion to their training samples of the class
+        (evenly when no client holds it), so counts summed over clients equal the central ones.
+        Under the task pool every client holds the whole test set of its own classes (clients
+        share classes there; each is scored on its own, as centrally)."""
+        upto_task, client = self._task(upto_task), self._client(client)
+        y = self.bundle.test.targets
+        if self.client_classes is not None:
+            own = self.client_classes[client, : upto_task + 1].reshape(-1)
+            return self.bundle.test.subset(samples_of_classes(y, own))
+        owner = self._test_owners()
+        keep = np.flatnonzero((y < self.num_seen_classes(upto_task)) & (owner == client))
+        return self.bundle.test.subset(keep)
+
+    def _test_owners(self) -> np.ndarray:
+        """For every test sample, the client it is dealt to (cached; seeded per class)."""
+        cached = getattr(self, "_owners", None)
+        if cached is not None:
+            return cached
+        y = self.bundle.test.targets
+        owners = np.full(len(y), -1, dtype=np.int64)
+        train_y = self.bundle.train.targets
+        for t, r in enumerate(self.tasks):
+            for c in r:
+                held = np.array([np.count_nonzero(train_y[ix] == c) for ix in self._client_idx[t]], dtype=np.float64)
+                weights = held if held.sum() > 0 else np.ones(self.num_clients)
+                idx = np.flatnonzero(y == c)
+                idx = idx[np.random.default_rng([self.seed, c, 2]).permutation(len(idx))]
+                counts = apportion(len(idx), weights)
+                owners[idx] = np.repeat(np.arange(self.num_clients), counts)
+        owners.setflags(write=False)
+        self._owners: np.ndarray = owners
+        return owners
+
     def client_task_test(self, task: int, client: int) -> LabelledDataset:
         """Test samples of the classes of client ``client``'s task ``task`` (task pool scoring)."""
         classes = self.client_task_classes(task, client)
@@ -268,6 +225,16 @@ class FederatedSplit:
             f"FederatedSplit({self.bundle.name}, tasks={self.num_tasks}, clients={self.num_clients}, "
             f"beta={self.beta}, seed={self.seed})"
         )
+
+
+def apportion(total: int, weights: np.ndarray) -> np.ndarray:
+    """Split ``total`` items in proportion to ``weights`` (largest remainders, ties to the lower
+    index): non-negative integers summing to ``total``."""
+    share = total * weights / weights.sum()
+    counts = np.floor(share).astype(np.int64)
+    order = np.lexsort((np.arange(len(weights)), -(share - counts)))
+    counts[order[: total - int(counts.sum())]] += 1
+    return counts
 
 
 # FederatedSplit's client-protocol arguments (the papers' data protocols); the run config's knobs

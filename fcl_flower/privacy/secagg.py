@@ -1,43 +1,58 @@
-"""Pairwise-masked secure summation of client statistics (Bonawitz et al., CCS 2017, §4).
+"""Secure summation with dropout recovery inside one attempt (Bonawitz et al., CCS 2017): the math.
 
-Why: STSA's server needs only Σ_k G_k and Σ_k C_k, never one client's G_k or C_k, and a
-client's class sum over a single sample *is* that sample's random feature Φ_i. With masking,
-every upload the server receives is uniformly distributed in Z_{2^64}; only the sum over every
-participant of a round is readable.
+Why: STSA's server needs only Σ_k G_k and Σ_k C_k, never one client's G_k or C_k, and a client's
+class sum over a single sample *is* that sample's random feature Φ_i.
 
-How: each participant encodes its float64 statistics in fixed point, x ↦ round(x · 2^f) in the
-ring Z_{2^64} (two's complement), and adds, for every other participant j, the stream
-+m_ij if i < j and -m_ij if i > j. m_ij is a ChaCha20 keystream keyed by HKDF-SHA256 of the
-X25519 shared secret of i and j, bound to the round's ``context`` and the array name, so the
-masks cancel in the sum and are fresh in every round. The sum is exact in the ring; the only
-error is the fixed-point rounding, at most ``participants · 2^-(f+1)`` per entry.
+How, per statistics round (fcl_flower/protocol carries the messages, strategies/secure.py and
+clients/secure.py run them):
 
-Threat model: an honest-but-curious server that relays the public keys faithfully (it could
-substitute keys, as in any SecAgg without a PKI). There is no Shamir-based dropout recovery:
-a statistics round is one cheap pass, so when a participant drops, the round is simply run
-again with the survivors and fresh masks (strategies/secure.py); nothing of the failed attempt
-is ever unmasked. A participant refuses rounds with fewer than a minimum number of peers,
-because the sum of one client is that client's upload.
+1. **Keys.** Every participant i makes two fresh X25519 key pairs: ``c`` (to encrypt the shares
+   it sends) and ``s`` (to agree pairwise mask keys). Optionally it signs both public keys with
+   its long-term SuperNode key (:func:`sign_keys`), so the server cannot substitute them.
+2. **Shares.** i draws a self-mask seed b_i (32 random bytes) and Shamir-shares both b_i and its
+   ``s`` private key among the n participants with threshold t (Flower's ``create_shares``);
+   share j travels to j encrypted under the c-key i agrees with j (Flower's Fernet ``encrypt``).
+3. **Masked upload.** i encodes its statistics in fixed point in the ring Z_{2^64}, adds
+   PRG(b_i) and, for every other participant j, +m_ij if i < j and -m_ij if i > j, where m_ij is
+   the ChaCha20 keystream of a key both derive from X25519(s_i, s_j) through HKDF-SHA256.
+4. **Unmasking.** For the participants whose uploads arrived and passed the checks (U3) the
+   survivors reveal their shares of b_k; for the ones that dropped or were rejected they reveal
+   their shares of the ``s`` private key; never both for one participant (:func:`check_unmask_request`).
+   With ≥ t shares the server rebuilds those secrets, removes PRG(b_k) and the dropped ones'
+   pairwise masks, and opens exactly Σ_{k ∈ U3} x_k.
+
+Every key derivation binds :func:`round_context` (run id, task, stage, round, attempt and the
+participant set) and the array name, so no keystream is ever used twice; keys are fresh per
+round and dropped after it. A rejected upload keeps its self-mask: the server can remove its
+pairwise masks but never b_k, so it learns nothing about it; there is never a second attempt
+over the same inputs. Threat model and what still travels in clear: docs/privacy.md.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
-from cryptography.hazmat.primitives import hashes
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt
 
-KEY_BYTES = 32  # X25519 public and private keys
+KEY_BYTES = 32  # X25519 public and private keys, and the self-mask seed
 _RING_MAX = 2**63  # |encoded sum| must stay below this to decode unambiguously
 
 
 class SecureAggregationError(ValueError):
-    """A secure-aggregation input cannot be encoded, masked or unmasked safely."""
+    """A secure-aggregation input cannot be encoded, masked, shared or unmasked safely."""
 
 
 # ------------------------------------------------------------------------------ fixed point
@@ -66,7 +81,7 @@ def decode_fixed_point(ring: np.ndarray, fraction_bits: int) -> np.ndarray:
     return np.asarray(ring, dtype=np.uint64).view(np.int64).astype(np.float64) / float(2**fraction_bits)
 
 
-# ------------------------------------------------------------------------------ keys + masks
+# ------------------------------------------------------------------------------ keys and context
 def generate_keypair() -> tuple[bytes, bytes]:
     """A fresh X25519 key pair as raw bytes (private, public)."""
     private = X25519PrivateKey.generate()
@@ -76,18 +91,57 @@ def generate_keypair() -> tuple[bytes, bytes]:
     )
 
 
-def _pair_key(private: bytes, peer_public: bytes, context: bytes, name: str) -> bytes:
-    if len(peer_public) != KEY_BYTES:
-        raise SecureAggregationError(f"a peer public key has {len(peer_public)} bytes, expected {KEY_BYTES}")
-    secret = X25519PrivateKey.from_private_bytes(private).exchange(X25519PublicKey.from_public_bytes(peer_public))
-    info = hashlib.sha256(context + b"\x00" + name.encode()).digest()
+def new_seed() -> bytes:
+    """A fresh self-mask seed b_i (from the operating system's CSPRNG)."""
+    return os.urandom(KEY_BYTES)
+
+
+def round_context(
+    run_id: str, task: int, stage: int, server_round: int, attempt: int, participants: Iterable[int]
+) -> bytes:
+    """What binds every key of a secure round: the run, task, stage, round, attempt and participants."""
+    ids = ",".join(str(i) for i in sorted(participants))
+    return (
+        f"fcl-flower/secagg/v2|run={run_id}|task={task}|stage={stage}|round={server_round}"
+        f"|attempt={attempt}|participants={ids}"
+    ).encode()
+
+
+def derive_key(secret: bytes, context: bytes, label: str) -> bytes:
+    """A 32-byte key from ``secret`` for one use: HKDF-SHA256 with info = H(context) | label."""
+    info = hashlib.sha256(context).digest() + b"|" + label.encode()
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
+def agree(private: bytes, peer_public: bytes) -> bytes:
+    """The X25519 shared secret of ``private`` and a peer's public key."""
+    if len(peer_public) != KEY_BYTES or len(private) != KEY_BYTES:
+        raise SecureAggregationError(f"X25519 keys have {KEY_BYTES} bytes (got {len(private)}, {len(peer_public)})")
+    try:
+        return X25519PrivateKey.from_private_bytes(private).exchange(X25519PublicKey.from_public_bytes(peer_public))
+    except ValueError as err:  # e.g. a low-order point
+        raise SecureAggregationError(f"key agreement failed: {err}") from None
+
+
+# ------------------------------------------------------------------------------ masks
 def mask_stream(key: bytes, length: int) -> np.ndarray:
-    """``length`` pseudo-random ring elements: the ChaCha20 keystream of ``key``."""
+    """``length`` pseudo-random ring elements: the ChaCha20 keystream of ``key`` (used once)."""
     encryptor = Cipher(algorithms.ChaCha20(key, b"\x00" * 16), mode=None).encryptor()
     return np.frombuffer(encryptor.update(bytes(8 * length)), dtype=np.uint64).copy()
+
+
+def self_mask(seed: bytes, length: int, context: bytes, name: str) -> np.ndarray:
+    """PRG(b_i) for one named array."""
+    return mask_stream(derive_key(seed, context, f"self|{name}"), length)
+
+
+def pair_mask(
+    own_id: int, private: bytes, peer_id: int, peer_public: bytes, length: int, context: bytes, name: str
+) -> np.ndarray:
+    """+m_ij (own_id < peer_id) or -m_ij (own_id > peer_id) for one named array."""
+    low, high = sorted((own_id, peer_id))
+    stream = mask_stream(derive_key(agree(private, peer_public), context, f"pair|{low}|{high}|{name}"), length)
+    return stream if own_id < peer_id else (np.zeros(length, dtype=np.uint64) - stream)
 
 
 def pairwise_mask(
@@ -96,10 +150,8 @@ def pairwise_mask(
     """Σ_{j > i} m_ij - Σ_{j < i} m_ij over the peers (own id excluded): cancels in the sum."""
     total = np.zeros(length, dtype=np.uint64)
     for peer_id, public in sorted(peers.items()):
-        if peer_id == own_id:
-            continue
-        stream = mask_stream(_pair_key(private, public, context, name), length)
-        total = total + stream if own_id < peer_id else total - stream  # wraps mod 2^64
+        if peer_id != own_id:
+            total += pair_mask(own_id, private, peer_id, public, length, context, name)  # wraps mod 2^64
     return total
 
 
@@ -107,12 +159,16 @@ def mask_arrays(
     arrays: Mapping[str, np.ndarray],
     own_id: int,
     private: bytes,
+    seed: bytes,
     peers: Mapping[int, bytes],
     context: bytes,
     fraction_bits: int,
     min_participants: int,
 ) -> dict[str, np.ndarray]:
-    """Encode and mask every array (same shapes, dtype uint64) for one secure round."""
+    """Encode every array in fixed point and add PRG(b_i) and the pairwise masks (same shapes, uint64).
+
+    ``peers``: every participant's ``s`` public key, this node's included.
+    """
     participants = len(set(peers) | {own_id})
     if participants < min_participants:
         raise SecureAggregationError(
@@ -124,24 +180,201 @@ def mask_arrays(
     masked = {}
     for name, values in arrays.items():
         ring = encode_fixed_point(values, fraction_bits, participants).reshape(-1)
-        masked[name] = (ring + pairwise_mask(own_id, private, peers, ring.size, context, name)).reshape(
-            np.shape(values)
+        ring = (
+            ring
+            + self_mask(seed, ring.size, context, name)
+            + pairwise_mask(own_id, private, peers, ring.size, context, name)
         )
+        masked[name] = ring.reshape(np.shape(values))
     return masked
 
 
-def unmask_sum(uploads: Iterable[np.ndarray], fraction_bits: int) -> np.ndarray:
-    """Sum the masked uploads of *every* participant of a round in the ring, and decode."""
-    total = None
+# ------------------------------------------------------------------------------ Shamir shares
+def threshold_for(participants: int, min_clients: int) -> int:
+    """Shares needed to rebuild a secret: a majority of the participants, and at least ``min_clients``."""
+    return max(min_clients, participants // 2 + 1)
+
+
+def _share_key(c_private: bytes, peer_c_public: bytes, context: bytes, src: int, dst: int) -> bytes:
+    key = derive_key(agree(c_private, peer_c_public), context, f"shares|{src}|{dst}")
+    return base64.urlsafe_b64encode(key)  # a Fernet key
+
+
+def make_shares(
+    own_id: int,
+    seed: bytes,
+    s_private: bytes,
+    c_private: bytes,
+    c_publics: Mapping[int, bytes],
+    threshold: int,
+    context: bytes,
+) -> dict[int, bytes]:
+    """Shamir shares of (b_i, s_i) for every participant, each encrypted for its recipient."""
+    nodes = sorted(c_publics)
+    if own_id not in c_publics:
+        raise SecureAggregationError(f"this node ({own_id}) is not among the round's participants")
+    if not 2 <= threshold <= len(nodes):
+        raise SecureAggregationError(f"threshold {threshold} is not in [2, {len(nodes)}]")
+    seed_shares = create_shares(seed, threshold, len(nodes))
+    key_shares = create_shares(s_private, threshold, len(nodes))
+    out = {}
+    for dst, seed_share, key_share in zip(nodes, seed_shares, key_shares, strict=True):
+        plaintext = _bundle(own_id, dst, seed_share, key_share)
+        out[dst] = encrypt(_share_key(c_private, c_publics[dst], context, own_id, dst), plaintext)
+    return out
+
+
+def open_shares(
+    own_id: int, c_private: bytes, c_publics: Mapping[int, bytes], received: Mapping[int, bytes], context: bytes
+) -> dict[int, tuple[bytes, bytes]]:
+    """Decrypt the shares addressed to this node: src -> (share of b_src, share of s_src)."""
+    out = {}
+    for src, ciphertext in received.items():
+        if src not in c_publics:
+            raise SecureAggregationError(f"a share from node {src}, which is not a participant")
+        try:
+            plaintext = decrypt(_share_key(c_private, c_publics[src], context, src, own_id), ciphertext)
+        except Exception:  # InvalidToken: forged, corrupted or meant for another round
+            raise SecureAggregationError(f"the share from node {src} does not decrypt for this round") from None
+        bundle_src, bundle_dst, seed_share, key_share = _unbundle(plaintext)
+        if (bundle_src, bundle_dst) != (src, own_id):
+            raise SecureAggregationError(f"the share from node {src} is addressed {bundle_src}->{bundle_dst}")
+        out[src] = (seed_share, key_share)
+    return out
+
+
+def _bundle(src: int, dst: int, seed_share: bytes, key_share: bytes) -> bytes:
+    return b"".join(
+        [
+            src.to_bytes(8, "little"),
+            dst.to_bytes(8, "little"),
+            len(seed_share).to_bytes(4, "little"),
+            seed_share,
+            key_share,
+        ]
+    )
+
+
+def _unbundle(plaintext: bytes) -> tuple[int, int, bytes, bytes]:
+    if len(plaintext) < 20:
+        raise SecureAggregationError("a share bundle is too short")
+    size = int.from_bytes(plaintext[16:20], "little")
+    return (
+        int.from_bytes(plaintext[:8], "little"),
+        int.from_bytes(plaintext[8:16], "little"),
+        plaintext[20 : 20 + size],
+        plaintext[20 + size :],
+    )
+
+
+def check_unmask_request(
+    survivors: Iterable[int], dropped: Iterable[int], participants: Iterable[int], threshold: int
+) -> None:
+    """What an honest participant verifies before it reveals shares (raises SecureAggregationError).
+
+    Never a b-share and an s-share of the same participant; both sets within the participants;
+    at least ``threshold`` survivors (else the round cannot be opened and nothing is revealed).
+    """
+    alive, gone, everyone = set(survivors), set(dropped), set(participants)
+    if alive & gone:
+        raise SecureAggregationError(f"asked for both secrets of node(s) {sorted(alive & gone)}: refused")
+    if not (alive | gone) <= everyone:
+        raise SecureAggregationError(f"asked about node(s) {sorted((alive | gone) - everyone)} outside the round")
+    if len(alive) < threshold:
+        raise SecureAggregationError(f"{len(alive)} survivor(s), fewer than the threshold {threshold}: refused")
+
+
+def reconstruct(shares: Sequence[bytes], threshold: int) -> bytes:
+    """A secret from at least ``threshold`` Shamir shares (Flower's ``combine_shares``)."""
+    if len(shares) < threshold:
+        raise SecureAggregationError(f"{len(shares)} share(s), {threshold} needed")
+    try:
+        secret = combine_shares(list(shares)[:threshold])
+    except ValueError as err:
+        raise SecureAggregationError(f"shares do not combine: {err}") from None
+    if len(secret) != KEY_BYTES:
+        raise SecureAggregationError(f"a rebuilt secret has {len(secret)} bytes, expected {KEY_BYTES}")
+    return secret
+
+
+# ------------------------------------------------------------------------------ opening the sum
+def unmask_sum(
+    uploads: Iterable[np.ndarray],
+    name: str,
+    survivor_seeds: Mapping[int, bytes],
+    dropped_keys: Mapping[int, bytes],
+    s_publics: Mapping[int, bytes],
+    context: bytes,
+    fraction_bits: int,
+) -> np.ndarray:
+    """Σ_{k ∈ U3} x_k in float64, from the masked uploads of the survivors U3 (one named array).
+
+    ``survivor_seeds``: the rebuilt b_k of every survivor; ``dropped_keys``: the rebuilt ``s``
+    private key of every participant that dropped or was rejected; ``s_publics``: every
+    participant's ``s`` public key. A wrong set of uploads or secrets gives noise, not an error.
+    """
+    total: np.ndarray | None = None
     for upload in uploads:
-        ring = np.asarray(upload, dtype=np.uint64)
+        ring = np.asarray(upload, dtype=np.uint64).reshape(-1)
         total = ring.copy() if total is None else total + ring
     if total is None:
         raise SecureAggregationError("no uploads to sum")
+    length = total.size
+    for seed in survivor_seeds.values():
+        total -= self_mask(seed, length, context, name)
+    for gone, private in dropped_keys.items():  # a survivor k added ±m_kj for every dropped j
+        for k in survivor_seeds:
+            total += pair_mask(gone, private, k, s_publics[k], length, context, name)
     return decode_fixed_point(total, fraction_bits)
 
 
-def round_context(run_seed: int, server_round: int, attempt: int, participants: Iterable[int]) -> bytes:
-    """What binds the masks to one attempt of one round with one participant set."""
-    ids = ",".join(str(i) for i in sorted(participants))
-    return f"fcl-flower/secagg/v1|seed={run_seed}|round={server_round}|attempt={attempt}|{ids}".encode()
+# ------------------------------------------------------------------------------ signed keys
+def load_signing_key(path: str) -> ec.EllipticCurvePrivateKey:
+    """A SuperNode's long-term private key (OpenSSH or PEM, as deploy/make_keys.sh writes it)."""
+    data = Path(path).read_bytes()
+    try:
+        key = serialization.load_ssh_private_key(data, password=None)
+    except ValueError:
+        key = serialization.load_pem_private_key(data, password=None)  # type: ignore[assignment]  # PEM fallback
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise SecureAggregationError(f"{path} is not an elliptic-curve private key")
+    return key
+
+
+def load_trusted_keys(path: str) -> list[bytes]:
+    """The operator's list of SuperNode public keys (one OpenSSH public key per line), as DER bytes."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            key = serialization.load_ssh_public_key(line.strip().encode())
+            if not isinstance(key, ec.EllipticCurvePublicKey):
+                raise SecureAggregationError(f"{path}: not an elliptic-curve public key: {line[:40]}...")
+            out.append(key.public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo))
+    if not out:
+        raise SecureAggregationError(f"{path} lists no public key")
+    return out
+
+
+def _signed_payload(c_public: bytes, s_public: bytes, context: bytes) -> bytes:
+    return b"fcl-flower/secagg-keys|" + hashlib.sha256(context).digest() + c_public + s_public
+
+
+def sign_keys(key: ec.EllipticCurvePrivateKey, c_public: bytes, s_public: bytes, context: bytes) -> tuple[bytes, bytes]:
+    """(signer's DER public key, ECDSA-SHA256 signature) over this round's two public keys."""
+    signature = key.sign(_signed_payload(c_public, s_public, context), ec.ECDSA(hashes.SHA256()))
+    return key.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo), signature
+
+
+def verify_keys(
+    trusted: Sequence[bytes], signer: bytes, signature: bytes, c_public: bytes, s_public: bytes, context: bytes
+) -> None:
+    """Raise SecureAggregationError unless ``signer`` is trusted and signed these keys for this round."""
+    if signer not in trusted:
+        raise SecureAggregationError("the keys are signed by a key the operator did not list")
+    public = serialization.load_der_public_key(signer)
+    if not isinstance(public, ec.EllipticCurvePublicKey):
+        raise SecureAggregationError("the signer is not an elliptic-curve key")
+    try:
+        public.verify(signature, _signed_payload(c_public, s_public, context), ec.ECDSA(hashes.SHA256()))
+    except InvalidSignature:
+        raise SecureAggregationError("the signature over the round's keys does not verify") from None

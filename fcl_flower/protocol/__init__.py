@@ -1,8 +1,9 @@
 """The message protocol between the server (``strategies/``) and the clients (``clients/``).
 
-:mod:`.messages` defines every message kind as a typed dataclass, :mod:`.payloads` the arrays
-each method uploads, :mod:`.arrays` the checked tensor <-> record conversion, :mod:`.errors` the
-one-line errors. Both sides use only these types.
+:mod:`.messages` defines the training, statistics and info messages, :mod:`.secure` the messages
+of a secure statistics round, :mod:`.base` what they share (header, bases, checked readers),
+:mod:`.payloads` the arrays each method uploads, :mod:`.arrays` the checked tensor <-> record
+conversion, :mod:`.errors` the one-line errors. Both sides use only these types.
 """
 
 from fcl_flower.methods import Kind
@@ -16,19 +17,16 @@ from fcl_flower.protocol.arrays import (
     read_tensor,
     to_record,
 )
+from fcl_flower.protocol.base import Header, Instruction, Reply
 from fcl_flower.protocol.errors import ProtocolError, UploadError
 from fcl_flower.protocol.messages import (
     Backfill,
+    EvaluateIns,
+    EvaluateRes,
     FedranReport,
-    Header,
     InfoIns,
     InfoRes,
-    Instruction,
-    KeysIns,
-    KeysRes,
     LGAReport,
-    Reply,
-    SecAggRound,
     StampReport,
     StatsIns,
     StatsRes,
@@ -37,10 +35,22 @@ from fcl_flower.protocol.messages import (
     parse_instruction,
     parse_reply,
 )
+from fcl_flower.protocol.secure import (
+    KeysIns,
+    KeysRes,
+    PublicKeys,
+    SecAggRound,
+    SharesIns,
+    SharesRes,
+    UnmaskIns,
+    UnmaskRes,
+)
 
 __all__ = [
     "WIRE_DTYPES",
     "Backfill",
+    "EvaluateIns",
+    "EvaluateRes",
     "FedranReport",
     "Header",
     "InfoIns",
@@ -51,13 +61,18 @@ __all__ = [
     "Kind",
     "LGAReport",
     "ProtocolError",
+    "PublicKeys",
     "Reply",
     "SecAggRound",
+    "SharesIns",
+    "SharesRes",
     "StampReport",
     "StatsIns",
     "StatsRes",
     "TrainIns",
     "TrainRes",
+    "UnmaskIns",
+    "UnmaskRes",
     "UploadError",
     "cast_for_wire",
     "from_record",

@@ -1,7 +1,8 @@
 """Arrays in Flower records: tensors in, tensors out, checked, and how many bytes that took.
 
 Clients are untrusted: everything the server reads from a reply goes through
-:func:`read_tensor`, which checks presence, shape and finiteness and raises
+:func:`read_tensor`, which checks presence, dtype, shape, finiteness and magnitude (at most
+``MAGNITUDE_LIMIT`` = 1e150, so float64 sums of squares cannot overflow) and raises
 :class:`UploadError` (one line naming the problem) instead of letting a bad upload reach the
 aggregate.
 """
@@ -15,9 +16,13 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
+from fcl_flower.analytic.checks import MAGNITUDE_LIMIT
 from fcl_flower.protocol.errors import UploadError
 
 WIRE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: What an upload's arrays may be: real floats and signed integers (no complex, no unsigned, no bool,
+#: no float16 whose range a sum overflows at 65504).
+ACCEPTED_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64", "int8", "int16", "int32", "int64"))
 
 
 def to_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
@@ -67,8 +72,8 @@ def read_tensor(
 ) -> torch.Tensor:
     """Fetch one array from an untrusted reply and check it; raise UploadError if it is bad."""
     data = _fetch(record, key)
-    if data.dtype == object or not np.issubdtype(data.dtype, np.number):
-        raise UploadError(f"array '{key}' has non-numeric dtype {data.dtype}")
+    if data.dtype not in ACCEPTED_DTYPES:
+        raise UploadError(f"array '{key}' has dtype {data.dtype}; uploads are float32/float64 or signed integers")
     tensor = torch.from_numpy(np.array(data, copy=True))
     if shape is not None and tuple(tensor.shape) != tuple(shape):
         raise UploadError(f"array '{key}' has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
@@ -78,8 +83,11 @@ def read_tensor(
         raise UploadError(f"array '{key}' must be floating point, got {tensor.dtype}")
     if floating is False and tensor.is_floating_point():
         raise UploadError(f"array '{key}' must be integer, got {tensor.dtype}")
-    if finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
-        raise UploadError(f"array '{key}' contains NaN or inf")
+    if finite and tensor.is_floating_point():
+        if not torch.isfinite(tensor).all():
+            raise UploadError(f"array '{key}' contains NaN or inf")
+        if tensor.numel() and float(tensor.abs().max()) > MAGNITUDE_LIMIT:
+            raise UploadError(f"array '{key}' has an entry beyond {MAGNITUDE_LIMIT:g} in magnitude")
     if nonnegative and (tensor < 0).any():
         raise UploadError(f"array '{key}' has negative entries")
     return tensor

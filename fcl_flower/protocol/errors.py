@@ -4,12 +4,7 @@ from __future__ import annotations
 
 
 class ProtocolError(ValueError):
-    """A message that does not follow the protocol (missing record, wrong type, wrong round).
-
-    ``claimed_client``: the client a rejected reply claimed to speak for, when it said so.
-    """
-
-    claimed_client: int | None = None
+    """A message that does not follow the protocol (missing record, wrong type, wrong round)."""
 
 
 class UploadError(ProtocolError):

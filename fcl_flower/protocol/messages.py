@@ -17,169 +17,82 @@ message            Flower type    carries
                                   images, LANDER's label-text anchors)
 :class:`StatsIns`  ``query.stats``global trainable state, backfill request, FedRAN rank, the
                                   secure round's participants
-:class:`KeysIns`   ``query.keys`` nothing but the header and config: "send a fresh public key"
 :class:`InfoIns`   ``query.info`` "which client do you serve?"
+:class:`EvaluateIns` ``evaluate`` the global model (and, for an analytic method, its ridge
+                                  classifier W): score it on your held-out data of the seen classes
 =================  =============  ==============================================================
 
 Client -> server: :class:`TrainRes` (trainable state, loss, LGA/STAMP reports),
 :class:`StatsRes` (the method's statistics, late statistics it owes, withheld-sample count,
-FedRAN's pseudo-label counts), :class:`KeysRes` (a public key) and :class:`InfoRes`. Each reply
-names the client (partition) it speaks for and how many examples it used. The arrays of a
-statistics reply are typed by :mod:`fcl_flower.protocol.payloads`, whose shapes the server checks
-against its own state.
+FedRAN's pseudo-label counts), :class:`InfoRes` and :class:`EvaluateRes` (per seen class: correct
+predictions and test samples). Each reply names the client (partition) it
+speaks for and how many examples it used. The arrays of a statistics reply are typed by
+:mod:`fcl_flower.protocol.payloads`, whose shapes the server checks against its own state. The
+messages of a secure statistics round are in :mod:`fcl_flower.protocol.secure`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.app.typing import ConfigRecordValues, MetricRecordValues
+from flwr.app.typing import MetricRecordValues
 
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.methods import Kind
+from fcl_flower.protocol.base import (
+    ANCHORS,
+    BACKFILL_PREFIX,
+    CONFIG,
+    COUNTS,
+    EWC_ANCHOR,
+    EWC_FISHER,
+    HEADER,
+    LGA_PROTO,
+    METRICS,
+    MODEL,
+    OLD_MODEL,
+    RIDGE,
+    ROUND,
+    SYNTHETIC,
+    TEACHER,
+    Header,
+    Instruction,
+    Reply,
+    ReplyBase,
+    entry,
+    metric_flag,
+    metric_float,
+    metric_int,
+    only,
+    read_float,
+    read_int,
+    read_str,
+)
 from fcl_flower.protocol.errors import ProtocolError
+from fcl_flower.protocol.secure import (
+    SecAggRound,
+    parse_secure_instruction,
+    parse_secure_reply,
+)
 
-# Record names (the only place they are spelled out).
-HEADER, CONFIG, ROUND, MODEL, METRICS, SECAGG = "header", "config", "round", "arrays", "metrics", "secagg"
-TEACHER, EWC_FISHER, EWC_ANCHOR, OLD_MODEL = "teacher", "ewc-fisher", "ewc-anchor", "lga-old-model"
-LGA_PROTO = "lga-proto"
-SYNTHETIC, ANCHORS = "synthetic-images", "lander-anchors"
-BACKFILL_PREFIX = "backfill-"  # reply record "backfill-<task>", metric "backfill-<task>-num-examples"
-
-
-# ------------------------------------------------------------------------------------ scalars
-def _int(value: Any, what: str, *, minimum: int | None = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-        expected = (
-            "an integer"
-            if minimum is None
-            else "a non-negative integer"
-            if minimum == 0
-            else f"an integer >= {minimum}"
-        )
-        raise ProtocolError(f"{what} is {value!r}, expected {expected}")
-    return value
-
-
-def _float(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ProtocolError(f"{what} is {value!r}, expected a finite number")
-    return float(value)
-
-
-def _str(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ProtocolError(f"{what} is {value!r}, expected a non-empty string")
-    return value
-
-
-def _metric_int(metrics: MetricRecord, key: str, default: int | None = None) -> int:
-    if key not in metrics and default is not None:
-        return default
-    return _int(_get(metrics, key, METRICS), f"metric '{key}'")
-
-
-def _metric_float(metrics: MetricRecord, key: str, default: float | None = None) -> float:
-    if key not in metrics and default is not None:
-        return default
-    return _float(_get(metrics, key, METRICS), f"metric '{key}'")
-
-
-def _get(record: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in record:
-        raise ProtocolError(f"'{where}' record lacks '{key}'")
-    return record[key]
-
-
-def _only(names: Any, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(names) - allowed)
-    if unknown:
-        raise ProtocolError(f"unexpected {where}: {', '.join(unknown)}")
-
-
-# ------------------------------------------------------------------------------------ header
-@dataclass(frozen=True)
-class Header:
-    """Which round of which run a message belongs to."""
-
-    run_id: str
-    phase: str
-    task: int  # 0-based task index
-    stage: int  # 1-based stage number (the stage of results.json)
-    server_round: int  # 1-based round number over the whole run
-    attempt: int = 0  # 0 for the first send of a round; retries and secure re-runs count up
-
-    def to_record(self) -> ConfigRecord:
-        return ConfigRecord(
-            {
-                "run-id": self.run_id,
-                "phase": self.phase,
-                "task": self.task,
-                "stage": self.stage,
-                "round": self.server_round,
-                "attempt": self.attempt,
-            }
-        )
-
-    @classmethod
-    def from_record(cls, record: ConfigRecord | None) -> Header:
-        if record is None:
-            raise ProtocolError(f"message has no '{HEADER}' record")
-        _only(record, {"run-id", "phase", "task", "stage", "round", "attempt"}, "header entries")
-        return cls(
-            run_id=_str(_get(record, "run-id", HEADER), "header run-id"),
-            phase=_str(_get(record, "phase", HEADER), "header phase"),
-            task=_int(_get(record, "task", HEADER), "header task"),
-            stage=_int(_get(record, "stage", HEADER), "header stage", minimum=1),
-            server_round=_int(_get(record, "round", HEADER), "header round", minimum=0),
-            attempt=_int(_get(record, "attempt", HEADER), "header attempt"),
-        )
-
-    def require(self, reply: Header) -> None:
-        """Raise ProtocolError unless ``reply`` (a reply's header) answers this header."""
-        for f in fields(self):
-            sent, got = getattr(self, f.name), getattr(reply, f.name)
-            if sent != got:
-                raise ProtocolError(f"reply is for {f.name.replace('_', ' ')} {got!r}, this round is {sent!r}")
+__all__ = [
+    "ANCHORS",
+    "BACKFILL_PREFIX",
+    "EWC_ANCHOR",
+    "EWC_FISHER",
+    "HEADER",
+    "LGA_PROTO",
+    "OLD_MODEL",
+    "SYNTHETIC",
+    "TEACHER",
+    "Header",
+]
 
 
 # ------------------------------------------------------------------------------------ server -> client
-@dataclass(frozen=True)
-class SecAggRound:
-    """The participants of one secure statistics attempt: node id -> public key."""
-
-    participants: Mapping[int, bytes]
-
-
-@dataclass(frozen=True)
-class Instruction:
-    """What every server message carries: the header and the full run configuration."""
-
-    kind: ClassVar[Kind]
-    header: Header
-    config: RunConfig
-
-    def to_record(self) -> RecordDict:
-        content = RecordDict(
-            {
-                HEADER: self.header.to_record(),
-                CONFIG: ConfigRecord(dict[str, ConfigRecordValues](self.config.to_mapping())),
-            }
-        )
-        self._fill(content)
-        return content
-
-    def _fill(self, content: RecordDict) -> None:
-        """Subclasses add their records."""
-
-    def to_message(self, dst_node_id: int) -> Message:
-        return Message(content=self.to_record(), message_type=str(self.kind), dst_node_id=dst_node_id)
-
-
 @dataclass(frozen=True)
 class TrainIns(Instruction):
     """A local-training round: train the global model on this client's data of the task."""
@@ -231,9 +144,7 @@ class StatsIns(Instruction):
             "backfill": encode_backfill(self.backfill),
         }
         if self.secagg is not None:
-            nodes = sorted(self.secagg.participants)
-            entries["secagg-nodes"] = nodes
-            entries["secagg-keys"] = [self.secagg.participants[n] for n in nodes]
+            entries.update(self.secagg.entries())
         content[ROUND] = ConfigRecord(entries)
         content[MODEL] = self.model
 
@@ -245,17 +156,27 @@ class StatsIns(Instruction):
 
 
 @dataclass(frozen=True)
-class KeysIns(Instruction):
-    """Before a secure statistics round: make a fresh key pair and send the public half."""
-
-    kind: ClassVar[Kind] = Kind.KEYS
-
-
-@dataclass(frozen=True)
 class InfoIns(Instruction):
     """Which client (partition) does this node serve? (the server samples clients per round)."""
 
     kind: ClassVar[Kind] = Kind.INFO
+
+
+@dataclass(frozen=True)
+class EvaluateIns(Instruction):
+    """Federated evaluation: score the global model on this client's held-out data of every class
+    seen after the header's task (``num_seen`` classes)."""
+
+    kind: ClassVar[Kind] = Kind.EVALUATE
+    num_seen: int = 0
+    model: ArrayRecord = field(default_factory=ArrayRecord)
+    ridge: ArrayRecord | None = None  # analytic methods: {"weights": W (M x num_seen)}
+
+    def _fill(self, content: RecordDict) -> None:
+        content[ROUND] = ConfigRecord({"num-seen": self.num_seen})
+        content[MODEL] = self.model
+        if self.ridge is not None:
+            content[RIDGE] = self.ridge
 
 
 def parse_instruction(message: Message) -> Instruction:
@@ -272,41 +193,30 @@ def parse_instruction(message: Message) -> Instruction:
         config = RunConfig.from_mapping(dict(content.config_records[CONFIG]))
     except ConfigError as err:
         raise ProtocolError(f"run config: {err}") from None
-    if kind is Kind.KEYS:
-        return KeysIns(header, config)
+    round_ = content.config_records.get(ROUND)
     if kind is Kind.INFO:
         return InfoIns(header, config)
-    round_ = content.config_records.get(ROUND)
+    if kind in (Kind.KEYS, Kind.SHARES, Kind.UNMASK):
+        return parse_secure_instruction(kind, InfoIns(header, config), round_)
     if round_ is None:
         raise ProtocolError(f"message has no '{ROUND}' record")
     model = content.array_records.get(MODEL, ArrayRecord())
-    num_seen = _int(_get(round_, "num-seen", ROUND), "num-seen", minimum=1)
+    num_seen = read_int(entry(round_, "num-seen", ROUND), "num-seen", minimum=1)
+    if kind is Kind.EVALUATE:
+        return EvaluateIns(header, config, num_seen=num_seen, model=model, ridge=content.array_records.get(RIDGE))
     if kind is Kind.TRAIN:
         optional = {attribute: content.array_records.get(name) for name, attribute in TrainIns.OPTIONAL.items()}
-        return TrainIns(
-            header, config, lr=_float(_get(round_, "lr", ROUND), "lr"), num_seen=num_seen, model=model, **optional
-        )
-    secagg = None
-    if "secagg-nodes" in round_:
-        nodes, keys = round_["secagg-nodes"], _get(round_, "secagg-keys", ROUND)
-        if not isinstance(nodes, list) or not isinstance(keys, list) or len(nodes) != len(keys):
-            raise ProtocolError("secagg-nodes and secagg-keys must be lists of the same length")
-        secagg = SecAggRound({_int(n, "secagg node", minimum=None): _bytes(k) for n, k in zip(nodes, keys)})
+        lr = read_float(entry(round_, "lr", ROUND), "lr")
+        return TrainIns(header, config, lr=lr, num_seen=num_seen, model=model, **optional)
     return StatsIns(
         header,
         config,
         num_seen=num_seen,
         model=model,
-        backfill=decode_backfill(_str(_get(round_, "backfill", ROUND) or "-", "backfill")),
-        rank=_int(_get(round_, "rank", ROUND), "rank"),
-        secagg=secagg,
+        backfill=decode_backfill(read_str(entry(round_, "backfill", ROUND) or "-", "backfill")),
+        rank=read_int(entry(round_, "rank", ROUND), "rank"),
+        secagg=SecAggRound.from_entries(round_) if "secagg-round-nodes" in round_ else None,
     )
-
-
-def _bytes(value: Any) -> bytes:
-    if not isinstance(value, bytes):
-        raise ProtocolError(f"secagg key is {type(value).__name__}, expected bytes")
-    return value
 
 
 def encode_backfill(owed: Mapping[int, tuple[int, ...] | list[int]]) -> str:
@@ -317,12 +227,12 @@ def encode_backfill(owed: Mapping[int, tuple[int, ...] | list[int]]) -> str:
 def decode_backfill(text: str) -> dict[int, tuple[int, ...]]:
     """Inverse of :func:`encode_backfill` ("-" or "" is empty); ProtocolError on anything else."""
     owed: dict[int, tuple[int, ...]] = {}
-    for entry in filter(None, text.strip().strip("-").split(";")):
+    for item in filter(None, text.strip().strip("-").split(";")):
         try:
-            client, tasks = entry.split(":")
+            client, tasks = item.split(":")
             owed[int(client)] = tuple(sorted(int(t) for t in tasks.split(",")))
         except ValueError:
-            raise ProtocolError(f"cannot read backfill entry '{entry}' (expected client:task,task)") from None
+            raise ProtocolError(f"cannot read backfill entry '{item}' (expected client:task,task)") from None
     return owed
 
 
@@ -364,31 +274,6 @@ class Backfill:
 
     arrays: ArrayRecord
     num_examples: int
-
-
-@dataclass(frozen=True)
-class Reply:
-    """What every reply carries: the header it answers, the client it speaks for, its sample count."""
-
-    kind: ClassVar[Kind]
-    header: Header
-    client: int
-    num_examples: int
-
-    def metrics(self) -> dict[str, MetricRecordValues]:
-        return {"partition-id": self.client, "num-examples": self.num_examples}
-
-    def to_record(self) -> RecordDict:
-        content = RecordDict({HEADER: self.header.to_record()})
-        self._fill(content)
-        content[METRICS] = MetricRecord(self.metrics())
-        return content
-
-    def _fill(self, content: RecordDict) -> None:
-        """Subclasses add their records."""
-
-    def reply_to(self, message: Message) -> Message:
-        return Message(self.to_record(), reply_to=message)
 
 
 @dataclass(frozen=True)
@@ -460,17 +345,20 @@ class StatsRes(Reply):
 
 
 @dataclass(frozen=True)
-class KeysRes(Reply):
-    kind: ClassVar[Kind] = Kind.KEYS
-    public_key: bytes = b""
-
-    def _fill(self, content: RecordDict) -> None:
-        content[SECAGG] = ConfigRecord({"public-key": self.public_key})
+class InfoRes(Reply):
+    kind: ClassVar[Kind] = Kind.INFO
 
 
 @dataclass(frozen=True)
-class InfoRes(Reply):
-    kind: ClassVar[Kind] = Kind.INFO
+class EvaluateRes(Reply):
+    """Per seen class: how many of this client's held-out samples the model got right, and how
+    many there were (record ``counts``: int64 arrays ``correct`` and ``total``)."""
+
+    kind: ClassVar[Kind] = Kind.EVALUATE
+    counts: ArrayRecord = field(default_factory=ArrayRecord)
+
+    def _fill(self, content: RecordDict) -> None:
+        content[COUNTS] = self.counts
 
 
 _LGA_METRICS = {"lga-cb", "lga-sd", "lga-detected", "lga-new-task", "lga-memory", "lga-proto-classes"}
@@ -492,81 +380,62 @@ def parse_reply(message: Message, sent: Header, kind: Kind) -> Reply:
     metrics = content.metric_records.get(METRICS)
     if metrics is None:
         raise ProtocolError(f"reply has no '{METRICS}' record")
-    client = _int(_get(metrics, "partition-id", METRICS), "partition-id")
-    try:
-        return _parse_body(content, metrics, kind, sent, client)
-    except ProtocolError as err:
-        err.claimed_client = client  # name the rejection after the client the reply claims to be
-        raise
-
-
-class _Base(NamedTuple):
-    """The fields every reply has, in the order of :class:`Reply`'s."""
-
-    header: Header
-    client: int
-    num_examples: int
+    client = read_int(entry(metrics, "partition-id", METRICS), "partition-id")
+    return _parse_body(content, metrics, kind, sent, client)
 
 
 def _parse_body(content: RecordDict, metrics: MetricRecord, kind: Kind, sent: Header, client: int) -> Reply:
-    num_examples = _metric_int(metrics, "num-examples")
-    base = _Base(sent, client, num_examples)
+    base = ReplyBase(sent, client, metric_int(metrics, "num-examples"))
     if kind is Kind.TRAIN:
         return _parse_train(content, metrics, base)
     if kind is Kind.STATS:
         return _parse_stats(content, metrics, base)
-    _only(content.array_records, set(), "array records")
-    _only(metrics, {"partition-id", "num-examples"}, "metrics")
-    if kind is Kind.KEYS:
-        _only(content.config_records, {HEADER, SECAGG}, "config records")
-        record = content.config_records.get(SECAGG)
-        key = None if record is None else record.get("public-key")
-        if not isinstance(key, bytes):
-            raise ProtocolError("keys reply carries no public key")
-        return KeysRes(*base, public_key=key)
-    _only(content.config_records, {HEADER}, "config records")
-    return InfoRes(*base)
+    only(metrics, {"partition-id", "num-examples"}, "metrics")
+    if kind is Kind.EVALUATE:
+        only(content.array_records, {COUNTS}, "array records")
+        only(content.config_records, {HEADER}, "config records")
+        if COUNTS not in content.array_records:
+            raise ProtocolError(f"reply has no '{COUNTS}' record")
+        return EvaluateRes(*base, counts=content.array_records[COUNTS])
+    if kind is Kind.INFO:
+        only(content.array_records, set(), "array records")
+        only(content.config_records, {HEADER}, "config records")
+        return InfoRes(*base)
+    return parse_secure_reply(kind, content, base)
 
 
-def _parse_train(content: RecordDict, metrics: MetricRecord, base: _Base) -> TrainRes:
-    _only(content.config_records, {HEADER}, "config records")
-    _only(content.array_records, {MODEL, LGA_PROTO}, "array records")
-    _only(metrics, {"partition-id", "num-examples", "train-loss"} | _LGA_METRICS | _STAMP_METRICS, "metrics")
+def _parse_train(content: RecordDict, metrics: MetricRecord, base: ReplyBase) -> TrainRes:
+    only(content.config_records, {HEADER}, "config records")
+    only(content.array_records, {MODEL, LGA_PROTO}, "array records")
+    only(metrics, {"partition-id", "num-examples", "train-loss"} | _LGA_METRICS | _STAMP_METRICS, "metrics")
     if MODEL not in content.array_records:
         raise ProtocolError(f"reply has no '{MODEL}' record")
     lga = stamp = None
     if _LGA_METRICS & set(metrics):
         lga = LGAReport(
-            cb=_metric_float(metrics, "lga-cb"),
-            sd=_metric_float(metrics, "lga-sd"),
-            detected=_flag(metrics, "lga-detected"),
-            new_task=_flag(metrics, "lga-new-task"),
-            memory=_metric_int(metrics, "lga-memory"),
-            proto_classes=_metric_int(metrics, "lga-proto-classes"),
+            cb=metric_float(metrics, "lga-cb"),
+            sd=metric_float(metrics, "lga-sd"),
+            detected=metric_flag(metrics, "lga-detected"),
+            new_task=metric_flag(metrics, "lga-new-task"),
+            memory=metric_int(metrics, "lga-memory"),
+            proto_classes=metric_int(metrics, "lga-proto-classes"),
             prototypes=content.array_records.get(LGA_PROTO),
         )
     elif LGA_PROTO in content.array_records:
         raise ProtocolError(f"'{LGA_PROTO}' record without the LGA metrics")
     if _STAMP_METRICS & set(metrics):
         stamp = StampReport(
-            proto=_metric_float(metrics, "stamp-proto"),
-            old_tasks=_metric_int(metrics, "stamp-old-tasks"),
-            coreset=_metric_int(metrics, "stamp-coreset"),
+            proto=metric_float(metrics, "stamp-proto"),
+            old_tasks=metric_int(metrics, "stamp-old-tasks"),
+            coreset=metric_int(metrics, "stamp-coreset"),
         )
     return TrainRes(
-        *base, model=content.array_records[MODEL], loss=_metric_float(metrics, "train-loss", 0.0), lga=lga, stamp=stamp
+        *base, model=content.array_records[MODEL], loss=metric_float(metrics, "train-loss", 0.0), lga=lga, stamp=stamp
     )
 
 
-def _flag(metrics: MetricRecord, key: str) -> bool:
-    flag = _metric_int(metrics, key)
-    if flag not in (0, 1):
-        raise ProtocolError(f"metric '{key}' is {flag}, expected 0 or 1")
-    return bool(flag)
-
-
-def _parse_stats(content: RecordDict, metrics: MetricRecord, base: _Base) -> StatsRes:
-    _only(content.config_records, {HEADER}, "config records")
+def _parse_stats(content: RecordDict, metrics: MetricRecord, base: ReplyBase) -> StatsRes:
+    only(content.config_records, {HEADER}, "config records")
     if MODEL not in content.array_records:
         raise ProtocolError(f"reply has no '{MODEL}' record")
     backfill: dict[int, Backfill] = {}
@@ -576,22 +445,22 @@ def _parse_stats(content: RecordDict, metrics: MetricRecord, base: _Base) -> Sta
         task_text = name.removeprefix(BACKFILL_PREFIX)
         if not name.startswith(BACKFILL_PREFIX) or not task_text.isdigit():
             raise ProtocolError(f"unexpected array record '{name}'")
-        backfill[int(task_text)] = Backfill(record, _metric_int(metrics, f"{name}-num-examples"))
+        backfill[int(task_text)] = Backfill(record, metric_int(metrics, f"{name}-num-examples"))
     allowed = {"partition-id", "num-examples", "withheld-samples"} | _FEDRAN_METRICS
     allowed |= {f"{BACKFILL_PREFIX}{task}-num-examples" for task in backfill}
-    _only(metrics, allowed, "metrics")
+    only(metrics, allowed, "metrics")
     fedran = None
     if _FEDRAN_METRICS & set(metrics):
         fedran = FedranReport(
             *(
-                _metric_int(metrics, key)
+                metric_int(metrics, key)
                 for key in ("num-labelled", "pseudo-unlabelled", "pseudo-accepted", "pseudo-correct")
             )
         )
     return StatsRes(
         *base,
         arrays=content.array_records[MODEL],
-        withheld=_metric_int(metrics, "withheld-samples", 0),
+        withheld=metric_int(metrics, "withheld-samples", 0),
         backfill=dict(sorted(backfill.items())),
         fedran=fedran,
     )

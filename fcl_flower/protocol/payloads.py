@@ -31,7 +31,10 @@ def read_state(record: ArrayRecord, expected: Mapping[str, Tensor]) -> dict[str,
     """A model state (or a Fisher) with exactly the keys and shapes of ``expected``."""
     if set(record.keys()) != set(expected):
         raise UploadError("model state keys differ from the global model's")
-    return {key: read_tensor(record, key, shape=tuple(value.shape)) for key, value in expected.items()}
+    return {
+        key: read_tensor(record, key, shape=tuple(value.shape), floating=value.is_floating_point())
+        for key, value in expected.items()
+    }
 
 
 def read_fisher(record: ArrayRecord, expected: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -47,45 +50,53 @@ def read_fisher(record: ArrayRecord, expected: Mapping[str, Tensor]) -> dict[str
 
 @dataclass(frozen=True)
 class StsaStats:
-    """STSA: the packed upper triangle of G = ΦᵀΦ (M(M+1)/2) and the class sums C = ΦᵀY (M × c_t)."""
+    """STSA: the packed upper triangle of G = ΦᵀΦ (M(M+1)/2), the class sums C = ΦᵀY (M × c) and the
+    class counts n_c (c); the counts let the server check that (G, C, n_c) fit one dataset."""
 
     gram_packed: Tensor
     class_sums: Tensor
-    KEYS = ("gram-packed", "class-sums")
+    counts: Tensor
+    KEYS = ("gram-packed", "class-sums", "counts")
+
+    def arrays(self) -> dict[str, Tensor]:
+        return {"gram-packed": self.gram_packed, "class-sums": self.class_sums, "counts": self.counts}
 
     def to_record(self, wire_dtype: str) -> ArrayRecord:
-        return to_record(
-            {
-                "gram-packed": cast_for_wire(self.gram_packed, wire_dtype),
-                "class-sums": cast_for_wire(self.class_sums, wire_dtype),
-            }
-        )
+        return to_record({key: cast_for_wire(value, wire_dtype) for key, value in self.arrays().items()})
 
     @classmethod
     def read(cls, record: ArrayRecord, *, packed: int, dim: int, classes: int) -> StsaStats:
-        """G stays packed at wire precision until summed; C becomes float64."""
+        """G stays packed at wire precision until summed; C and the counts become float64."""
         _exact_keys(record, cls.KEYS)
+        counts = read_tensor(record, "counts", shape=(classes,), nonnegative=True).to(torch.float64)
         return cls(
             read_tensor(record, "gram-packed", shape=(packed,), floating=True),
             read_tensor(record, "class-sums", shape=(dim, classes), floating=True).to(torch.float64),
+            counts,
         )
 
 
 @dataclass(frozen=True)
 class MaskedStsaStats:
-    """STSA under secure aggregation: the same arrays as uint64 ring elements, masked."""
+    """STSA under secure aggregation: the same arrays as uint64 ring elements, masked. The counts
+    carry one more entry, the samples withheld under min-class-count, so nothing travels in clear."""
 
     gram_packed: np.ndarray
     class_sums: np.ndarray
+    counts: np.ndarray
 
     def to_record(self) -> ArrayRecord:
-        return ArrayRecord({"gram-packed": Array(self.gram_packed), "class-sums": Array(self.class_sums)})
+        return ArrayRecord(
+            {"gram-packed": Array(self.gram_packed), "class-sums": Array(self.class_sums), "counts": Array(self.counts)}
+        )
 
     @classmethod
     def read(cls, record: ArrayRecord, *, packed: int, dim: int, classes: int) -> MaskedStsaStats:
         _exact_keys(record, StsaStats.KEYS)
         return cls(
-            read_ring(record, "gram-packed", shape=(packed,)), read_ring(record, "class-sums", shape=(dim, classes))
+            read_ring(record, "gram-packed", shape=(packed,)),
+            read_ring(record, "class-sums", shape=(dim, classes)),
+            read_ring(record, "counts", shape=(classes + 1,)),
         )
 
 
@@ -176,3 +187,16 @@ def read_prototypes(record: ArrayRecord, classes: range, shapes: list[tuple[int,
             raise UploadError(f"prototype gradient of class {cls} lacks some encoder parameters")
         out[cls] = [read_tensor(record, f"{cls}/{i}", shape=s, floating=True).float() for i, s in enumerate(shapes)]
     return out
+
+
+def read_counts(record: ArrayRecord, num_seen: int, num_examples: int) -> tuple[Tensor, Tensor]:
+    """An evaluate reply's per-class ``correct`` and ``total`` (int64, ``num_seen`` each): integers,
+    non-negative, correct <= total, adding up to the reply's number of examples."""
+    _exact_keys(record, ("correct", "total"))
+    correct = read_tensor(record, "correct", shape=(num_seen,), floating=False, nonnegative=True).to(torch.int64)
+    total = read_tensor(record, "total", shape=(num_seen,), floating=False, nonnegative=True).to(torch.int64)
+    if bool((correct > total).any()):
+        raise UploadError("a class has more correct predictions than test samples")
+    if int(total.sum()) != num_examples:
+        raise UploadError(f"the counts add up to {int(total.sum())} samples, the reply says {num_examples}")
+    return correct, total

@@ -1,0 +1,224 @@
+"""The messages of a secure statistics round (fcl_flower/privacy/secagg.py has the math).
+
+======================  ===============  =====================================================
+server -> client        Flower type      client -> server
+======================  ===============  =====================================================
+:class:`KeysIns`        ``query.keys``   :class:`KeysRes`: two fresh public keys (c, s), signed
+                                         with the node's long-term key in signed-keys mode
+:class:`SharesIns`      ``query.shares`` :class:`SharesRes`: Shamir shares of (b_i, s_i), one
+                                         encrypted bundle per participant
+:class:`~fcl_flower.protocol.StatsIns`   ``query.stats`` with :class:`SecAggRound`: the masked upload
+:class:`UnmaskIns`      ``query.unmask`` :class:`UnmaskRes`: shares of the survivors' b and of the
+                                         dropped participants' s, never both for one node
+======================  ===============  =====================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from flwr.app import ConfigRecord, RecordDict
+
+from fcl_flower.methods import Kind
+from fcl_flower.protocol.base import (
+    ROUND,
+    SECAGG,
+    Instruction,
+    Reply,
+    ReplyBase,
+    entry,
+    node_map,
+    node_map_entries,
+    only,
+    read_int,
+    read_list,
+)
+from fcl_flower.protocol.errors import ProtocolError
+
+
+@dataclass(frozen=True)
+class PublicKeys:
+    """One participant's public keys of a secure round, and in signed-keys mode who signed them."""
+
+    c: bytes  # encrypts the shares sent to this participant
+    s: bytes  # agrees the pairwise masks
+    signer: bytes = b""  # DER public key of the node's long-term key (signed-keys mode)
+    signature: bytes = b""
+
+
+def _keys_entries(keys: Mapping[int, PublicKeys], prefix: str) -> dict[str, Any]:
+    nodes = sorted(keys)
+    return {
+        f"{prefix}nodes": nodes,
+        f"{prefix}c": [keys[n].c for n in nodes],
+        f"{prefix}s": [keys[n].s for n in nodes],
+        f"{prefix}signer": [keys[n].signer for n in nodes],
+        f"{prefix}signature": [keys[n].signature for n in nodes],
+    }
+
+
+def _read_keys(record: Mapping[str, Any], prefix: str, where: str) -> dict[int, PublicKeys]:
+    nodes = read_list(record, f"{prefix}nodes", where, int)
+    columns = [
+        read_list(record, f"{prefix}{name}", where, bytes, len(nodes)) for name in ("c", "s", "signer", "signature")
+    ]
+    if len(set(nodes)) != len(nodes):
+        raise ProtocolError(f"'{where}' lists a node twice")
+    return {node: PublicKeys(*(column[i] for column in columns)) for i, node in enumerate(nodes)}
+
+
+@dataclass(frozen=True)
+class SecAggRound:
+    """What a masked statistics upload needs (:attr:`fcl_flower.protocol.StatsIns.secagg`)."""
+
+    round_nodes: tuple[int, ...]  # U1: the nodes of the key round, bound into every key derivation
+    participants: Mapping[int, PublicKeys]  # U2: the nodes that shared their secrets; masks cancel over them
+    clients: Mapping[int, int]  # node -> client, as the server mapped them
+    threshold: int  # shares needed to rebuild a secret
+    shares: Mapping[int, bytes] = field(default_factory=dict)  # source node -> its bundle for this node
+
+    def entries(self) -> dict[str, Any]:
+        return {
+            "secagg-round-nodes": list(self.round_nodes),
+            **_keys_entries(self.participants, "secagg-"),
+            **node_map_entries(self.clients, "secagg-client-nodes", "secagg-clients"),
+            "secagg-threshold": self.threshold,
+            **node_map_entries(self.shares, "secagg-share-src", "secagg-share"),
+        }
+
+    @classmethod
+    def from_entries(cls, record: Mapping[str, Any]) -> SecAggRound:
+        round_nodes = tuple(read_list(record, "secagg-round-nodes", ROUND, int))
+        participants = _read_keys(record, "secagg-", ROUND)
+        clients = node_map(record, "secagg-client-nodes", "secagg-clients", ROUND, int)
+        if not set(participants) <= set(round_nodes) or set(clients) != set(participants):
+            raise ProtocolError("secure round: participants, key-round nodes and clients do not agree")
+        return cls(
+            round_nodes,
+            participants,
+            clients,
+            read_int(entry(record, "secagg-threshold", ROUND), "secagg-threshold", minimum=2),
+            node_map(record, "secagg-share-src", "secagg-share", ROUND, bytes),
+        )
+
+    def backfill_tasks(self, backfill: Mapping[int, tuple[int, ...]], min_clients: int) -> tuple[int, ...]:
+        """Owed tasks whose statistics ride in this upload: those owed by ``min_clients`` or more of
+        the participants, so the opened sum of a past task's class sums is never one client's."""
+        owing: dict[int, int] = {}
+        for client in set(self.clients.values()):
+            for task in backfill.get(client, ()):
+                owing[task] = owing.get(task, 0) + 1
+        return tuple(sorted(task for task, count in owing.items() if count >= min_clients))
+
+
+@dataclass(frozen=True)
+class KeysIns(Instruction):
+    """The first step of a secure statistics round: make two fresh key pairs, send the public halves."""
+
+    kind: ClassVar[Kind] = Kind.KEYS
+
+
+@dataclass(frozen=True)
+class SharesIns(Instruction):
+    """Every key-round participant's public keys: share your secrets among them."""
+
+    kind: ClassVar[Kind] = Kind.SHARES
+    keys: Mapping[int, PublicKeys] = field(default_factory=dict)  # U1
+    clients: Mapping[int, int] = field(default_factory=dict)  # node -> client
+    threshold: int = 2
+
+    def _fill(self, content: RecordDict) -> None:
+        content[ROUND] = ConfigRecord(
+            {
+                **_keys_entries(self.keys, "secagg-"),
+                **node_map_entries(self.clients, "secagg-client-nodes", "secagg-clients"),
+                "secagg-threshold": self.threshold,
+            }
+        )
+
+
+@dataclass(frozen=True)
+class UnmaskIns(Instruction):
+    """The last step: reveal your shares of the survivors' b and of the dropped nodes' s."""
+
+    kind: ClassVar[Kind] = Kind.UNMASK
+    survivors: tuple[int, ...] = ()
+    dropped: tuple[int, ...] = ()
+
+    def _fill(self, content: RecordDict) -> None:
+        content[ROUND] = ConfigRecord({"survivors": list(self.survivors), "dropped": list(self.dropped)})
+
+
+@dataclass(frozen=True)
+class KeysRes(Reply):
+    kind: ClassVar[Kind] = Kind.KEYS
+    keys: PublicKeys = field(default_factory=lambda: PublicKeys(b"", b""))
+
+    def _fill(self, content: RecordDict) -> None:
+        k = self.keys
+        content[SECAGG] = ConfigRecord({"c": k.c, "s": k.s, "signer": k.signer, "signature": k.signature})
+
+
+@dataclass(frozen=True)
+class SharesRes(Reply):
+    kind: ClassVar[Kind] = Kind.SHARES
+    shares: Mapping[int, bytes] = field(default_factory=dict)  # destination node -> encrypted bundle
+
+    def _fill(self, content: RecordDict) -> None:
+        content[SECAGG] = ConfigRecord(node_map_entries(self.shares, "nodes", "shares"))
+
+
+@dataclass(frozen=True)
+class UnmaskRes(Reply):
+    kind: ClassVar[Kind] = Kind.UNMASK
+    seed_shares: Mapping[int, bytes] = field(default_factory=dict)  # survivor node -> share of its b
+    key_shares: Mapping[int, bytes] = field(default_factory=dict)  # dropped node -> share of its s
+
+    def _fill(self, content: RecordDict) -> None:
+        content[SECAGG] = ConfigRecord(
+            {
+                **node_map_entries(self.seed_shares, "seed-nodes", "seed-shares"),
+                **node_map_entries(self.key_shares, "key-nodes", "key-shares"),
+            }
+        )
+
+
+def parse_secure_instruction(kind: Kind, base: Instruction, round_: Mapping[str, Any] | None) -> Instruction:
+    """The typed secure-round instruction (``base`` carries header and config)."""
+    if kind is Kind.KEYS:
+        return KeysIns(base.header, base.config)
+    if round_ is None:
+        raise ProtocolError(f"message has no '{ROUND}' record")
+    if kind is Kind.SHARES:
+        keys = _read_keys(round_, "secagg-", ROUND)
+        clients = node_map(round_, "secagg-client-nodes", "secagg-clients", ROUND, int)
+        threshold = read_int(entry(round_, "secagg-threshold", ROUND), "secagg-threshold", minimum=2)
+        return SharesIns(base.header, base.config, keys=keys, clients=clients, threshold=threshold)
+    survivors = tuple(read_list(round_, "survivors", ROUND, int))
+    dropped = tuple(read_list(round_, "dropped", ROUND, int))
+    return UnmaskIns(base.header, base.config, survivors=survivors, dropped=dropped)
+
+
+def parse_secure_reply(kind: Kind, content: RecordDict, base: ReplyBase) -> Reply:
+    only(content.config_records, {"header", SECAGG}, "config records")
+    only(content.array_records, set(), "array records")
+    record = content.config_records.get(SECAGG)
+    if record is None:
+        raise ProtocolError(f"reply has no '{SECAGG}' record")
+    if kind is Kind.KEYS:
+        only(record, {"c", "s", "signer", "signature"}, "secagg entries")
+        values = [entry(record, name, SECAGG) for name in ("c", "s", "signer", "signature")]
+        if not all(isinstance(v, bytes) for v in values):
+            raise ProtocolError("keys reply: the keys and signature must be bytes")
+        return KeysRes(*base, keys=PublicKeys(*values))
+    if kind is Kind.SHARES:
+        only(record, {"nodes", "shares"}, "secagg entries")
+        return SharesRes(*base, shares=node_map(record, "nodes", "shares", SECAGG, bytes))
+    only(record, {"seed-nodes", "seed-shares", "key-nodes", "key-shares"}, "secagg entries")
+    return UnmaskRes(
+        *base,
+        seed_shares=node_map(record, "seed-nodes", "seed-shares", SECAGG, bytes),
+        key_shares=node_map(record, "key-nodes", "key-shares", SECAGG, bytes),
+    )

@@ -1,0 +1,120 @@
+"""Federated evaluation as a component: after each stage, every client scores the global model on
+its own held-out data and answers with counts per seen class; the server sums them.
+
+Flower's ``evaluate`` messages carry it (``@app.evaluate()`` on the client, clients/evaluate.py).
+The summed counts give the same metrics as central evaluation (A_t, A_{t,tau}, then A_avg, A_T,
+F_T): accuracy over all held-out samples of the seen classes, sample-weighted across clients. In
+simulation the clients' held-out shares partition the public test set, so ``evaluation = both``
+gives identical numbers both ways (tests/test_federated_evaluation.py).
+
+Replies are untrusted like any other: counts must be integers, non-negative, correct <= total,
+adding up to the reply's sample count, from the node mapped to the client. Nothing can check that
+a client's counts are true: a lying client can skew the *reported* accuracy (by at most its share
+of the samples), never the model. Evaluation traffic is not counted in the upload bytes (those
+are the methods' costs the papers compare).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from logging import WARNING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from fcl_flower.methods import Kind
+from fcl_flower.metrics import accuracy_from_counts, task_pool_rows_from_counts
+from fcl_flower.protocol import EvaluateIns, EvaluateRes, Header, ProtocolError, UploadError, parse_reply
+from fcl_flower.protocol.payloads import read_counts
+from strategies.accounting import client_name, client_order
+
+if TYPE_CHECKING:
+    from strategies.base import StagedStrategy
+
+PHASE = "evaluate"
+
+
+@dataclass
+class Scores:
+    """What the clients reported after one stage."""
+
+    counts: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # client -> (correct, total)
+    left_out: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> int:
+        return int(sum(total.sum() for _, total in self.counts.values()))
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "clients": sorted(self.counts, key=client_order),
+            "samples": self.samples,
+            "left_out": dict(sorted(self.left_out.items(), key=lambda kv: client_order(kv[0]))),
+        }
+
+
+def collect(host: StagedStrategy, grid: Grid, task: int) -> Scores:
+    """Send the evaluate round to every node mapped to a client and read the counts."""
+    host.server_round += 1
+    num_seen = host.num_seen(task)
+    header = Header(host.run_id, PHASE, task, task + 1, host.server_round, 0)
+    extra = host.evaluate_arrays()
+    ins = EvaluateIns(header, host.cfg, num_seen=num_seen, model=host.global_arrays(), **extra)
+    mapped = host.nodes.client_of
+    targets = [n for n in host.nodes.connected(grid) if n in mapped]
+    scores = Scores()
+    for message in grid.send_and_receive([ins.to_message(n) for n in targets], timeout=host.cfg.round_timeout):
+        node = message.metadata.src_node_id
+        name = client_name(mapped[node]) if node in mapped else f"node-{node}"
+        try:
+            if node not in targets:
+                raise ProtocolError("an answer from a node that was not asked")
+            reply = parse_reply(message, header, Kind.EVALUATE)
+            assert isinstance(reply, EvaluateRes)
+            name = host.identify(node, reply)
+            if name in scores.counts:
+                raise UploadError(f"duplicate evaluation from {name}")
+            correct, total = read_counts(reply.counts, num_seen, reply.num_examples)
+        except (ProtocolError, UploadError) as err:
+            scores.left_out[name] = f"evaluation: {err}"
+            continue
+        except Exception as err:  # an untrusted reply never stops the run
+            scores.left_out[name] = f"evaluation: cannot read the counts ({type(err).__name__}: {err})"
+            continue
+        scores.counts[name] = (correct.numpy(), total.numpy())
+    for node in targets:
+        name = client_name(mapped[node])
+        if name not in scores.counts and name not in scores.left_out:
+            scores.left_out[name] = "evaluation: no reply within round-timeout"
+    if scores.left_out:
+        log(
+            WARNING,
+            "[stage %d] evaluation without %s",
+            task + 1,
+            "; ".join(f"{c}: {w}" for c, w in scores.left_out.items()),
+        )
+    return scores
+
+
+def score(host: StagedStrategy, scores: Scores, task: int) -> tuple[float, list[float], dict[str, Any]]:
+    """(A_t, per-task accuracies, extras) from the clients' counts, as :meth:`score_stage` gives them."""
+    nan = float("nan")
+    if not scores.counts:
+        return nan, [nan] * (task + 1), {}
+    if host.split.is_task_pool:
+        assert host.split.client_classes is not None
+        clients = sorted(scores.counts, key=client_order)
+        ids = [int(c.rsplit("-", 1)[1]) for c in clients]
+        correct = np.stack([scores.counts[c][0] for c in clients])
+        total = np.stack([scores.counts[c][1] for c in clients])
+        rows = task_pool_rows_from_counts(correct, total, host.split.client_classes[ids], task)
+        per_client = {c: row.tolist() for c, row in zip(clients, rows, strict=True)}
+        return float(rows.mean(axis=1).mean()), rows.mean(axis=0).tolist(), {"per_client": per_client}
+    correct_sum = np.sum([c for c, _ in scores.counts.values()], axis=0)
+    total_sum = np.sum([t for _, t in scores.counts.values()], axis=0)
+    if int(total_sum.sum()) == 0:
+        return nan, [nan] * (task + 1), {}
+    accuracy, per_task = accuracy_from_counts(correct_sum, total_sum, host.task_of_label, task + 1)
+    return accuracy, per_task, {}
