@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from flwr.app import Context
 
-from clients.node_data import DatasetShape, FolderData, NodeData, OwnSplit, PartitionData, node_data
+from clients.node_data import DatasetShape, NodeData, OwnSplit, PartitionData, node_data
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit, LabelledDataset
 from fcl_flower.models import IncrementalClassifier, load_trainable_state, trainable_state
@@ -63,11 +63,10 @@ class ClientJob:
 
     @property
     def split(self) -> FederatedSplit | OwnSplit:
-        """The federated split; on a node with only its own folder (data-dir), a view that serves
+        """The federated split; on a node with only its own data (a folder), a view that serves
         the task layout and this client's own partition and raises for anything else."""
         if isinstance(self.data, PartitionData):
             return self.data.split
-        assert isinstance(self.data, FolderData)
         return OwnSplit(self.data)
 
     def local_data(self, *, eval_transform: bool) -> LabelledDataset:

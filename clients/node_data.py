@@ -11,6 +11,10 @@ Two ways to point a SuperNode at its data (``flower-supernode --node-config "...
   demos on public benchmarks, where every machine has the dataset anyway; the process does load
   the whole public training set to cut out its share.
 
+Under ``dataset = custom`` each site brings its own images instead: ``data-dir`` names a folder of
+image folders, a manifest or a Hugging Face ``datasets`` folder, and ``partition-id`` the site's
+client id (clients/own_data.py; recipe in docs/own_data.md).
+
 Either way a client handler sees one interface, :class:`NodeData`: the task layout, the shape
 of the model's input and output, and ``train(task)`` -- its own samples of that task.
 """
@@ -173,8 +177,9 @@ class OwnSplit:
     serve: the task layout and its *own* partition. Anything that needs other clients' data or
     the test set raises, naming what is missing."""
 
-    def __init__(self, data: FolderData) -> None:
+    def __init__(self, data: NodeData) -> None:
         self._data = data
+        self._where = str(getattr(data, "folder", "its own data"))
         self.tasks = data.tasks
         self.num_tasks = len(data.tasks)
 
@@ -189,7 +194,7 @@ class OwnSplit:
         if name.startswith("_"):  # copy/pickle probes, and _data before __init__ ran
             raise AttributeError(name)
         raise NodeConfigError(
-            f"split.{name} needs the whole dataset, but this node holds only its own folder {self._data.folder}"
+            f"split.{name} needs the whole dataset, but this node holds only its own folder {self._where}"
         )
 
 
@@ -268,7 +273,12 @@ def transforms_for(dataset: str, image_size: int | None) -> tuple[Transform | No
 
 # ---------------------------------------------------------------------------- entry point
 def node_data(node_config: Mapping[str, Any], cfg: RunConfig) -> NodeData:
-    """This node's data, from its node config: ``data-dir`` if given, else the partition spec."""
+    """This node's data, from its node config: its own images under ``dataset = custom``, else
+    ``data-dir`` if given, else the partition spec."""
+    if cfg.dataset == "custom":
+        from clients.own_data import own_node_data
+
+        return own_node_data(node_config, cfg)
     if "data-dir" in node_config:
         data = load_folder(str(node_config["data-dir"]))
         data.check_matches(cfg)

@@ -8,7 +8,12 @@ The first form starts everything, prints how to submit a run, and stops every pr
 Ctrl-C. The second submits one run of this app, waits until it finishes and stops everything.
 ``--data`` is the output folder of ``experiments/export_partitions.py``: SuperNode k gets
 ``data-dir=<data>/client-k`` and nothing else; without ``--data`` SuperNode k gets
-``partition-id=k num-partitions=N`` instead.
+``partition-id=k num-partitions=N`` instead. ``--site FOLDER`` (once per site) federates the
+sites' own images (``dataset = custom``, docs/own_data.md): SuperNode k gets
+``data-dir=<k-th folder> partition-id=k``::
+
+    python deploy/local_federation.py --workdir /tmp/fcl-fed --site /data/a --site /data/b --site /data/c \\
+        --run "dataset='custom' class-names='cat,dog,fox' image-size=32 num-clients=3 evaluation='federated' ..."
 
 What it does, in the order an operator would (deploy/README.md has the same steps by hand):
 
@@ -471,7 +476,11 @@ def write_certificates(out: Path, hosts: Sequence[str] = ("localhost", "127.0.0.
         path.chmod(mode)
 
 
-def node_configs_for(num_nodes: int, data: Path | None) -> list[str]:
+def node_configs_for(num_nodes: int, data: Path | None, sites: Sequence[Path] = ()) -> list[str]:
+    """SuperNode k's node config: its own image folder ``sites[k]`` (``dataset = custom``) with client
+    id k; else ``<data>/client-k`` (an exported folder); else partition k of the public dataset."""
+    if sites:
+        return [f"data-dir={json.dumps(str(Path(site).resolve()))} partition-id={k}" for k, site in enumerate(sites)]
     if data is None:
         return [f"partition-id={k} num-partitions={num_nodes}" for k in range(num_nodes)]
     return [f"data-dir={json.dumps(str(Path(data).resolve() / f'client-{k}'))}" for k in range(num_nodes)]
@@ -482,6 +491,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, help="Folder for certificates, keys, logs and FLWR_HOME.")
     parser.add_argument("--num-nodes", type=int, default=3, help="SuperNodes to start (one per client).")
     parser.add_argument("--data", default=None, help="Output of experiments/export_partitions.py.")
+    parser.add_argument(
+        "--site",
+        action="append",
+        default=[],
+        metavar="FOLDER",
+        help="A site's own image folder (dataset custom), once per SuperNode: SuperNode k gets "
+        "data-dir=<k-th folder> partition-id=k; replaces --data and --num-nodes.",
+    )
     parser.add_argument("--port", type=int, default=0, help="SuperLink port (default: a free one).")
     parser.add_argument(
         "--run",
@@ -491,7 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=3600.0, help="Seconds to wait for --run.")
     args = parser.parse_args(argv)
-    federation = LocalFederation(Path(args.workdir), node_configs_for(args.num_nodes, args.data), args.port)
+    if args.site and args.data:
+        parser.error("--site (own image folders) and --data (exported folders) exclude each other")
+    configs = node_configs_for(args.num_nodes, args.data, [Path(site) for site in args.site])
+    federation = LocalFederation(Path(args.workdir), configs, args.port)
     stop = {"now": False}
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -71,15 +71,17 @@ def default_gpu_share(num_clients: int) -> float:
     return min(1.0, gpus / num_clients) if gpus else 0.0
 
 
-def run_local(cfg: RunConfig) -> ResultsRecorder:
+def run_local(cfg: RunConfig, node_configs: Sequence[Mapping[str, Any]] | None = None) -> ResultsRecorder:
     """The same run without Ray: the real ServerApp logic and ClientApp, messages delivered in this
     process (``fcl_flower.local_grid.LocalGrid``). Used by ``compare.py --engine local``, the
-    benchmarks and ``results_diff.py``."""
+    benchmarks and ``results_diff.py``. ``node_configs`` (one per client) replaces the nodes'
+    partition ids, as ``--node-config`` does on real SuperNodes: under ``dataset = custom`` each
+    names a site's own ``data-dir`` and ``partition-id`` (the simulation of a federation of folders)."""
     from clients.app import app as client_app
     from fcl_flower.local_grid import LocalGrid
     from strategies.app import run_experiment
 
-    return run_experiment(LocalGrid(client_app, cfg.num_clients), cfg)
+    return run_experiment(LocalGrid(client_app, cfg.num_clients, node_configs=node_configs), cfg)
 
 
 def check_before_start(cfg: RunConfig) -> None:

@@ -12,7 +12,8 @@ of ``compare.py --engine local``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -25,7 +26,9 @@ Tamper = Callable[[Sequence[Message], list[Message]], list[Message]]
 
 
 class LocalGrid(Grid):
-    """``num_nodes`` in-process nodes with node ids ``first_node_id``.. and partition ids 0..K-1."""
+    """``num_nodes`` in-process nodes with node ids ``first_node_id``.. and partition ids 0..K-1;
+    ``node_configs`` (one per node) replaces those node configs, as ``--node-config`` does on a
+    real SuperNode (e.g. a site's own ``data-dir``)."""
 
     def __init__(
         self,
@@ -35,7 +38,10 @@ class LocalGrid(Grid):
         run_id: int = 1,
         first_node_id: int = 1,
         tamper: Tamper | None = None,
+        node_configs: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
+        if node_configs is not None and len(node_configs) != num_nodes:
+            raise ValueError(f"{len(node_configs)} node configs for {num_nodes} nodes")
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 0, run_id
         self.client_app = client_app
         self.tamper = tamper
@@ -46,7 +52,9 @@ class LocalGrid(Grid):
             first_node_id + k: Context(
                 run_id=run_id,
                 node_id=first_node_id + k,
-                node_config={"partition-id": k, "num-partitions": num_nodes},
+                node_config=(
+                    {"partition-id": k, "num-partitions": num_nodes} if node_configs is None else dict(node_configs[k])
+                ),
                 state=RecordDict(),
                 run_config={},
             )

@@ -234,7 +234,7 @@ def split_into_dummy_clients(
         assert seed is not None  # exactly one of the two is given (checked above)
         generator = torch.Generator(device="cpu")
         generator.manual_seed(int(seed))
-    perm = torch.randperm(num_samples, generator=generator)
+    perm = torch.randperm(num_samples, generator=generator, device=generator.device)
     step = num_samples // num_dummy
     chunks = [perm[j * step : (j + 1) * step] for j in range(num_dummy - 1)]
     chunks.append(perm[(num_dummy - 1) * step :])

@@ -11,6 +11,8 @@ Three kinds of storage are supported:
 * ``uint8`` -- an in-memory (or memory-mapped) uint8 array ``(N, H, W, C)`` (CIFAR-100,
   Tiny-ImageNet). Items reach the transform as RGB PIL images, as torchvision transforms expect.
 * ``paths`` -- a list of image files (ImageNet-R), opened lazily as RGB PIL images.
+* ``reader`` -- an :class:`ImageReader` (a site's own images, fcl_flower/data/own.py): item ``j``
+  is ``reader.read(j)``, a PIL image the reader decodes (and may cache) on first use.
 
 Whatever the transform returns (PIL image, array or tensor) is converted to a float32 CHW tensor.
 """
@@ -18,7 +20,7 @@ Whatever the transform returns (PIL image, array or tensor) is converted to a fl
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -31,10 +33,19 @@ from .errors import DatasetError
 Transform = Callable[[Any], Any]
 
 
+@runtime_checkable
+class ImageReader(Protocol):
+    """Storage that decodes its images itself: ``read(j)`` is item ``j`` as a PIL image."""
+
+    def __len__(self) -> int: ...
+
+    def read(self, j: int) -> Image.Image: ...
+
+
 class _Storage:
     """Images and labels shared by every view of one dataset split."""
 
-    def __init__(self, images: np.ndarray | Sequence[str], targets: np.ndarray) -> None:
+    def __init__(self, images: np.ndarray | Sequence[str] | ImageReader, targets: np.ndarray) -> None:
         targets = np.asarray(targets)
         if targets.ndim != 1 or not np.issubdtype(targets.dtype, np.integer):
             raise DatasetError(
@@ -54,12 +65,14 @@ class _Storage:
                 self.kind = "float"
             else:
                 raise DatasetError(f"images must be uint8 or floating point, got dtype {images.dtype}")
+        elif isinstance(images, ImageReader):
+            self.kind = "reader"
         else:
             images = [str(p) for p in images]
             self.kind = "paths"
         if len(images) != len(targets):
             raise DatasetError(f"{len(images)} images but {len(targets)} targets")
-        self.images = images
+        self.images: Any = images
         self.targets = targets.astype(np.int64, copy=False)
         self.targets.setflags(write=False)
 
@@ -70,6 +83,8 @@ class _Storage:
         if self.kind == "uint8":
             arr = np.asarray(self.images[j])
             return Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr)
+        if self.kind == "reader":
+            return self.images.read(j)
         with Image.open(self.images[j]) as img:
             return img.convert("RGB")
 
@@ -96,7 +111,7 @@ class LabelledDataset(Dataset):
 
     def __init__(
         self,
-        images: np.ndarray | Sequence[str] | _Storage,
+        images: np.ndarray | Sequence[str] | ImageReader | _Storage,
         targets: np.ndarray | None = None,
         transform: Transform | None = None,
         *,
@@ -129,7 +144,7 @@ class LabelledDataset(Dataset):
 
     @property
     def storage_kind(self) -> str:
-        """``"float"``, ``"uint8"`` or ``"paths"``."""
+        """``"float"``, ``"uint8"``, ``"paths"`` or ``"reader"``."""
         return self._storage.kind
 
     def subset(self, indices: np.ndarray) -> LabelledDataset:

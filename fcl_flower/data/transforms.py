@@ -61,3 +61,39 @@ def vit_transforms(
 def tensor_resize(image_size: int) -> T.Resize:
     """Resize for float CHW tensors (digits / synthetic at a larger size, e.g. a ViT smoke test)."""
     return T.Resize((image_size, image_size), interpolation=InterpolationMode.BILINEAR, antialias=True)
+
+
+#: Training augmentations of a site's own images (node config ``augment``; fcl_flower/data/own.py).
+AUGMENTATIONS = ("auto", "crop-flip", "crop", "none")
+#: Above this side, own images are augmented like the ViT datasets (resized crops), else like CIFAR.
+RESIZED_CROP_FROM = 96
+
+
+def own_transforms(image_shape: tuple[int, int, int], augment: str = "auto") -> tuple[T.Compose, T.Compose]:
+    """(train, eval) transforms of a site's own images, which arrive already converted to the plan's
+    channels and resized to its height and width (fcl_flower/data/own.py), as PIL images.
+
+    Eval: to a tensor, normalised with the ImageNet statistics for colour images (what pretrained
+    backbones expect), left in [0, 1] for grayscale (like digits). Training, as for the public
+    datasets: ``auto`` is ``crop-flip`` for colour images and ``none`` for grayscale (digits has no
+    augmentation); ``crop-flip`` is a random crop (padding 1/8 of the side, like CIFAR's 4 of 32;
+    resized crops of scale 0.05..1 above :data:`RESIZED_CROP_FROM` px, like the ViT datasets) and a
+    horizontal flip; ``crop`` the crop alone (for images whose left and right differ, e.g. text).
+    """
+    channels, height, width = image_shape
+    if augment not in AUGMENTATIONS:
+        raise ValueError(f"augment must be one of {', '.join(AUGMENTATIONS)} (got {augment!r})")
+    tail: list = [T.ToTensor()]
+    if channels == 3:
+        tail.append(T.Normalize(IMAGENET_MEAN, IMAGENET_STD))
+    if augment == "auto":
+        augment = "crop-flip" if channels == 3 else "none"
+    steps: list = []
+    if augment != "none":
+        if min(height, width) > RESIZED_CROP_FROM:
+            steps.append(T.RandomResizedCrop((height, width), scale=(0.05, 1.0), ratio=(3 / 4, 4 / 3)))
+        else:
+            steps.append(T.RandomCrop((height, width), padding=max(1, min(height, width) // 8)))
+        if augment == "crop-flip":
+            steps.append(T.RandomHorizontalFlip())
+    return T.Compose([*steps, *tail]), T.Compose(tail)

@@ -46,6 +46,25 @@ def local_sgd(
     nothing and reports 0 examples, so FedAvg gives its unchanged model weight 0."""
     if len(dataset) == 0:
         return TrainStats(num_examples=0, mean_loss=0.0)
+    # Random augmentations (crops, flips) and dropout draw from torch's global generator: seed it
+    # from ``seed`` inside a fork, so a round trains the same whatever the process did before (a
+    # SuperNode starts a fresh ClientApp process per message; the simulation reuses one).
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return _sgd_epochs(model, dataset, cfg, lr, num_seen, device, seed, extra_loss, ce_from)
+
+
+def _sgd_epochs(
+    model: IncrementalClassifier,
+    dataset: LabelledDataset,
+    cfg: RunConfig,
+    lr: float,
+    num_seen: int,
+    device: torch.device,
+    seed: int,
+    extra_loss: ExtraLoss | None,
+    ce_from: int,
+) -> TrainStats:
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimiser = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
