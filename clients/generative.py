@@ -61,24 +61,28 @@ def replay_sgd(job: ClientJob, batch_loss: BatchLoss, synthetic: Tensor | None) 
     batches = cycle_batches(len(synthetic), cfg.batch_size, rng) if synthetic is not None else None
     terms: dict[str, list[float]] = {}
     total, count = [], 0
-    for epoch in range(cfg.local_epochs):
-        sums: dict[str, list[float]] = {}
-        seen = 0
-        for images, labels in make_loader(dataset, cfg, shuffle=True, seed=seed * 1000 + epoch):
-            images, labels = images.to(job.device), labels.to(job.device)
-            syn = None
-            if synthetic is not None and batches is not None:
-                syn = augment(from_pool(synthetic[next(batches)]).to(job.device), aug, rng)
-            out = batch_loss(model, images, labels, syn)
-            optimiser.zero_grad(set_to_none=True)
-            out["loss"].backward()
-            optimiser.step()
-            for name, value in out.items():
-                sums.setdefault(name, []).append(float(value.detach().double()) * len(labels))
-            seen += len(labels)
-        for name, values in sums.items():
-            terms.setdefault(name, []).append(math.fsum(values) / max(seen, 1))
-        total.extend(sums["loss"])
-        count += seen
+    # The dataset's random crops/flips draw from torch's global generator: seed it from the round
+    # seed inside a fork, as local_sgd does, so a round trains the same in any process.
+    with torch.random.fork_rng(devices=[job.device] if job.device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        for epoch in range(cfg.local_epochs):
+            sums: dict[str, list[float]] = {}
+            seen = 0
+            for images, labels in make_loader(dataset, cfg, shuffle=True, seed=seed * 1000 + epoch):
+                images, labels = images.to(job.device), labels.to(job.device)
+                syn = None
+                if synthetic is not None and batches is not None:
+                    syn = augment(from_pool(synthetic[next(batches)]).to(job.device), aug, rng)
+                out = batch_loss(model, images, labels, syn)
+                optimiser.zero_grad(set_to_none=True)
+                out["loss"].backward()
+                optimiser.step()
+                for name, value in out.items():
+                    sums.setdefault(name, []).append(float(value.detach().double()) * len(labels))
+                seen += len(labels)
+            for name, values in sums.items():
+                terms.setdefault(name, []).append(math.fsum(values) / max(seen, 1))
+            total.extend(sums["loss"])
+            count += seen
     model.eval()
     return ReplayStats(len(dataset), math.fsum(total) / max(count, 1), terms)
