@@ -12,6 +12,13 @@ the docs/methods/fedran.md §3.1 count. G = HᵀH itself never leaves the client
 
 The true labels of the unlabelled samples are read only to *report* how many accepted
 pseudo-labels are right (a simulation diagnostic, docs/methods/fedran.md §6.10); they never enter H or B.
+
+Noise (fcl_flower/privacy/noise.py): ``features`` noises G = HᵀH (symmetric, i.i.d. on and above
+the diagonal) *before* the truncated eigendecomposition, and the current task's columns of B:
+its other columns (the classes of earlier tasks) are zero for every dataset of this task, so they
+reveal nothing and stay exact -- noising them would add each stage's noise again to every old
+class. The sketch of a noised Gram keeps r_k = min(r, M) components, whatever ñ is. ``counts`` noises ñ: the reply reports
+round(max(ñ + noise, 0)) samples, and its pseudo-label report carries nothing more exact.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 from torch import Tensor
 
 from clients.job import ClientJob
-from clients.statistics import effective_rf_dim, projection_for
+from clients.statistics import UploadNoise, effective_rf_dim, projection_for, upload_noise
 from fcl_flower.analytic import random_features
 from fcl_flower.analytic.lowrank import LowRankSummary, client_summary, client_summary_from_gram
 from fcl_flower.analytic.pseudolabel import pseudo_label_client, pseudo_label_report, select_labelled
@@ -70,18 +77,23 @@ def random_feature_statistics(
     rank: int,
     chunk_size: int = 1024,
     clip: float = 0.0,
+    noise: UploadNoise | None = None,
+    noised_classes: range | None = None,
 ) -> tuple[LowRankSummary, Tensor]:
     """(rank-r sketch of HᵀH, B = HᵀY) for H = ReLU(Z P), Y = one-hot(labels, ``num_classes``).
 
     For ñ < M the thin SVD of H itself (Algorithm 2, exact); otherwise HᵀH and B are summed chunk
     by chunk so H (ñ × M) is never held at once, then eigendecomposed. B is accumulated class-wise
-    (column c = sum of the rows with label c), all in float64.
+    (column c = sum of the rows with label c), all in float64. With ``noise`` on the features,
+    HᵀH and the ``noised_classes`` columns of B (default: all) get their noise first and the
+    sketch keeps min(r, M) components.
     """
     n = int(features.shape[0])
     dim = int(features.shape[1]) if projection is None else int(projection.shape[1])
     labels = labels.to(torch.int64)
     label_corr = torch.zeros(dim, num_classes, dtype=torch.float64)
-    if n < dim:
+    noised = noise is not None and noise.scale.gram + noise.scale.sums > 0
+    if n < dim and not noised:
         h = random_features(features, projection, clip)
         label_corr.index_add_(1, labels, h.T)
         return client_summary(h, rank, method="svd"), label_corr
@@ -90,6 +102,13 @@ def random_feature_statistics(
         h = random_features(features[start : start + chunk_size], projection, clip)
         gram += h.T @ h
         label_corr.index_add_(1, labels[start : start + chunk_size], h.T)
+    if noised:
+        assert noise is not None
+        columns = noised_classes if noised_classes is not None else range(num_classes)
+        gram = noise.gram(gram)
+        label_corr[:, columns.start : columns.stop] = noise.sums(label_corr[:, columns.start : columns.stop])
+        keep = min(rank, dim) if noise.scale.gram > 0 else None
+        return client_summary_from_gram(gram, n, rank, keep=keep), label_corr
     return client_summary_from_gram(gram, n, rank), label_corr
 
 
@@ -104,6 +123,8 @@ def fedran_client_update(
     threshold: float,
     min_count: int = 1,
     clip: float = 0.0,
+    noise: UploadNoise | None = None,
+    noised_classes: range | None = None,
 ) -> FedRANClientStats:
     """Algorithm 1, client side, on backbone features Z (n × d) with true ``labels``.
 
@@ -119,7 +140,14 @@ def fedran_client_update(
     kept = pseudo_label_client(features[labelled], labels[labelled], features[~labelled], num_classes, threshold)
     disclosed = disclosable(kept.labels, num_classes, min_count)
     summary, label_corr = random_feature_statistics(
-        kept.features[disclosed], kept.labels[disclosed], projection, num_classes, rank, clip=clip
+        kept.features[disclosed],
+        kept.labels[disclosed],
+        projection,
+        num_classes,
+        rank,
+        clip=clip,
+        noise=noise,
+        noised_classes=noised_classes,
     )
     report = pseudo_label_report(kept.accepted, kept.predicted, hidden)
     return FedRANClientStats(summary, label_corr, kept.num_labelled, report, int((~disclosed).sum()))
@@ -143,6 +171,7 @@ def handle_stats(job: ClientJob) -> StatsRes:
         raise ProtocolError("FedRAN statistics round without an upload rank: the server must set it")
     features, labels = local_backbone_features(job)
     mask = labelled_mask(job.cfg.seed, job.task, job.partition, int(labels.shape[0]), job.cfg.label_ratio)
+    noise = upload_noise(job, job.task)
     stats = fedran_client_update(
         features,
         labels,
@@ -153,6 +182,8 @@ def handle_stats(job: ClientJob) -> StatsRes:
         threshold=job.cfg.pseudo_threshold,
         min_count=job.cfg.min_class_count,
         clip=job.cfg.feature_clip,
+        noise=noise,
+        noised_classes=job.task_classes,
     )
     assert stats.summary.dim == effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
     arrays = FedranStats(stats.summary.basis, stats.summary.singular_values, stats.label_corr)
@@ -162,6 +193,16 @@ def handle_stats(job: ClientJob) -> StatsRes:
         pseudo_accepted=int(stats.pseudo["accepted"]),
         pseudo_correct=int(stats.pseudo["correct"]),
     )
+    num_samples = stats.num_samples
+    if noise is not None and noise.on_counts:  # ñ noised; the report must not give it away
+        num_samples = noisy_count(noise, num_samples)
+        report = FedranReport(num_samples + stats.withheld, 0, 0, 0)
     return job.stats_reply(
-        stats.num_samples, arrays=arrays.to_record(job.cfg.wire_dtype), withheld=stats.withheld, fedran=report
+        num_samples, arrays=arrays.to_record(job.cfg.wire_dtype), withheld=stats.withheld, fedran=report
     )
+
+
+def noisy_count(noise: UploadNoise, count: int) -> int:
+    """round(max(ñ + N(0, σ²), 0)): a reply carries a sample count as a non-negative integer."""
+    value = float(noise.counts(torch.tensor([float(count)], dtype=torch.float64))[0])
+    return max(round(value), 0)

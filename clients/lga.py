@@ -40,6 +40,7 @@ from fcl_flower.fcl.lga_proxy import (
     perturbed_prototype_gradient,
     prototype_indices,
 )
+from fcl_flower.fcl.training import seeded_global_rng
 from fcl_flower.protocol import LGAReport, TrainRes, from_record
 from fcl_flower.protocol.payloads import prototype_record
 from fcl_flower.runtime import iter_features
@@ -139,23 +140,24 @@ def handle_lga(job: ClientJob) -> TrainRes:
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=job.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        for epoch in range(cfg.local_epochs):
-            for images, labels in train_loader(datasets, job, job.round_seed() * 1000 + epoch):
-                images, labels = images.to(device), labels.to(device)
-                logits = model(images)[:, : job.num_seen]
-                old_logits = None
-                if teacher is not None:
-                    with torch.no_grad():
-                        old_logits = teacher(images)[:, :num_old]
-                parts = lga_local_loss(logits, labels, task_ends, old_logits=old_logits, exponent=exponent)
-                opt.zero_grad(set_to_none=True)
-                parts.total.backward()
-                opt.step()
-                n = len(labels)
-                losses["total"] += float(parts.total.detach()) * n
-                losses["cb"] += float(parts.cb.detach()) * n
-                losses["sd"] += float(parts.sd.detach()) * n
-                count += n
+        with seeded_global_rng(job.round_seed(), device):  # augmentations: same in any process
+            for epoch in range(cfg.local_epochs):
+                for images, labels in train_loader(datasets, job, job.round_seed() * 1000 + epoch):
+                    images, labels = images.to(device), labels.to(device)
+                    logits = model(images)[:, : job.num_seen]
+                    old_logits = None
+                    if teacher is not None:
+                        with torch.no_grad():
+                            old_logits = teacher(images)[:, :num_old]
+                    parts = lga_local_loss(logits, labels, task_ends, old_logits=old_logits, exponent=exponent)
+                    opt.zero_grad(set_to_none=True)
+                    parts.total.backward()
+                    opt.step()
+                    n = len(labels)
+                    losses["total"] += float(parts.total.detach()) * n
+                    losses["cb"] += float(parts.cb.detach()) * n
+                    losses["sd"] += float(parts.sd.detach()) * n
+                    count += n
         model.eval()
 
     grads: dict[int, list[torch.Tensor]] = {}

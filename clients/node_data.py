@@ -32,6 +32,7 @@ import numpy as np
 
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit, LabelledDataset
+from fcl_flower.data.array_cache import CACHE_DIR, cached_arrays, source_key
 from fcl_flower.data.federated import PROTOCOL_ARGS
 from fcl_flower.data.labelled import Transform
 
@@ -245,11 +246,24 @@ def _load_folder(path: str, _mtime: int) -> FolderData:
 
 
 def _read_arrays(file: Path) -> tuple[Any, np.ndarray]:
+    """``images`` and ``labels`` of ``file``, through the folder's array cache: the first process
+    unpacks the ``.npz`` into memory-mapped ``.npy`` files (``<folder>/.fcl-cache``, keyed by
+    the file's content), every later one maps them (fcl_flower/data/array_cache.py)."""
+
+    def unpack() -> dict[str, np.ndarray]:
+        try:
+            with np.load(file, allow_pickle=False) as arrays:
+                return {"images": arrays["images"], "labels": arrays["labels"]}
+        except (OSError, KeyError, ValueError) as exc:
+            raise NodeConfigError(f"cannot read {file}: {exc}") from None
+
+    cache = file.parent / CACHE_DIR
     try:
-        with np.load(file, allow_pickle=False) as arrays:
-            return arrays["images"], arrays["labels"]
-    except (OSError, KeyError, ValueError) as exc:
+        key = source_key(cache, file.stem, [file])
+    except OSError as exc:
         raise NodeConfigError(f"cannot read {file}: {exc}") from None
+    arrays = cached_arrays(cache, file.stem, key, unpack)
+    return arrays["images"], arrays["labels"]
 
 
 def transforms_for(dataset: str, image_size: int | None) -> tuple[Transform | None, Transform | None]:

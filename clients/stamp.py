@@ -36,6 +36,7 @@ from clients.memory import load_memory, load_meta, save_memory, save_meta, train
 from fcl_flower.data import LabelledDataset
 from fcl_flower.fcl.exemplars import ExemplarMemory
 from fcl_flower.fcl.stamp import assign_flat_params, flatten_params, protonet_loss, task_gradient, temporal_match
+from fcl_flower.fcl.training import seeded_global_rng
 from fcl_flower.protocol import StampReport, TrainRes
 from fcl_flower.runtime import iter_features
 
@@ -98,19 +99,20 @@ def handle_stamp(job: ClientJob) -> TrainRes:
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=job.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        for epoch in range(cfg.local_epochs):
-            for images, labels in train_loader([current], job, job.round_seed() * 1000 + epoch):
-                images, labels = images.to(device), labels.to(device)
-                emb = model.features(images)
-                logits = model.head(emb)[:, : job.num_seen]
-                proto = protonet_loss(emb, labels)
-                loss = F.cross_entropy(logits, labels) + PROTO_WEIGHT * proto
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                total += float(loss.detach()) * len(labels)
-                proto_total += float(proto.detach()) * len(labels)
-                count += len(labels)
+        with seeded_global_rng(job.round_seed(), device):  # augmentations: same in any process
+            for epoch in range(cfg.local_epochs):
+                for images, labels in train_loader([current], job, job.round_seed() * 1000 + epoch):
+                    images, labels = images.to(device), labels.to(device)
+                    emb = model.features(images)
+                    logits = model.head(emb)[:, : job.num_seen]
+                    proto = protonet_loss(emb, labels)
+                    loss = F.cross_entropy(logits, labels) + PROTO_WEIGHT * proto
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    total += float(loss.detach()) * len(labels)
+                    proto_total += float(proto.detach()) * len(labels)
+                    count += len(labels)
         model.eval()
 
     old_tasks = coreset_by_task(job, coreset)

@@ -16,14 +16,17 @@ delete old data cannot backfill, and its missing stages stay recorded as missing
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
 from clients.job import ClientJob
 from fcl_flower.analytic import random_features, random_projection
 from fcl_flower.data import LabelledDataset
+from fcl_flower.privacy.noise import NoiseScale, add_gaussian, noise_generator, symmetric_gaussian, upload_scale
 from fcl_flower.protocol import Backfill, ProtocolError, StatsRes
 from fcl_flower.runtime import iter_features
 
@@ -39,6 +42,48 @@ class Statistics(NamedTuple):
 
 #: encode({task: statistics}) -> {task: (record, number of examples)}: what the reply carries
 Encode = Callable[[dict[int, Statistics]], dict[int, tuple[ArrayRecord, int]]]
+
+
+@dataclass
+class UploadNoise:
+    """The noise this client adds to one upload (fcl_flower/privacy/noise.py): the std of each
+    block and the generator it draws from, block after block, element-wise i.i.d."""
+
+    scale: NoiseScale
+    rng: np.random.Generator
+
+    def gram_packed(self, packed: torch.Tensor) -> torch.Tensor:
+        """G's packed upper triangle (diagonal included): noise there keeps G symmetric."""
+        return add_gaussian(packed, self.rng, self.scale.gram)
+
+    def gram(self, gram: torch.Tensor) -> torch.Tensor:
+        if self.scale.gram == 0:
+            return gram
+        return gram.to(torch.float64) + symmetric_gaussian(self.rng, int(gram.shape[0]), self.scale.gram)
+
+    def sums(self, sums: torch.Tensor) -> torch.Tensor:
+        return add_gaussian(sums, self.rng, self.scale.sums)
+
+    def counts(self, counts: torch.Tensor) -> torch.Tensor:
+        return add_gaussian(counts, self.rng, self.scale.counts)
+
+    @property
+    def on_counts(self) -> bool:
+        """Counts are noised: the reply then reports no exact number of samples (0)."""
+        return self.scale.counts > 0
+
+
+def upload_noise(job: ClientJob, task: int, *, share: float = 1.0, stream: int = 0) -> UploadNoise | None:
+    """This client's noise for an upload of ``task``'s statistics (None: noise is off).
+
+    ``share`` multiplies every std (a masked upload's share of distributed noise); ``stream``
+    separates two uploads of one task in seeded mode (a plain and a masked one).
+    """
+    scale = upload_scale(job.cfg)
+    if scale is None:
+        return None
+    rng = noise_generator(job.cfg.noise_seeded, (job.cfg.seed, job.partition, task, stream))
+    return UploadNoise(scale.scaled(share) if share != 1.0 else scale, rng)
 
 
 def projection_for(job: ClientJob) -> torch.Tensor | None:

@@ -10,6 +10,14 @@ classes it holds fewer than k of (fcl_flower/privacy/disclosure.py: 3 keeps any 
 feature undetermined by G and C) and reports how many. With ``secure-aggregation`` the arrays
 leave masked (clients/secure.py), the counts and the withheld count included; owed statistics
 ride inside the same upload (see :func:`masked_stats`).
+
+Noise (``noise-q``/``noise-s`` or ``dp-epsilon``, fcl_flower/privacy/noise.py): the client adds
+i.i.d. Gaussian noise to the packed upper triangle of G (so G stays symmetric), to C and to the
+counts, as the noise setting says, after computing them in float64 and before the wire cast
+or the fixed-point encoding. With noised counts the reply reports 0 samples (the server sums
+the noisy counts). In a masked upload the noise goes on the whole upload, owed columns
+included; under differential privacy each client adds its share, variance σ²/t, so the sum the
+server opens over ≥ t survivors carries at least σ² (fcl_flower/privacy/noise.py ``secure_share``).
 """
 
 from __future__ import annotations
@@ -25,9 +33,11 @@ from clients.statistics import (
     projection_for,
     reply_with_backfill,
     task_data,
+    upload_noise,
 )
 from fcl_flower.analytic import StatisticsAccumulator, pack_upper, random_features
 from fcl_flower.privacy.disclosure import per_class_counts
+from fcl_flower.privacy.noise import secure_share
 from fcl_flower.protocol import SecAggRound, StatsIns, StatsRes
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaStats
 from fcl_flower.runtime import iter_features
@@ -56,11 +66,22 @@ def stsa_statistics(job: ClientJob, task: int) -> Statistics:
     )
 
 
+def noisy_stsa_statistics(job: ClientJob, task: int) -> Statistics:
+    """:func:`stsa_statistics` with this client's noise on G, C and the counts (when noise is on)."""
+    stats = stsa_statistics(job, task)
+    noise = upload_noise(job, task)
+    if noise is None:
+        return stats
+    exact = stats.payload
+    payload = StsaStats(noise.gram_packed(exact.gram_packed), noise.sums(exact.class_sums), noise.counts(exact.counts))
+    return Statistics(payload, 0 if noise.on_counts else stats.num_samples, stats.withheld)
+
+
 def handle_stats(job: ClientJob) -> StatsRes:
     """STSA statistics of the current task and of any owed earlier task; masked in a secure round."""
     assert isinstance(job.ins, StatsIns)
     if job.ins.secagg is None:
-        return reply_with_backfill(job, stsa_statistics)
+        return reply_with_backfill(job, noisy_stsa_statistics)
     return masked_stats(job, job.ins.secagg)
 
 
@@ -86,9 +107,11 @@ def masked_stats(job: ClientJob, secagg: SecAggRound) -> StatsRes:
             sums.append(torch.zeros(dim, width, dtype=torch.float64))
             counts.append(torch.zeros(width, dtype=torch.float64))
     withheld = current.withheld + sum(stats.withheld for stats in late.values())
-    counts.append(torch.tensor([float(withheld)], dtype=torch.float64))
-    ring = masked_upload(
-        job, {"gram-packed": gram, "class-sums": torch.cat(sums, dim=1), "counts": torch.cat(counts)}, included
-    )
+    all_sums, all_counts = torch.cat(sums, dim=1), torch.cat(counts)
+    noise = upload_noise(job, job.task, share=secure_share(job.cfg, secagg.threshold), stream=1)
+    if noise is not None:  # on everything but the withheld count (0 under differential privacy)
+        gram, all_sums, all_counts = noise.gram_packed(gram), noise.sums(all_sums), noise.counts(all_counts)
+    all_counts = torch.cat([all_counts, torch.tensor([float(withheld)], dtype=torch.float64)])
+    ring = masked_upload(job, {"gram-packed": gram, "class-sums": all_sums, "counts": all_counts}, included)
     payload = MaskedStsaStats(ring["gram-packed"], ring["class-sums"], ring["counts"])
     return job.stats_reply(0, arrays=payload.to_record())

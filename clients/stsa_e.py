@@ -3,6 +3,10 @@
 With ``min-class-count`` k > 1 a (dummy client, class) cell holding fewer than k samples is left
 out of the upload (a class sum over one sample *is* that sample's feature) and its samples are
 reported as withheld.
+
+Noise (fcl_flower/privacy/noise.py, Eq. 64): i.i.d. Gaussian noise on every dummy client's class
+sums (``noise-on`` features or both) and counts (counts or both); with noised counts the reply
+reports 0 samples.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from clients.job import ClientJob
-from clients.statistics import Statistics, local_task_features, reply_with_backfill
+from clients.statistics import Statistics, local_task_features, reply_with_backfill, upload_noise
 from fcl_flower.analytic import StatisticsAccumulator, split_into_dummy_clients
 from fcl_flower.privacy.disclosure import withheld_cells
 from fcl_flower.protocol import StatsRes
@@ -40,6 +44,16 @@ def stsa_e_statistics(job: ClientJob, task: int) -> Statistics:
     return Statistics(StsaEStats(torch.stack(sums), torch.stack(counts)), len(labels) - withheld, withheld)
 
 
+def noisy_stsa_e_statistics(job: ClientJob, task: int) -> Statistics:
+    """:func:`stsa_e_statistics` with this client's noise on the class sums and counts (when on)."""
+    stats = stsa_e_statistics(job, task)
+    noise = upload_noise(job, task)
+    if noise is None:
+        return stats
+    payload = StsaEStats(noise.sums(stats.payload.class_sums), noise.counts(stats.payload.counts))
+    return Statistics(payload, 0 if noise.on_counts else stats.num_samples, stats.withheld)
+
+
 def handle_stats(job: ClientJob) -> StatsRes:
     """STSA-E statistics of the current task (and of any owed earlier task)."""
-    return reply_with_backfill(job, stsa_e_statistics)
+    return reply_with_backfill(job, noisy_stsa_e_statistics)

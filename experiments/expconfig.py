@@ -7,7 +7,8 @@ One file per paper table or ablation (the schema is documented in experiments/co
     seeds = [0, 1, 2]
     [run]                         # RunConfig keys, exactly the run-config keys of pyproject.toml
     [sweep]                       # optional: key = [values]; Cartesian product, or zipped with zip = true
-    [strategy-overrides.<name>]   # optional: RunConfig keys for one strategy only
+    [strategy-overrides.<name>]   # optional: RunConfig keys for one strategy only; a swept key
+                                  #   pins that strategy to the sweep points with its value
     [paper]                       # the paper's numbers, for the README and the summary table
     [offline]                     # the small variant on digits: overrides of all of the above
 
@@ -110,6 +111,13 @@ class Experiment:
         except ConfigError as err:
             raise ExperimentConfigError(f"{self.path.name}: {strategy} {point_label(point)}: {err}") from None
 
+    def runs_at(self, strategy: str, point: tuple[tuple[str, Any], ...]) -> bool:
+        """Whether ``strategy`` runs at sweep ``point``: a strategy override of a swept key pins the
+        strategy to the points where the key has the override's value (e.g. STSA's noise-on in
+        the Table 7 grid, whose STSA-E columns sweep it)."""
+        pinned = self.strategy_overrides.get(strategy, {})
+        return all(_same(pinned[key], value) for key, value in point if key in pinned)
+
     def runs(
         self,
         *,
@@ -125,11 +133,20 @@ class Experiment:
             PlannedRun(strategy, seed, point, self.config_for(strategy, seed, point, out=out, extra=extra))
             for point in self.points()
             for strategy in chosen
+            if self.runs_at(strategy, point)
             for seed in chosen_seeds
         ]
 
     def paper_rows(self) -> list[dict[str, Any]]:
         return list(self.paper.get("rows", []))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as config values (1 and 1.0 alike)."""
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (a, b))
+    if numbers:
+        return float(a) == float(b)
+    return bool(a == b)
 
 
 def run_name(strategy: str, dataset: str, seed: int, point: tuple[tuple[str, Any], ...] = ()) -> str:
@@ -199,9 +216,14 @@ def load_experiment(path: str | Path, *, offline: bool = False) -> Experiment:
         strategy_overrides=overrides,
         paper=_paper(data.get("paper", {}), where),
     )
-    for name in overrides:
+    for name, values in overrides.items():
         if name not in strategies:
             raise ExperimentConfigError(f"{where}: [strategy-overrides.{name}] names a strategy not in 'strategies'")
+        for key in set(values) & set(sweep):
+            if not any(_same(values[key], v) for v in sweep[key]):
+                raise ExperimentConfigError(
+                    f"{where}: [strategy-overrides.{name}] pins {key} = {values[key]!r}, a value the sweep never takes"
+                )
     experiment.runs()  # validates every run
     return experiment
 

@@ -6,6 +6,11 @@
 Every run-config key of pyproject.toml is a flag here (``num-tasks`` -> ``--num-tasks``), with
 the same default; ``--num-cpus``/``--num-gpus`` set the resources each simulated client gets.
 The ServerApp and ClientApp are exactly the ones ``flwr run .`` uses.
+
+``--ray-address HOST:PORT`` joins a Ray cluster that is already running (``ray start --head`` on
+one machine, ``ray start --address HOST:PORT`` on the others; README "A Ray cluster") instead of
+starting Ray on this machine: the simulated clients are spread over the cluster's nodes as their
+resources allow, and the run gives the same results as on one machine.
 """
 
 from __future__ import annotations
@@ -54,9 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="GPU share per simulated client (e.g. 0.2 lets 5 clients share one GPU); "
-        "default: the visible GPUs shared evenly by the clients, 0 without a GPU.",
+        "default: the visible GPUs shared evenly by the clients, 0 without a GPU or with --ray-address.",
     )
     parser.add_argument("--ray-verbose", action="store_true", help="Show Ray/Flower logs of the clients.")
+    parser.add_argument(
+        "--ray-address",
+        default="",
+        help="Join this running Ray cluster (HOST:PORT of its head, or 'auto') instead of starting Ray "
+        "here; default: a new Ray instance on this machine.",
+    )
     return parser
 
 
@@ -113,8 +124,27 @@ def check_before_start(cfg: RunConfig) -> None:
         raise
 
 
-def simulate(cfg: RunConfig, *, num_cpus: float = 1.0, num_gpus: float | None = None, verbose: bool = False) -> Path:
-    """Run the simulation; returns the path of results.json of a completed run.
+def ray_init_args(*, address: str = "", verbose: bool = False) -> dict[str, Any]:
+    """What Flower's Ray backend passes to ``ray.init`` (``backend_config["init_args"]``).
+
+    Without ``address``: a new Ray instance with this machine's CPUs and GPUs. With one: join that
+    cluster; its nodes declared their own CPUs and GPUs to ``ray start``, and ``ray.init`` refuses
+    ``num_cpus``/``num_gpus`` when it connects to a running cluster."""
+    if address:
+        return {"address": address, "log_to_driver": verbose}
+    return {"num_cpus": os.cpu_count() or 1, "num_gpus": _visible_gpus(), "log_to_driver": verbose}
+
+
+def simulate(
+    cfg: RunConfig,
+    *,
+    num_cpus: float = 1.0,
+    num_gpus: float | None = None,
+    verbose: bool = False,
+    ray_address: str = "",
+) -> Path:
+    """Run the simulation; returns the path of results.json of a completed run. ``ray_address``:
+    join that running Ray cluster instead of starting Ray here.
 
     Raises the ServerApp's :class:`~strategies.app.RunAborted` (one-line message, ``exit_code``) or
     any other exception it ended on; :class:`RunIncomplete` if it ended without completing.
@@ -129,11 +159,11 @@ def simulate(cfg: RunConfig, *, num_cpus: float = 1.0, num_gpus: float | None = 
     from strategies.app import build_server_app
 
     check_before_start(cfg)
-    if num_gpus is None:
-        num_gpus = default_gpu_share(cfg.num_clients)
+    if num_gpus is None:  # on a cluster this machine's GPUs say nothing about the others': ask
+        num_gpus = 0.0 if ray_address else default_gpu_share(cfg.num_clients)
     backend_config = {
         "client_resources": {"num_cpus": num_cpus, "num_gpus": num_gpus},
-        "init_args": {"num_cpus": os.cpu_count() or 1, "num_gpus": _visible_gpus(), "log_to_driver": verbose},
+        "init_args": ray_init_args(address=ray_address, verbose=verbose),
     }
     run_simulation(
         server_app=build_server_app(cfg.to_mapping()),
@@ -178,7 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         with single_run_progress(cfg, verbose=args.ray_verbose) as drawn:
-            path = simulate(cfg, num_cpus=args.num_cpus, num_gpus=args.num_gpus, verbose=args.ray_verbose)
+            path = simulate(
+                cfg,
+                num_cpus=args.num_cpus,
+                num_gpus=args.num_gpus,
+                verbose=args.ray_verbose,
+                ray_address=args.ray_address,
+            )
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

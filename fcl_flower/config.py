@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -134,6 +135,38 @@ class RunConfig:
         0.0,
         "Analytic methods: scale every sample's random features to L2 norm at most this bound B "
         "(0: no clipping). Gives the server's upload check tr(G) <= n B^2 and the per-sample sensitivity of DP noise.",
+    )
+    noise_q: float = _knob(
+        0.0,
+        "The STSA paper's noise (arXiv 2506.01327 Eqs. 63-64): each client adds q·N(0, s²) element-wise to "
+        "what noise-on names (0: off). Not a formal guarantee; see dp-epsilon.",
+    )
+    noise_s: float = _knob(0.0, "The paper's noise: standard deviation s of N(0, s²) (0: off).")
+    noise_on: str = _knob(
+        "both",
+        "What the noise covers: features (STSA: G and C; STSA-E: class sums; FedRAN: its Gram before the "
+        "truncated SVD, and B), counts (class counts; FedRAN: its sample count), or both. dp-epsilon needs both.",
+        ("features", "counts", "both"),
+    )
+    dp_epsilon: float = _knob(
+        0.0,
+        "Differential privacy of every sample: the Gaussian mechanism on G, C and the counts, calibrated to "
+        "(dp-epsilon, dp-delta) with sensitivities from feature-clip (0: off). Needs feature-clip > 0.",
+    )
+    dp_delta: float = _knob(1e-5, "Differential privacy: delta of the (epsilon, delta) target.")
+    dp_scope: str = _knob(
+        "run",
+        "Differential privacy: the target holds for each stage's release (stage), or for their composition "
+        "over all the run's stages (run).",
+        ("run", "stage"),
+    )
+    dp_accountant: str = _knob(
+        "pld", "Differential privacy: the dp-accounting accountant that calibrates and composes.", ("pld", "rdp")
+    )
+    noise_seeded: bool = _knob(
+        False,
+        "Draw the noise from a generator seeded by (seed, client, task): reproducible, but the server can "
+        "recompute and subtract it; for experiments and tests only (default: the OS's randomness).",
     )
     secagg_signed_keys: bool = _knob(
         False,
@@ -353,8 +386,61 @@ class RunConfig:
                 f"{self.strategy} pools every client's training data on the server (an upper bound, not a "
                 "federated method): it needs a public dataset and evaluation 'central' or 'both'"
             )
+        self._validate_noise()
         self.ridge_value()  # parses or raises
         return self
+
+    @property
+    def paper_noise(self) -> bool:
+        """Whether the STSA paper's noise q·N(0, s²) is on (noise-q and noise-s both > 0)."""
+        return self.noise_q > 0 and self.noise_s > 0
+
+    @property
+    def dp(self) -> bool:
+        """Whether calibrated differential privacy is on (dp-epsilon > 0)."""
+        return self.dp_epsilon > 0
+
+    @property
+    def upload_noise(self) -> bool:
+        """Whether the statistics uploads carry noise (the paper's or differential privacy's)."""
+        return self.paper_noise or self.dp
+
+    def _validate_noise(self) -> None:
+        for name in ("noise_q", "noise_s", "dp_epsilon"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"{self.key(name)} must be a finite number >= 0 (got {value})")
+        if (self.noise_q > 0) != (self.noise_s > 0):
+            raise ConfigError(
+                f"the paper's noise q·N(0, s²) needs both noise-q and noise-s > 0 (got {self.noise_q}, {self.noise_s})"
+            )
+        if not 0.0 < self.dp_delta < 1.0:
+            raise ConfigError(f"dp-delta must be in (0, 1) (got {self.dp_delta})")
+        if not self.upload_noise:
+            return
+        if not self.method.upload_noise:
+            noisy = ", ".join(methods.with_capability("upload_noise"))
+            raise ConfigError(f"noise on the uploads works with {noisy} (their statistics); {self.strategy} has none")
+        if not self.dp:
+            return
+        if self.paper_noise:
+            raise ConfigError("choose one noise: the paper's (noise-q, noise-s) or differential privacy (dp-epsilon)")
+        if self.noise_on != "both":
+            raise ConfigError("dp-epsilon protects everything an upload carries: noise-on must be 'both'")
+        if self.feature_clip <= 0:
+            raise ConfigError("dp-epsilon needs feature-clip B > 0: the noise is calibrated to the per-sample bound B")
+        if self.min_class_count != 1:
+            raise ConfigError(
+                "dp-epsilon needs min-class-count 1: withholding a class depends on its count, "
+                "which one sample can change (the accounting would not hold)"
+            )
+        if self.label_ratio != 1.0:
+            raise ConfigError(
+                "dp-epsilon needs label-ratio 1: pseudo-labels depend on every labelled sample "
+                "(no per-sample bound on an upload)"
+            )
+        if importlib.util.find_spec("dp_accounting") is None:
+            raise ConfigError("dp-epsilon needs the dp-accounting library: pip install 'fcl-flower[dp]'")
 
     @property
     def method(self) -> methods.MethodSpec:

@@ -8,7 +8,8 @@ A spec says everything the rest of the code needs to know about a method:
 * its **strategy** (the server side) and one **client handler per phase**, as ``"module:attribute"``
   references. They are imported only when used: the core imports nothing above it, and a
   ClientApp process that serves a statistics message never imports the training code;
-* its **capabilities** (secure aggregation, STAMP's task pool, backfill of missed statistics);
+* its **capabilities** (secure aggregation, STAMP's task pool, backfill of missed statistics,
+  noise on its statistics uploads);
 * its **knobs**: the run-config keys it reads on top of :data:`COMMON_KNOBS`.
 
 Adding a method (ARCHITECTURE.md has the checklist) is one :func:`register` call below, one
@@ -66,6 +67,7 @@ class MethodSpec:
     secure_aggregation: bool = False  # the server needs only sums over clients (masked uploads)
     task_pool: bool = False  # runs in STAMP's limitless task pool (partition = task-pool)
     backfill: bool = False  # a client that missed a statistics round sends them later
+    upload_noise: tuple[str, ...] = ()  # blocks of its upload that noise can cover (fcl_flower/privacy/noise.py)
     pooled_data: bool = False  # the server trains on every client's data (joint bounds): no federated-only run
     anchor_dim: int = 0  # > 0: the model has an anchor head of this size (LANDER's label-text space)
 
@@ -129,6 +131,16 @@ GENERATOR_KNOBS = (
     "synthesis-batch",
     "generator-bn",
     "student-steps",
+)
+NOISE_KNOBS = (
+    "noise-q",
+    "noise-s",
+    "noise-on",
+    "dp-epsilon",
+    "dp-delta",
+    "dp-scope",
+    "dp-accountant",
+    "noise-seeded",
 )
 
 FEDAVG = Phase("fedavg", Kind.TRAIN, "clients.fedavg:handle_fedavg")
@@ -198,9 +210,10 @@ register(
         summary="STSA: exact Gram G and class sums C per client and stage; ridge in closed form",
         strategy="strategies.stsa:STSAStrategy",
         phases=(FEDAVG, Phase("stsa-stats", Kind.STATS, "clients.stsa:handle_stats")),
-        knobs=_all(RIDGE_KNOBS, SECURE_KNOBS),
+        knobs=_all(RIDGE_KNOBS, SECURE_KNOBS, NOISE_KNOBS),
         secure_aggregation=True,
         backfill=True,
+        upload_noise=("gram", "sums", "counts"),
     )
 )
 register(
@@ -210,8 +223,9 @@ register(
         summary="STSA-E: class sums and counts of dummy clients only; the server estimates G (Eq. 9)",
         strategy="strategies.stsa_e:STSAEStrategy",
         phases=(FEDAVG, Phase("stsa-e-stats", Kind.STATS, "clients.stsa_e:handle_stats")),
-        knobs=_all(RIDGE_KNOBS, ("dummy-clients", "k-mode")),
+        knobs=_all(RIDGE_KNOBS, ("dummy-clients", "k-mode"), NOISE_KNOBS),
         backfill=True,
+        upload_noise=("sums", "counts"),
     )
 )
 register(
@@ -221,7 +235,8 @@ register(
         summary="FedRAN: truncated SVD of the Gram per client, QR-SVD merge, subspace ridge, pseudo-labels",
         strategy="strategies.fedran:FedRANStrategy",
         phases=(FEDAVG, Phase("fedran-stats", Kind.STATS, "clients.fedran:handle_stats")),
-        knobs=_all(RIDGE_KNOBS, ("rank", "rank-budget-bytes", "label-ratio", "pseudo-threshold")),
+        knobs=_all(RIDGE_KNOBS, ("rank", "rank-budget-bytes", "label-ratio", "pseudo-threshold"), NOISE_KNOBS),
+        upload_noise=("gram", "sums", "counts"),
     )
 )
 register(

@@ -22,7 +22,8 @@ MIB = 2**20
 
 
 def stage_rows(stages: Sequence[StageRecord], num_tasks: int) -> list[dict[str, Any]]:
-    """One flat row per stage: accuracy, A_{t,tau} per task, rounds, seconds, bytes, clients, failure."""
+    """One flat row per stage: accuracy, A_{t,tau} per task, rounds, seconds, bytes, clients, failure;
+    under differential privacy also the ε of the stage and the ε spent so far (extra.privacy)."""
     rows = []
     seen = 0
     for s in stages:
@@ -47,6 +48,10 @@ def stage_rows(stages: Sequence[StageRecord], num_tasks: int) -> list[dict[str, 
                 "failed": s.extra.get("failed", ""),
             }
         )
+        if any("privacy" in t.extra for t in stages):  # differential privacy: the ε of each stage and spent so far
+            privacy = s.extra.get("privacy", {})
+            row["epsilon_stage"] = privacy.get("epsilon_stage", "")
+            row["epsilon_spent"] = privacy.get("epsilon_spent", "")
         rows.append(row)
     return rows
 

@@ -59,6 +59,7 @@ class ResultsRecorder:
         self.config = dict(config)
         self.num_tasks = int(num_tasks if num_tasks is not None else config.get("num-tasks", 0))
         self.stages: list[StageRecord] = []
+        self.rounds: list[dict[str, float]] = []  # every round this server process ran: seconds, replies...
         self.info: dict[str, Any] = {}
         self.trackers = list(trackers)
 
@@ -75,6 +76,7 @@ class ResultsRecorder:
         self._track(lambda t: t.start(self.config))
 
     def round(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.rounds.append({"round": step, **{k: float(v) for k, v in metrics.items()}})
         self._track(lambda t: t.round(step, metrics))
 
     def add(self, record: StageRecord) -> None:
@@ -121,6 +123,7 @@ class ResultsRecorder:
             "strategy": self.strategy,
             "config": self.config,
             "stages": [asdict(s) for s in self.stages],
+            "rounds": self.rounds,
             **self.info,
         }
         if self.stages:
@@ -168,23 +171,39 @@ def total_upload(stages: list[StageRecord]) -> dict[str, int]:
 
 
 def format_stage_table(stages: list[StageRecord]) -> str:
-    """A plain-text table: one line per stage, then the summary metrics."""
+    """A plain-text table: one line per stage, then the summary metrics. Under differential privacy
+    two more columns: the ε of the stage's releases and the ε spent so far (worst client)."""
+    private = any("privacy" in s.extra for s in stages)
     header = (
         f"{'stage':>5} {'classes':>7} {'acc %':>7} {'per-task acc %':<34} {'rounds':>6} {'s':>8} {'upload/client':>14}"
     )
+    if private:
+        header += f" {'ε stage':>8} {'ε spent':>8}"
     lines = [header, "-" * len(header)]
     for s in stages:
         per_task = " ".join(f"{a:5.1f}" for a in s.per_task_accuracy)
         uploads = list(s.upload_bytes_per_client.values())
         mean_upload = human_bytes(sum(uploads) / len(uploads)) if uploads else "-"
-        lines.append(
+        line = (
             f"{s.stage:>5} {len(s.classes):>7} {s.accuracy:>7.2f} {per_task[:34]:<34} "
             f"{s.rounds:>6} {s.seconds:>8.2f} {mean_upload:>14}"
         )
+        if private:
+            dp = s.extra.get("privacy", {})
+            line += f" {_epsilon(dp.get('epsilon_stage')):>8} {_epsilon(dp.get('epsilon_spent')):>8}"
+        lines.append(line)
     if stages:
         m, _ = run_summary(stages)
-        lines.append(f"A_avg = {m.A_avg:.2f}   A_T = {m.A_T:.2f}   F_T = {m.F_T:.2f}")
+        summary = f"A_avg = {m.A_avg:.2f}   A_T = {m.A_T:.2f}   F_T = {m.F_T:.2f}"
+        if private:
+            last = stages[-1].extra.get("privacy", {})
+            summary += f"   (ε, δ) = ({_epsilon(last.get('epsilon_spent'))}, {last.get('delta', '-')})"
+        lines.append(summary)
     return "\n".join(lines)
+
+
+def _epsilon(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, int | float) else "-"
 
 
 def human_bytes(n: float) -> str:

@@ -7,27 +7,41 @@ After the last round of a stage the backbone stays frozen and the method's :meth
 the ridge weights W, which classify the random features ``R(f) = ReLU(f · W_rand)`` of the
 test images (head ``cosine`` or ``dot``). W_rand is regenerated from the run seed by the
 server and every client: it never travels. Siblings: stsa, stsa-e, fedran, joint.
+
+Noise on the uploads (``noise-q``/``noise-s``, or ``dp-epsilon``; fcl_flower/privacy/noise.py): the
+server knows the std of every client's noise from the run config (:attr:`noise`), widens the
+upload checks by its high-probability bounds (fcl_flower/analytic/checks.py), solves the ridge on
+the PSD projection of the noisy G, and, under differential privacy, keeps a
+:class:`~fcl_flower.privacy.accountant.PrivacyLedger` of every release of a client's data it
+has seen: each plain upload (and each backfilled task in it) it parsed, accepted or not, and
+each opened secure sum. Every stage records ``extra.privacy`` (ε of the stage and ε spent so
+far, for the worst client) or ``extra.noise`` (the paper's q, s).
 """
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from logging import WARNING
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from flwr.common.logger import log
 
 from fcl_flower.analytic import (
     AnalyticInputError,
     NotPositiveDefiniteError,
     random_projection,
 )
-from fcl_flower.analytic.checks import StatisticsRejected
+from fcl_flower.analytic.checks import NoiseLevels, StatisticsRejected
 from fcl_flower.analytic.ridge import GCVRow, RidgeState
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
+from fcl_flower.privacy.accountant import PrivacyLedger
+from fcl_flower.privacy.noise import effective_multiplier, noise_multiplier, upload_scale
 from fcl_flower.protocol import Reply, StatsRes, UploadError, to_record
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import predict_ridge
@@ -48,6 +62,91 @@ class AnalyticStrategy(StagedStrategy):
         self.rf_dim = feature_dim if self.projection is None else int(self.projection.shape[1])
         self.weights: torch.Tensor | None = None
         self._withheld: dict[str, int] = {}  # samples each client kept back under min-class-count
+        self.noise = upload_scale(cfg)  # std of one client's noise per block (None: no noise)
+        self.ledger = PrivacyLedger(cfg.dp_delta, cfg.dp_accountant) if cfg.dp else None
+        # noise variance per entry of each class column of the summed class sums (GCV debiases by it)
+        self.sums_noise = torch.zeros(split.num_classes, dtype=torch.float64)
+
+    # ---------------------------------------------------------------- noise on the uploads
+    def noise_levels(self, factor: float = 1.0) -> NoiseLevels | None:
+        """The noise std the upload checks allow for: one client's, times ``factor`` (a sum)."""
+        if self.noise is None:
+            return None
+        scale = self.noise.scaled(factor)
+        return NoiseLevels(scale.gram, scale.sums, scale.counts)
+
+    @property
+    def counts_noised(self) -> bool:
+        """Uploads carry noisy counts (and report 0 samples): the server counts from them."""
+        return self.noise is not None and self.noise.counts > 0
+
+    def record_release(self, clients: Iterable[str], task: int, factor: float = 1.0) -> None:
+        """Record a release of these clients' data of ``task`` in the privacy ledger.
+
+        ``factor``: the release's noise std relative to one client's full noise, divided by how
+        many records of one person it may hold (e.g. √|U3|·share / k for an opened secure sum
+        that carries k tasks of a survivor's data)."""
+        if self.ledger is None or self.noise is None:
+            return
+        z = effective_multiplier(self.noise.scaled(factor), self.cfg.feature_clip, self.method.upload_noise)
+        self.ledger.record(clients, task, z)
+
+    def privacy_extras(self, task: int) -> dict[str, Any]:
+        """``extra.privacy`` (differential privacy) or ``extra.noise`` (the paper's noise) of a stage."""
+        cfg = self.cfg
+        if self.noise is None:
+            return {}
+        if self.ledger is None:
+            return {"noise": {"q": cfg.noise_q, "s": cfg.noise_s, "on": cfg.noise_on, "std": self.noise.as_dict()}}
+        worst, spent = self.ledger.worst()
+        stage = self.ledger.worst(task)[1]
+        releases = self.ledger.counts(task)
+        target = cfg.dp_epsilon * (cfg.num_tasks if cfg.dp_scope == "stage" else 1)
+        if spent > target * (1 + 1e-6):
+            log(
+                WARNING,
+                "[stage %d] %s's data was released more often than the (epsilon, delta) target plans for "
+                "(retries, backfill, a failed secure stage): epsilon spent %.3f",
+                task + 1,
+                worst,
+                spent,
+            )
+        record: dict[str, Any] = {
+            "epsilon_stage": stage,
+            "epsilon_spent": spent,
+            "worst_client": worst,
+            "epsilon_target": cfg.dp_epsilon,
+            "delta": cfg.dp_delta,
+            "scope": cfg.dp_scope,
+            "accountant": cfg.dp_accountant,
+            "noise_multiplier": noise_multiplier(cfg),
+            "feature_clip": cfg.feature_clip,
+            "std": self.noise.as_dict(),
+            "releases": releases,
+        }
+        if cfg.stage1_rounds > 0:
+            record["not_covered"] = "stage-1 FedAvg model updates (stage1-rounds > 0) travel without noise"
+        return {"privacy": record}
+
+    def note_sums_noise(self, classes: range, uploads: float) -> None:
+        """``uploads`` client noises (in units of one client's full noise variance) went into these
+        class columns of the summed class sums."""
+        if self.noise is not None:
+            self.sums_noise[classes.start : classes.stop] += uploads * self.noise.sums**2
+
+    def solve_noisy(self, ridge: RidgeState, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The ridge on noisy statistics: G projected onto the PSD cone, γ fixed or by GCV from the
+        noisy statistics, debiased for the known noise in C (fcl_flower/analytic/ridge.py)."""
+        seen = self.num_seen(task)
+        noise = float(self.sums_noise[:seen].sum())
+        weights, gamma, table, projection = ridge.solve_projected(seen, self.cfg.ridge_value(), noise)
+        extra = ridge_extras(ridge.num_samples, gamma, table)
+        extra["psd_projection"] = projection.as_dict()
+        return weights, extra
+
+    def masked(self) -> bool:
+        """Whether the replies being read are masked (only STSA's secure rounds are)."""
+        return False
 
     @property
     def feature_bounds(self) -> dict[str, Any]:
@@ -79,6 +178,9 @@ class AnalyticStrategy(StagedStrategy):
             return self.fedavg.read(reply)
         if not isinstance(reply, StatsRes):
             raise UploadError("expected a statistics reply")
+        if not self.masked():  # the server has seen this client's noisy statistics, whatever comes next
+            for task in (plan.task, *reply.backfill):
+                self.record_release([f"client-{reply.client}"], task)
         return self.read_stats(plan, f"client-{reply.client}", reply)
 
     def aggregate_round(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
@@ -99,7 +201,7 @@ class AnalyticStrategy(StagedStrategy):
             self.weights, extra = self.solve(task)
         except (AnalyticInputError, NotPositiveDefiniteError) as err:
             raise StageFailed(f"the ridge solve failed: {err}") from None
-        return {**extra, **self.pop_withheld()}
+        return {**extra, **self.pop_withheld(), **self.privacy_extras(task)}
 
     def pop_withheld(self) -> dict[str, Any]:
         """Samples withheld under min-class-count in this stage (never silent)."""
@@ -107,7 +209,7 @@ class AnalyticStrategy(StagedStrategy):
         return {"withheld_samples": dict(sorted(withheld.items()))} if withheld else {}
 
     def stage_failed(self, task: int, reason: str) -> dict[str, Any]:
-        return {**super().stage_failed(task, reason), **self.pop_withheld()}
+        return {**super().stage_failed(task, reason), **self.pop_withheld(), **self.privacy_extras(task)}
 
     def predict_seen(self, task: int) -> tuple[np.ndarray, np.ndarray]:
         """Predictions of the current classifier on the test data of every seen class (central
@@ -122,11 +224,20 @@ class AnalyticStrategy(StagedStrategy):
         return {} if self.weights is None else {"ridge": to_record({"weights": self.weights})}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "weights": self.weights}
+        state = {**super().state_dict(), "weights": self.weights}
+        if self.ledger is not None:
+            state["privacy_ledger"] = self.ledger.state_dict()
+        if self.noise is not None:
+            state["sums_noise"] = self.sums_noise
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.weights = state["weights"]
+        if self.ledger is not None:
+            self.ledger.load_state_dict(state.get("privacy_ledger", {}))
+        if self.noise is not None and isinstance(state.get("sums_noise"), torch.Tensor):
+            self.sums_noise = state["sums_noise"]
         self.model.eval()
 
 
@@ -143,6 +254,12 @@ def solve_dense(ridge: RidgeState, num_seen: int, cfg: RunConfig) -> tuple[torch
     """W from the summed statistics, γ fixed or by GCV (``ridge = auto``), and the result extras."""
     weights, gamma, table = ridge.solve(num_seen, cfg.ridge_value())
     return weights, ridge_extras(ridge.num_samples, gamma, table)
+
+
+def noisy_total(counts: Iterable[torch.Tensor]) -> int:
+    """Samples in uploads whose counts are noisy: round(max(Σ counts, 0)) (post-processing)."""
+    total = sum((float(c.to(torch.float64).sum()) for c in counts), 0.0)
+    return max(round(total), 0) if math.isfinite(total) else 0
 
 
 def ridge_extras(num_samples: int, gamma: float, table: list[GCVRow]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from fcl_flower.analytic.lowrank import (
     merge_two_level,
     rank_for_budget,
 )
-from fcl_flower.analytic.ridge import GCVRow
+from fcl_flower.analytic.ridge import GCVRow, default_ridge_grid
 from fcl_flower.analytic.subspace import pad_label_corr, select_subspace_ridge_gcv, solve_subspace_ridge
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import FederationLayout
@@ -55,6 +55,9 @@ class FedRANStrategy(AnalyticStrategy):
     stage records ``extra["pseudo_labels"]``: labelled, unlabelled, accepted and correct counts
     summed over the clients.
 
+    Noise (strategies/analytic.py, clients/fedran.py): the checks allow for it, r_k ≤ min(r, M)
+    only, and ñ is the client's noisy count when the counts are noised.
+
     Uploads are checked (only U, σ, B; shapes; finite; σ descending ≥ 0; UᵀU = I; r_k ≤ min(r, ñ, M);
     consistent counts; ‖B‖_F ≤ σ₁√ñ, B ≥ 0 for ReLU features and the feature-clip bounds, see
     fcl_flower/analytic/checks.py) and a bad one is rejected alone. A client missing from a stage is recorded
@@ -71,6 +74,7 @@ class FedRANStrategy(AnalyticStrategy):
         self.label_corr = torch.zeros(self.rf_dim, 0, dtype=torch.float64)
         self.num_samples = 0
         self.server_rank = 0
+        self.gram_noise_variance = 0.0  # Σ over the merged uploads of their Gram noise's variance per entry
         if cfg.rank_budget_bytes > 0:
             self.upload_rank(self.num_tasks - 1)  # the last stage has the widest B: fail now, not then
         self._stage: dict[str, Any] = {}
@@ -83,6 +87,7 @@ class FedRANStrategy(AnalyticStrategy):
             "label_corr": self.label_corr,
             "server_rank": self.server_rank,
             "num_samples": self.num_samples,
+            "gram_noise_variance": self.gram_noise_variance,
             "summary": {
                 "basis": summary.basis,
                 "singular_values": summary.singular_values,
@@ -99,6 +104,7 @@ class FedRANStrategy(AnalyticStrategy):
         )
         self.label_corr, self.server_rank = state["label_corr"], state["server_rank"]
         self.num_samples = int(state["num_samples"])
+        self.gram_noise_variance = float(state.get("gram_noise_variance", 0.0))
 
     # ---------------------------------------------------------------- rank
     def upload_rank(self, task: int) -> int:
@@ -130,7 +136,10 @@ class FedRANStrategy(AnalyticStrategy):
         rank = self.upload_rank(plan.task)
         stats = FedranStats.read(reply.arrays, dim=self.rf_dim, classes=self.num_seen(plan.task), max_rank=rank)
         n, counts = reply.num_examples, reply.fedran
-        if stats.rank > min(rank, n, self.rf_dim):
+        if self.noise is not None:  # a noised Gram has full rank; a noised ñ bounds nothing
+            if stats.rank > min(rank, self.rf_dim):
+                raise UploadError(f"rank {stats.rank} exceeds min(r, M)")
+        elif stats.rank > min(rank, n, self.rf_dim):
             raise UploadError(f"rank {stats.rank} exceeds min(r, n={n}, M)")
         if counts.num_labelled + counts.pseudo_accepted != n + reply.withheld:
             raise UploadError("num-examples differs from labelled + accepted pseudo-labelled - withheld samples")
@@ -142,6 +151,7 @@ class FedRANStrategy(AnalyticStrategy):
                 stats.label_corr,
                 n,
                 relative_tolerance=wire_epsilon(WIRE_DTYPES[self.cfg.wire_dtype]),
+                noise=self.noise_levels(),
                 **self.feature_bounds,
             )
         try:
@@ -163,6 +173,9 @@ class FedRANStrategy(AnalyticStrategy):
         )
         self.label_corr = pad_label_corr(self.label_corr, classes) + stage_corr
         self.num_samples += sum(r.num_examples for r in ordered)
+        if self.noise is not None:
+            self.gram_noise_variance += len(ordered) * self.noise.gram**2
+            self.note_sums_noise(self.split.tasks[plan.task], len(ordered))  # B's task columns only
         for r in ordered:
             r_k = r.payload["stats"].rank
             self._stage["client_ranks"][r.client] = r_k
@@ -171,13 +184,27 @@ class FedRANStrategy(AnalyticStrategy):
                 self._stage["pseudo"][key] += getattr(r.payload["pseudo"], key)
 
     # ---------------------------------------------------------------- solve
+    def ridge_grid(self) -> list[float] | None:
+        """GCV's γ grid: the default one (None), or with noise only the points ≥ 2√(v M), the edge of
+        the spectrum of the merged Gram noise (symmetric, entry variance v summed over the uploads):
+        the clients' sketches are PSD, so the server sees no negative eigenvalue to estimate the
+        noise from (fcl_flower/analytic/ridge.py: the dense methods use |λ_min| instead)."""
+        if self.noise is None:
+            return None
+        floor = 2.0 * (self.gram_noise_variance * self.rf_dim) ** 0.5
+        return [gamma for gamma in default_ridge_grid().tolist() if gamma >= floor] or [floor]
+
     def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
         label_corr = pad_label_corr(self.label_corr, self.num_seen(task))
         summary = self.summary_state
         gamma = self.cfg.ridge_value()
         table: list[GCVRow] = []
         if gamma is None:
-            gamma, table = select_subspace_ridge_gcv(summary, label_corr, self.num_samples, float(self.num_samples))
+            samples = max(self.num_samples, 1)
+            noise = float(self.sums_noise[: self.num_seen(task)].sum())
+            gamma, table = select_subspace_ridge_gcv(
+                summary, label_corr, samples, float(samples), self.ridge_grid(), sums_noise=noise
+            )
         weights = solve_subspace_ridge(summary, label_corr, gamma)
         pseudo = self._stage["pseudo"]
         extra = ridge_extras(self.num_samples, gamma, table)

@@ -17,6 +17,12 @@ the same checks; a late client's statistics then ride inside its next regular ma
 (added to G, and to the columns of the owed task's classes) in a round where at least
 ``secagg-min-clients`` participants owe that task, so no opened sum is one client's. With
 ``min-class-count`` the clients leave out classes they hold too few samples of.
+
+Noise (strategies/analytic.py): the checks allow for one client's noise on a plain upload, and
+for the noise of the opened sum (|U3| shares) on a secure one; with noisy counts the number of
+samples is the rounded sum of the noisy counts; the solve projects G onto the PSD cone. An
+opened sum is one release of every survivor's data (k tasks of it when it carries k − 1 owed
+ones), with noise std √|U3| times a client's share.
 """
 
 from __future__ import annotations
@@ -33,12 +39,13 @@ from fcl_flower.analytic.checks import StatisticsRejected, check_counts, check_g
 from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
+from fcl_flower.privacy.noise import secure_share
 from fcl_flower.privacy.secagg import unmask_sum
 from fcl_flower.protocol import Instruction, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaStats
 from fcl_flower.results import ResultsRecorder
 from strategies.accounting import client_name
-from strategies.analytic import AnalyticStrategy, solve_dense, upload_checks
+from strategies.analytic import AnalyticStrategy, noisy_total, solve_dense, upload_checks
 from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundPlan, StageFailed
 from strategies.secure import SecureRounds
@@ -80,19 +87,21 @@ class STSAStrategy(AnalyticStrategy):
     # ---------------------------------------------------------------- replies
     def check(self, stats: StsaStats, num_examples: int) -> None:
         """The upload is the statistics of some dataset of ``num_examples`` samples (see module doc)."""
+        noise = self.noise_levels()
         with upload_checks():
-            check_counts(stats.counts, num_examples)
+            check_counts(stats.counts, num_examples, noise=noise.counts if noise else 0.0)
             check_gram_statistics(
                 unpack_upper(stats.gram_packed.to(torch.float64), self.rf_dim),
                 stats.class_sums,
                 stats.counts,
                 relative_tolerance=wire_epsilon(stats.gram_packed.dtype),
+                noise=noise,
                 **self.feature_bounds,
             )
 
     def read_plain(self, task: int, record: ArrayRecord) -> StsaStats:
         shapes = {"packed": packed_length(self.rf_dim), "dim": self.rf_dim, "classes": len(self.split.tasks[task])}
-        return StsaStats.read(record, **shapes)
+        return StsaStats.read(record, **shapes, noisy_counts=self.counts_noised)
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
         if self.masked():
@@ -128,9 +137,12 @@ class STSAStrategy(AnalyticStrategy):
         for r in replies:  # summed in float64
             gram += r.payload.gram_packed
             sums += r.payload.class_sums
-        self.ridge.add(
-            self.split.tasks[task], unpack_upper(gram, self.rf_dim), sums, sum(r.num_examples for r in replies)
-        )
+        if self.counts_noised:
+            samples = noisy_total(r.payload.counts for r in replies)
+        else:
+            samples = sum(r.num_examples for r in replies)
+        self.ridge.add(self.split.tasks[task], unpack_upper(gram, self.rf_dim), sums, samples)
+        self.note_sums_noise(self.split.tasks[task], len(replies))
 
     def aggregate_masked(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
         """Open Σ over the survivors, check it like one upload, add it column block by column block."""
@@ -152,29 +164,42 @@ class STSAStrategy(AnalyticStrategy):
                 )
             )
         # Integer counts are exact in fixed point, so their opened sum is exactly integral: a
-        # garbage upload is caught here (and a rounding would let random counts through).
+        # garbage upload is caught here (and a rounding would let random counts through). Noised
+        # counts are not integral; the withheld count, never noised, still is.
+        noisy = self.counts_noised
         counts, withheld = opened["counts"][:-1], float(opened["counts"][-1])
         gram = unpack_upper(opened["gram-packed"], self.rf_dim)
         sums = opened["class-sums"].reshape(self.rf_dim, -1)
+        column, tasks = 0, self.secure_columns(plan.task)
+        share = secure_share(self.cfg, self.secure.current.threshold) if self.secure.current is not None else 1.0
+        factor = share * len(replies) ** 0.5  # the opened sum's noise: |U3| shares
+        for r in replies:  # one release of each survivor's data: the current task and the late ones it owed
+            owed = [t for t in tasks[1:] if t in self.backfill.missing.get(r.client, [])]
+            self.record_release([r.client], plan.task, factor / (1 + len(owed)))
+        noise = self.noise_levels(factor)
         try:
-            check_counts(opened["counts"], int(opened["counts"].sum()))
+            if noisy:
+                check_counts(counts, 0, noise=noise.counts if noise else 0.0)
+                check_counts(opened["counts"][-1:], int(withheld))
+            else:
+                check_counts(opened["counts"], int(opened["counts"].sum()))
             check_gram_statistics(
                 gram,
                 sums,
                 counts,
                 relative_tolerance=wire_epsilon(torch.float64),
                 absolute_tolerance=len(replies) * 2.0 ** -(self.cfg.secagg_fraction_bits + 1),
+                noise=noise,
                 **self.feature_bounds,
             )
         except StatisticsRejected as err:
             raise StageFailed(f"the opened secure sum fails its checks: {err}") from None
-        column, tasks = 0, self.secure_columns(plan.task)
         for position, task in enumerate(tasks):
             width = len(self.split.tasks[task])
             block = slice(column, column + width)
-            self.ridge.add(
-                self.split.tasks[task], gram if position == 0 else None, sums[:, block], int(counts[block].sum())
-            )
+            samples = noisy_total([counts[block]]) if noisy else int(counts[block].sum())
+            self.ridge.add(self.split.tasks[task], gram if position == 0 else None, sums[:, block], samples)
+            self.note_sums_noise(self.split.tasks[task], factor * factor)
             column += width
         if withheld:
             self._withheld["all clients (masked sum)"] = self._withheld.get("all clients (masked sum)", 0) + int(
@@ -188,7 +213,10 @@ class STSAStrategy(AnalyticStrategy):
 
     # ---------------------------------------------------------------- solve
     def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
+        if self.noise is not None:
+            weights, extra = self.solve_noisy(self.ridge, task)
+        else:
+            weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
         if self.cfg.secure_aggregation:
             extra["secure_aggregation"] = True
         return weights, {**extra, **self.backfill.extras()}

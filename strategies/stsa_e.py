@@ -9,6 +9,12 @@ the paper's, per-class the unbiased variant), adds Ĝ and the class sums to the 
 Eq. 9 is not a sum over clients (its coefficients depend on the totals of every upload of the
 stage), so a stage with missing clients keeps its uploads (class sums and counts) until the last
 late client is in, and then swaps the stage's Ĝ for the estimate from all of them.
+
+Noise (Eq. 64, or differential privacy; strategies/analytic.py): the checks allow for it; noisy
+counts are post-processed before Eq. 9 (:meth:`STSAEStrategy.usable_counts`: a cell whose noisy
+count is below max(½, 2σ_n) counts as empty -- its sum still adds to S, but not to the outer
+products, whose 1/n_k would blow its noise up); Ĝ, indefinite or not, is projected onto the PSD
+cone before the solve.
 """
 
 from __future__ import annotations
@@ -52,23 +58,37 @@ class STSAEStrategy(AnalyticStrategy):
     # ---------------------------------------------------------------- replies
     def read_payload(self, task: int, record: ArrayRecord) -> StsaEStats:
         return StsaEStats.read(
-            record, dummies=self.cfg.dummy_clients, dim=self.rf_dim, classes=len(self.split.tasks[task])
+            record,
+            dummies=self.cfg.dummy_clients,
+            dim=self.rf_dim,
+            classes=len(self.split.tasks[task]),
+            noisy_counts=self.counts_noised,
         )
+
+    def usable_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Counts for Eq. 9: exact ones as they are; noisy ones with cells below max(½, 2σ_n) set to 0."""
+        if not self.counts_noised:
+            return counts
+        assert self.noise is not None
+        floor = max(0.5, 2.0 * self.noise.counts)
+        return torch.where(counts >= floor, counts, torch.zeros_like(counts))
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
         """Class sums and counts of some dataset (fcl_flower/analytic/checks.py), this stage's and
         every backfilled one's, each adding up to its reported number of samples."""
         stats = self.read_payload(plan.task, reply.arrays)
         late = self.backfill.read(client, reply, self.read_payload)
+        noise = self.noise_levels()
         for task, (payload, count) in {plan.task: (stats, reply.num_examples), **late}.items():
             where = "" if task == plan.task else f"backfilled stage {task + 1}: "
             try:
                 with upload_checks():
-                    check_counts(payload.counts, count)
+                    check_counts(payload.counts, count, noise=noise.counts if noise else 0.0)
                     check_class_sums(
                         payload.class_sums,
                         payload.counts,
                         relative_tolerance=wire_epsilon(WIRE_DTYPES[self.cfg.wire_dtype]),
+                        noise=noise,
                         **self.feature_bounds,
                     )
             except UploadError as err:
@@ -80,15 +100,16 @@ class STSAEStrategy(AnalyticStrategy):
         # Streaming Eq. 9: no (K·K_D, M, c_t) stack of all uploads on the server.
         estimator = GramEstimator(self.rf_dim, len(self.split.tasks[plan.task]), k_mode=self.k_mode)
         for r in on_time:
-            estimator.add(r.payload.class_sums, r.payload.counts)
+            estimator.add(r.payload.class_sums, self.usable_counts(r.payload.counts))
         self.ridge.add(
             self.split.tasks[plan.task], estimator.result(), estimator.class_sums, int(estimator.counts.sum())
         )
+        self.note_sums_noise(self.split.tasks[plan.task], len(on_time) * self.cfg.dummy_clients)
         self.backfill.fold(replies, lambda r: r.payload["late"], self.add_late, self.release)
         if self.backfill.note_missing(plan.task, {r.client for r in replies}):
             self.held[plan.task] = (
                 torch.cat([r.payload.class_sums for r in on_time]),
-                torch.cat([r.payload.counts for r in on_time]),
+                torch.cat([self.usable_counts(r.payload.counts) for r in on_time]),
             )
 
     def release(self, task: int) -> None:
@@ -99,16 +120,20 @@ class STSAEStrategy(AnalyticStrategy):
         """Swap the stage's Ĝ for the estimate from all its uploads; sums and counts just add."""
         old_sums, old_counts = self.held[task]
         late_sums = torch.cat([r.payload.class_sums for r in replies])
-        late_counts = torch.cat([r.payload.counts for r in replies])
+        late_counts = torch.cat([self.usable_counts(r.payload.counts) for r in replies])
         sums, counts = torch.cat([old_sums, late_sums]), torch.cat([old_counts, late_counts])
         k_mode = self.k_mode
         delta = estimate_gram(sums, counts, k_mode=k_mode) - estimate_gram(old_sums, old_counts, k_mode=k_mode)
         self.ridge.add(self.split.tasks[task], delta, late_sums.sum(dim=0), int(late_counts.sum()))
+        self.note_sums_noise(self.split.tasks[task], len(late_sums))
         self.held[task] = (sums, counts)
 
     # ---------------------------------------------------------------- solve
     def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
+        if self.noise is not None:
+            weights, extra = self.solve_noisy(self.ridge, task)
+        else:
+            weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
         return weights, {**extra, **self.backfill.extras()}
 
     def state_dict(self) -> dict[str, Any]:

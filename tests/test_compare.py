@@ -197,3 +197,63 @@ def test_compare_local_writes_tables_and_plots_with_correct_mean_std(tmp_path):
         assert float(row["paper_A_T"] or "nan") == 1.0 or row["strategy"] != "stsa"
     summary = (out / "summary.md").read_text()
     assert "| stsa |" in summary and "| stsa-e |" in summary and " ± " in summary
+
+
+def test_a_strategy_override_of_a_swept_key_pins_the_strategy(tmp_path):
+    base = (
+        'strategies = ["stsa", "stsa-e"]\n[sweep]\nzip = true\nnoise-q = [0.0, 0.1, 0.1]\nnoise-s = [0.0, 1.0, 1.0]\n'
+        'noise-on = ["features", "features", "counts"]\n'
+    )
+    experiment = load_experiment(write(tmp_path, base + '[strategy-overrides.stsa]\nnoise-on = "features"\n'))
+    ran = [(r.strategy, r.cfg.noise_q, r.cfg.noise_on) for r in experiment.runs()]
+    assert ran == [
+        ("stsa", 0.0, "features"),
+        ("stsa-e", 0.0, "features"),
+        ("stsa", 0.1, "features"),
+        ("stsa-e", 0.1, "features"),
+        ("stsa-e", 0.1, "counts"),
+    ]
+    with pytest.raises(ExperimentConfigError, match="never takes"):
+        load_experiment(write(tmp_path, base + '[strategy-overrides.stsa]\nnoise-on = "both"\n'))
+
+
+@pytest.mark.parametrize("name", ["stsa_table7_noise", "stsa_table7_noise_vit"])
+def test_every_cell_of_table7_runs_next_to_its_paper_number(name):
+    """The grid is the paper's: no noise and its seven (q, s), STSA on the features, STSA-E on the
+    features, the counts or both (E1-E3); every cell meets exactly one paper row, so summary.md
+    prints our A_T next to the paper's."""
+    experiment = load_experiment(name)
+    cells = {(r.strategy, r.point) for r in experiment.runs()}
+    settings = {(0.1, 0.1), (0.1, 0.5), (0.1, 1.0), (0.1, 5.0), (0.1, 0.05), (0.2, 0.05), (0.5, 0.05)}
+    for strategy, targets in (("stsa", {"features"}), ("stsa-e", {"features", "counts", "both"})):
+        noisy = {
+            (p["noise-q"], p["noise-s"], p["noise-on"]) for s, pt in cells if s == strategy for p in [dict(pt)]
+        } - {(0.0, 0.0, "features")}
+        assert noisy == {(q, s, on) for q, s in settings for on in targets}
+    rows = [compare.paper_match(experiment, {"strategy": s, **dict(point)}) for s, point in cells]
+    assert all(row is not None and "A_T" in row for row in rows)
+    assert len({id(row) for row in rows}) == len(rows) == len(experiment.paper_rows())
+    assert load_experiment(name, offline=True).runs()  # the digits variant loads and plans
+
+
+def test_the_digits_variant_of_table7_prints_the_papers_numbers_next_to_ours(tmp_path):
+    """summary.md of the offline variant has the paper's A_T of the same (strategy, q, s, noise-on)
+    in each row, under a header that says it is the full setting's."""
+    experiment = load_experiment("stsa_table7_noise", offline=True)
+    groups = []
+    for i, run in enumerate(r for r in experiment.runs() if r.seed == experiment.seeds[0]):
+        group: dict = {"strategy": run.strategy, **dict(run.point), "runs": 1, "seeds": "0", "stages": []}
+        for field in compare.SUMMARY_FIELDS:
+            group[f"{field}_mean"], group[f"{field}_std"] = 50.0 + i, 0.0
+        groups.append(group)
+    compare.write_tables(tmp_path, experiment, [], groups, [], "local")
+    table = [line for line in (tmp_path / "summary.md").read_text().splitlines() if line.startswith("| ")]
+    assert "paper A_T (full setting)" in table[0]
+    column = table[0].strip("| ").split(" | ").index("paper A_T (full setting)")
+    for group, line in zip(groups, table[1:], strict=True):
+        expected = compare.paper_match(experiment, group)
+        assert expected is not None
+        assert line.strip("| ").split(" | ")[column] == str(expected["A_T"])
+    with open(tmp_path / "summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [float(r["paper_A_T"]) for r in rows] == [compare.paper_match(experiment, g)["A_T"] for g in groups]

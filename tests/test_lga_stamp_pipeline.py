@@ -98,3 +98,28 @@ def test_bad_knobs_are_rejected(tmp_path):
         cfg = _config(strategy, tmp_path).replace(**change)
         with pytest.raises(ConfigError):
             build_strategy(cfg, federated_split(cfg), ResultsRecorder(cfg.output_dir, strategy, cfg.to_mapping()))
+
+
+def test_seeded_global_rng_makes_a_round_independent_of_the_process_history() -> None:
+    """LGA's and STAMP's training loops (like local SGD) run under ``seeded_global_rng``: random
+    augmentations and dropout draw the same numbers whatever the process drew before (a fresh
+    SuperNode process or the simulation's long-lived one), and the caller's generator is left as
+    it was."""
+    import torch
+
+    from fcl_flower.fcl.training import seeded_global_rng
+
+    cpu = torch.device("cpu")
+    draws = []
+    for before in (1, 2):
+        torch.manual_seed(before)
+        torch.rand(5)  # some history
+        expected_after = torch.random.get_rng_state()
+        with seeded_global_rng(7, cpu):
+            draws.append(torch.rand(16))
+        assert torch.equal(torch.random.get_rng_state(), expected_after)
+    assert torch.equal(draws[0], draws[1])
+    torch.manual_seed(7)
+    assert torch.equal(draws[0], torch.rand(16))  # the block sees exactly the seed's stream
+    with seeded_global_rng(8, cpu):
+        assert not torch.equal(draws[0], torch.rand(16))

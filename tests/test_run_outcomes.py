@@ -153,6 +153,11 @@ def test_every_run_writes_a_csv_and_a_plot_next_to_results_json(tmp_path) -> Non
         assert int(row["upload_bytes_total"]) == sum(uploads)
         assert int(row["clients"]) == len(stage["clients"])
     assert rows[0]["task_2"] == ""  # task 2 not seen yet after stage 1
+    # every round of the run, in order, with the replies it aggregated and its time inside its stage's
+    assert [r["round"] for r in data["rounds"]] == list(range(1, sum(s["rounds"] for s in data["stages"]) + 1))
+    assert all(r["replies"] == cfg.num_clients and r["seconds"] > 0 for r in data["rounds"])
+    first = sum(s["rounds"] for s in data["stages"][:1])
+    assert sum(r["seconds"] for r in data["rounds"][:first]) <= data["stages"][0]["seconds"]
     png = (cfg.output_dir / "results.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5_000
 

@@ -25,24 +25,85 @@ scaled R = D^{-1/2} J D^{-1/2} (unit diagonal) by at most (M + c) ε, so it then
 ``4 (M + c) ε`` to the diagonal of R. A matrix whose smallest eigenvalue is above minus
 that tolerance passes: the check catches every upload that no dataset can produce up to
 rounding, not a plausible but false dataset (docs/privacy.md lists what it cannot catch).
+
+Noise (the paper's q·N(0, s²) or differential privacy's Gaussian mechanism, fcl_flower/privacy/
+noise.py). A noised upload is a Gram of some dataset *plus* i.i.d. Gaussian noise of a known std
+per block (:class:`NoiseLevels`), so every check is widened by a bound that Gaussian noise of that
+std exceeds with probability below :data:`FALSE_REJECTION` (split over the checks), and nothing
+else is dropped: shapes, finiteness, magnitude and the noise-free blocks keep their exact checks.
+
+* entries (ReLU sign, counts ≥ 0): max of N i.i.d. |N(0, σ²)| ≤ σ·√(2 ln(2N/p));
+* norms (‖C_c‖, the trace, a sum of counts): ‖N(0, σ² I_d)‖ ≤ σ(√d + √(2 ln(1/p))) (Gaussian
+  concentration of a 1-Lipschitz function);
+* the spectrum of the noise on J (symmetric, i.i.d. on and above the diagonal, std σ_G on the G
+  block, σ_C on the C block, σ_n on the count diagonal): by the matrix Gaussian series bound
+  (Tropp 2012, Thm 4.1.1), ‖E‖₂ ≤ √(2 v ln(2(M + c)/p)), v = max(σ_G² M + σ_C² c, σ_C² M + σ_n²).
+  J + E + ‖E‖ I is then PSD, so the PSD test (and with it Cauchy–Schwarz) runs on J + τ I;
+* counts are no longer integers adding up to the reported number of samples (a noised upload
+  reports none); they must be finite and above −bound.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 MAGNITUDE_LIMIT = 1e150  # entries beyond this could overflow float64 in sums of squares (1e300 < 1.8e308)
+FALSE_REJECTION = 1e-9  # chance that the noise alone makes an honest upload fail a check (all checks together)
+_PER_BOUND = FALSE_REJECTION / 10  # fewer than ten bounds are used on one upload
+
+
+@dataclass(frozen=True)
+class NoiseLevels:
+    """Std of the i.i.d. Gaussian noise on every entry of the checked statistics (0: exact)."""
+
+    gram: float = 0.0
+    sums: float = 0.0
+    counts: float = 0.0
+
+    @property
+    def on(self) -> bool:
+        return self.gram > 0 or self.sums > 0 or self.counts > 0
+
+
+def noise_entry_bound(std: float, entries: int, p: float = _PER_BOUND) -> float:
+    """A bound on the largest |noise| of ``entries`` i.i.d. N(0, std²), exceeded with probability ≤ p."""
+    if std <= 0 or entries <= 0:
+        return 0.0
+    return std * math.sqrt(2.0 * math.log(2.0 * entries / p))
+
+
+def noise_norm_bound(std: float, dim: int, p: float = _PER_BOUND) -> float:
+    """A bound on ‖N(0, std² I_dim)‖, exceeded with probability ≤ p."""
+    if std <= 0 or dim <= 0:
+        return 0.0
+    return std * (math.sqrt(dim) + math.sqrt(2.0 * math.log(1.0 / p)))
+
+
+def noise_spectral_bound(noise: NoiseLevels, dim: int, classes: int, p: float = _PER_BOUND) -> float:
+    """A bound on ‖E‖₂ for the noise E on J = [[G, C], [Cᵀ, diag n]] (module doc), exceeded with probability ≤ p."""
+    variance = max(noise.gram**2 * dim + noise.sums**2 * classes, noise.sums**2 * dim + noise.counts**2)
+    if variance <= 0:
+        return 0.0
+    return math.sqrt(2.0 * variance * math.log(2.0 * (dim + classes) / p))
 
 
 class StatisticsRejected(ValueError):
     """Statistics that no dataset can produce (one line naming the violated property)."""
 
 
-def check_counts(counts: Tensor, num_samples: int) -> None:
-    """Finite non-negative integers adding up to ``num_samples``."""
+def check_counts(counts: Tensor, num_samples: int, *, noise: float = 0.0) -> None:
+    """Finite non-negative integers adding up to ``num_samples``; with noise of std ``noise`` on
+    every count: finite and above minus the noise's bound (nothing else is known)."""
+    if noise > 0:
+        check_magnitude("counts", counts)
+        floor = -noise_entry_bound(noise, counts.numel())
+        if bool((counts.to(torch.float64) < floor).any()):
+            raise StatisticsRejected(f"counts below {floor:.4g}, beyond what noise of std {noise:g} gives")
+        return
     if not bool(torch.isfinite(counts).all()):
         raise StatisticsRejected("counts are not finite")
     if bool((counts < 0).any()):
@@ -52,6 +113,16 @@ def check_counts(counts: Tensor, num_samples: int) -> None:
     total = float(counts.sum())
     if total != float(num_samples):
         raise StatisticsRejected(f"counts add up to {total:g}, the upload says {num_samples} samples")
+
+
+def noise_sum_bound(std: float, terms: int, p: float = _PER_BOUND) -> float:
+    """A bound on |sum of ``terms`` i.i.d. N(0, std²)| (e.g. the noise on a trace), exceeded with probability ≤ p."""
+    return noise_entry_bound(std * math.sqrt(terms), 1, p) if terms > 0 else 0.0
+
+
+def noise_column_bound(std: float, dim: int, columns: int) -> float:
+    """A bound on the norm of each of ``columns`` noise vectors N(0, std² I_dim) (union over the columns)."""
+    return noise_norm_bound(std, dim, _PER_BOUND / max(columns, 1))
 
 
 def check_magnitude(name: str, tensor: Tensor, limit: float = MAGNITUDE_LIMIT) -> None:
@@ -76,12 +147,15 @@ def check_gram_statistics(
     absolute_tolerance: float = 0.0,
     norm_bound: float = 0.0,
     nonnegative: bool = False,
+    noise: NoiseLevels | None = None,
 ) -> None:
     """Raise StatisticsRejected unless (G, C, n_c) are the blocks of a PSD Gram (see module doc).
 
     ``relative_tolerance`` ε and ``absolute_tolerance`` δ are per-entry rounding errors; the
-    scaled PSD test allows eigenvalues down to ``-4 (M + c) (ε + δ / d_min)``.
+    scaled PSD test allows eigenvalues down to ``-4 (M + c) (ε + δ / d_min)``. ``noise``: the std
+    of the Gaussian noise on G, C and the counts; every test is widened by its bound.
     """
+    noise = noise or NoiseLevels()
     dim, classes = int(gram.shape[0]), int(class_sums.shape[1])
     if (
         tuple(gram.shape) != (dim, dim)
@@ -96,28 +170,35 @@ def check_gram_statistics(
     for name, tensor in (("G", g), ("class sums", c), ("counts", n)):
         check_magnitude(name, tensor)
     if nonnegative:
-        floor = -absolute_tolerance
-        if bool((g < floor).any()) or bool((c < floor).any()):
+        floor_g = -absolute_tolerance - noise_entry_bound(noise.gram, dim * (dim + 1) // 2)
+        floor_c = -absolute_tolerance - noise_entry_bound(noise.sums, dim * classes)
+        if bool((g < floor_g).any()) or bool((c < floor_c).any()):
             raise StatisticsRejected("G or the class sums have negative entries (random ReLU features are >= 0)")
     size = dim + classes
     slack_rel = 4.0 * size * relative_tolerance
     slack_abs = 4.0 * size * absolute_tolerance
+    spectral = noise_spectral_bound(noise, dim, classes)
     joint = torch.zeros(size, size, dtype=torch.float64)
     joint[:dim, :dim] = 0.5 * (g + g.T)
     joint[:dim, dim:] = c
     joint[dim:, :dim] = c.T
     joint[dim:, dim:] = torch.diag(n)
     diag = torch.diagonal(joint).clone()
-    if bool((diag < -slack_abs).any()):
+    if bool((diag < -(slack_abs + spectral)).any()):
         raise StatisticsRejected("G has a negative diagonal entry (a sum of squares)")
     if norm_bound > 0:
         bound = norm_bound * norm_bound * (1.0 + slack_rel)
-        if float(torch.diagonal(g).sum()) > float(n.sum()) * bound + slack_abs * dim:
+        total = float(n.sum()) + noise_sum_bound(noise.counts, classes)
+        trace_noise = noise_sum_bound(noise.gram, dim)
+        if float(torch.diagonal(g).sum()) > total * bound + slack_abs * dim + trace_noise:
             raise StatisticsRejected(f"trace(G) exceeds n·B² for the feature norm bound B = {norm_bound:g}")
         sums = torch.linalg.vector_norm(c, dim=0)
-        if bool((sums > n * norm_bound * (1.0 + slack_rel) + math.sqrt(dim) * absolute_tolerance).any()):
+        widened = (n + noise_entry_bound(noise.counts, classes)) * norm_bound * (1.0 + slack_rel)
+        widened = widened + noise_column_bound(noise.sums, dim, classes)
+        if bool((sums > widened + math.sqrt(dim) * absolute_tolerance).any()):
             raise StatisticsRejected(f"a class sum is longer than n_c·B for B = {norm_bound:g}")
-    joint.diagonal().add_(slack_abs)  # absolute rounding δ per entry: ‖E‖₂ ≤ ‖E‖_F ≤ (M + c) δ
+    # absolute rounding δ per entry: ‖E‖₂ ≤ ‖E‖_F ≤ (M + c) δ; noise: ‖E‖₂ ≤ the spectral bound
+    joint.diagonal().add_(slack_abs + spectral)
     scale = torch.diagonal(joint).clamp_min(0.0)
     empty = scale <= 0
     if bool(empty.any()):  # a zero diagonal forces its whole row and column to zero
@@ -146,27 +227,35 @@ def check_class_sums(
     relative_tolerance: float,
     norm_bound: float = 0.0,
     nonnegative: bool = False,
+    noise: NoiseLevels | None = None,
 ) -> None:
     """STSA-E: class sums s_c = Σ_{i: y_i = c} φ_i (shape (..., M, c)) of counts n_c (shape (..., c)).
 
     A cell with no sample has a zero sum; with ReLU features no entry is negative; with a
     feature norm bound B every ‖s_c‖ ≤ n_c B (triangle inequality). Without a bound, any
     finite sums of non-empty cells are possible: docs/privacy.md says what that leaves open.
+    With ``noise`` (std on the sums and on the counts): a cell whose noisy count is provably
+    below 1 is empty and its sum must be noise-sized; signs and norms are widened by the bounds.
     """
+    noise = noise or NoiseLevels()
     if tuple(class_sums.shape[:-2]) + tuple(class_sums.shape[-1:]) != tuple(counts.shape):
         raise StatisticsRejected(
             f"class sums {tuple(class_sums.shape)} and counts {tuple(counts.shape)} do not fit together"
         )
     sums, n = class_sums.to(torch.float64), counts.to(torch.float64)
     check_magnitude("class sums", sums)
-    if nonnegative and bool((sums < 0).any()):
+    dim, cells = int(sums.shape[-2]), max(int(n.numel()), 1)
+    if nonnegative and bool((sums < -noise_entry_bound(noise.sums, sums.numel())).any()):
         raise StatisticsRejected("class sums have negative entries (random ReLU features are >= 0)")
     lengths = torch.linalg.vector_norm(sums, dim=-2)
-    if bool(((n == 0) & (lengths > 0)).any()):
+    count_noise = noise_entry_bound(noise.counts, cells)
+    sum_noise = noise_column_bound(noise.sums, dim, cells)
+    empty = (n + count_noise < 1.0) if count_noise > 0 else (n == 0)
+    if bool((empty & (lengths > sum_noise)).any()):
         raise StatisticsRejected("a class with no sample has a non-zero sum")
     if norm_bound > 0:
-        slack = 4.0 * sums.shape[-2] * relative_tolerance
-        if bool((lengths > n * norm_bound * (1.0 + slack)).any()):
+        slack = 4.0 * dim * relative_tolerance
+        if bool((lengths > (n + count_noise) * norm_bound * (1.0 + slack) + sum_noise).any()):
             raise StatisticsRejected(f"a class sum is longer than n_c·B for B = {norm_bound:g}")
 
 
@@ -178,27 +267,40 @@ def check_lowrank_statistics(
     relative_tolerance: float,
     norm_bound: float = 0.0,
     nonnegative: bool = False,
+    noise: NoiseLevels | None = None,
 ) -> None:
     """FedRAN: the top singular values σ of H (n × M) and B = HᵀY, Y one-hot (‖Y‖_F² = n).
 
     ‖B‖_F = ‖HᵀY‖_F ≤ ‖H‖₂ ‖Y‖_F = σ₁ √n (σ₁ is kept by every rank-r ≥ 1 sketch, and is 0 when
     nothing is kept); with ReLU features B ≥ 0; with a feature norm bound B_φ:
     Σσ² ≤ ‖H‖_F² ≤ n B_φ² and ‖B‖_F ≤ Σ_c ‖B_c‖ ≤ n B_φ.
+
+    With ``noise`` (std on the Gram before the client's sketch, on B and on the count n, the
+    reported n being that noisy count rounded and clipped at 0): λ_max(G) ≤ σ₁² + τ_E and
+    Σ_{top r} λ_i(G + E)₊ ≤ tr G + r τ_E with τ_E the spectral bound of the Gram's noise;
+    n ≤ reported + τ_n + ½; ‖B‖_F grows by at most the norm bound of its noise.
     """
+    noise = noise or NoiseLevels()
     sigma, corr = singular_values.to(torch.float64), label_corr.to(torch.float64)
     check_magnitude("singular values", sigma)
     check_magnitude("label correlations", corr)
-    if nonnegative and bool((corr < 0).any()):
+    dim, classes = int(corr.shape[0]), int(corr.shape[1])
+    if nonnegative and bool((corr < -noise_entry_bound(noise.sums, corr.numel())).any()):
         raise StatisticsRejected("B = HᵀY has negative entries (random ReLU features are >= 0)")
-    slack = 1.0 + 4.0 * (corr.shape[0] + corr.shape[1]) * relative_tolerance
+    slack = 1.0 + 4.0 * (dim + classes) * relative_tolerance
+    gram_noise = noise_spectral_bound(NoiseLevels(gram=noise.gram), dim, 0)
+    corr_noise = noise_norm_bound(noise.sums, dim * classes)
+    samples = num_samples + (noise_entry_bound(noise.counts, 1) + 0.5 if noise.counts > 0 else 0.0)
     top = float(sigma.max()) if sigma.numel() else 0.0
     length = float(torch.linalg.vector_norm(corr))
-    if length > top * math.sqrt(num_samples) * slack:
+    reach = math.sqrt((top * top + gram_noise) * samples) if noise.on else top * math.sqrt(num_samples)
+    if length > reach * slack + corr_noise:
         raise StatisticsRejected(
             f"‖B‖_F = {length:.4g} exceeds σ₁·√n = {top * math.sqrt(num_samples):.4g}: B is not HᵀY for this H"
         )
     if norm_bound > 0:
-        if float((sigma * sigma).sum()) > num_samples * norm_bound * norm_bound * slack:
+        energy = samples * norm_bound * norm_bound * slack + sigma.numel() * gram_noise
+        if float((sigma * sigma).sum()) > energy:
             raise StatisticsRejected(f"Σσ² exceeds n·B² for the feature norm bound B = {norm_bound:g}")
-        if length > num_samples * norm_bound * slack:
+        if length > samples * norm_bound * slack + corr_noise:
             raise StatisticsRejected(f"‖B‖_F exceeds n·B for the feature norm bound B = {norm_bound:g}")

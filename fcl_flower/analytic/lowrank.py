@@ -174,11 +174,13 @@ def client_summary(features: Tensor, rank: int, *, method: Literal["auto", "svd"
     return LowRankSummary(basis, sigma[:keep].contiguous(), n, discarded_energy(sigma, keep))
 
 
-def client_summary_from_gram(gram: Tensor, num_samples: int, rank: int) -> LowRankSummary:
+def client_summary_from_gram(gram: Tensor, num_samples: int, rank: int, *, keep: int | None = None) -> LowRankSummary:
     """Same sketch as :func:`client_summary`, from an already accumulated Gram G = HᵀH.
 
     For clients that stream H in batches and sum HᵀH: eigendecomposition of G, eigenvalues
     clipped at 0 (rounding can make tiny ones negative), σ = √λ, r_k = min(rank, n, M).
+    ``keep`` overrides r_k (capped at M) and skips the n = 0 shortcut: a *noised* Gram has full
+    rank whatever n is, and its sketch must not reveal n (fcl_flower/privacy/noise.py).
     """
     if not isinstance(gram, Tensor) or gram.ndim != 2 or gram.shape[0] != gram.shape[1]:
         raise LowRankError("gram must be a square 2-D tensor (M, M)")
@@ -194,13 +196,13 @@ def client_summary_from_gram(gram: Tensor, num_samples: int, rank: int) -> LowRa
     if float((g - g.T).abs().max().item()) > 1e-8 * max(scale, 1e-300):
         raise LowRankError("gram is not symmetric")
     dim = g.shape[0]
-    if num_samples == 0:
+    if num_samples == 0 and keep is None:
         return LowRankSummary.empty(dim, device=g.device)
     eigenvalues, eigenvectors = torch.linalg.eigh(0.5 * (g + g.T))
     eigenvalues = eigenvalues.flip(0).clamp_min(0.0)
     eigenvectors = eigenvectors.flip(1)
     sigma = eigenvalues.sqrt()
-    keep = min(rank, num_samples, dim)
+    keep = min(rank, num_samples, dim) if keep is None else min(int(keep), dim)
     basis = _canonical_signs(eigenvectors[:, :keep])
     # A rank-deficient Gram has at most num_samples non-zero eigenvalues; those beyond
     # min(n, M) are rounding noise and count as discarded (they are ~0).

@@ -7,6 +7,19 @@ symmetric positive definite for γ > 0), never by an explicit inverse.
 ``select_ridge_gcv`` is an extra, not in the paper (which fixes γ = 1e4 / 1e6, docs/methods/stsa.md §6 item 3):
 generalised cross-validation computed from the statistics alone, so the server can pick γ
 without any validation data.
+
+Noisy statistics (the paper's noise or differential privacy, fcl_flower/privacy/noise.py): G plus
+symmetric Gaussian noise is symmetric but may be indefinite, so G + γI may have no Cholesky
+factor for a small γ. :func:`solve_ridge_psd` projects G onto the PSD cone first (the nearest PSD
+matrix in Frobenius norm: the eigendecomposition with negative eigenvalues set to 0, which a
+true Gram never has) and solves in that eigenbasis; GCV runs on the same projected spectrum and
+the noisy C and n (post-processing: no privacy is spent). GCV alone does not know the noise: on
+a noisy G it keeps choosing the smallest γ, which inverts noise-dominated directions. Its grid
+therefore starts at |λ_min| of the noisy G: for G ⪰ 0 plus symmetric noise E, λ_min(G + E) ≥
+−‖E‖₂, and the bottom of the spectrum of a low-rank-ish G plus noise is the noise's, so |λ_min|
+estimates the noise level from the statistics themselves (the λ_min correction of AdaSSP, Wang
+2018, "Revisiting differentially private linear regression", which sets the ridge at the noise's
+spectral bound).
 """
 
 from __future__ import annotations
@@ -22,12 +35,14 @@ from .errors import AnalyticInputError, NotPositiveDefiniteError
 
 __all__ = [
     "GCVRow",
+    "PSDProjection",
     "RidgeState",
     "default_ridge_grid",
     "gcv_from_spectrum",
     "ridge_residual",
     "select_ridge_gcv",
     "solve_ridge",
+    "solve_ridge_psd",
 ]
 
 
@@ -55,6 +70,48 @@ def solve_ridge(gram: Tensor, class_sums: Tensor, ridge: float) -> Tensor:
             f"G + {ridge:g}·I is not positive definite (Cholesky failed at column {int(info)}); increase the ridge"
         )
     return torch.cholesky_solve(class_sums.to(device=g.device, dtype=torch.float64), factor)
+
+
+@dataclass(frozen=True)
+class PSDProjection:
+    """What the projection of a noisy G removed: how many eigenvalues were negative, their total
+    |λ|, and the trace of G (for scale)."""
+
+    negative: int
+    clipped: float
+    trace: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"negative_eigenvalues": self.negative, "clipped": self.clipped, "trace": self.trace}
+
+
+def solve_ridge_psd(
+    gram: Tensor, class_sums: Tensor, num_samples: int, ridge: float | None, sums_noise: float = 0.0
+) -> tuple[Tensor, float, list[GCVRow], PSDProjection]:
+    """W = (P(G) + γI)⁻¹ C with P(G) = Q diag(max(λ, 0)) Qᵀ, γ fixed or by GCV (``ridge`` None) on
+    the projected spectrum over the grid points ≥ |λ_min(G)| (module doc; the floor itself when
+    none is); one eigendecomposition for both. Any γ > 0 works: P(G) + γI ≻ 0.
+
+    ``sums_noise``: Σ_c of the noise variance per entry of column c of C. Rotated into any
+    orthonormal basis the noise keeps that energy per row, so GCV's q_j = ‖(QᵀC)_j‖² is debiased
+    to max(q_j − sums_noise, 0): otherwise GCV takes the noise in C for signal."""
+    _check_system(gram, class_sums)
+    g = gram.to(torch.float64)
+    eigvals, eigvecs = torch.linalg.eigh(0.5 * (g + g.T))
+    negative = eigvals < 0
+    projection = PSDProjection(int(negative.sum()), float(-eigvals[negative].sum()), float(torch.diagonal(g).sum()))
+    projected = eigvecs.T @ class_sums.to(device=g.device, dtype=torch.float64)
+    table: list[GCVRow] = []
+    if ridge is None:
+        n = max(int(num_samples), 1)
+        floor = max(-float(eigvals.min()), 0.0) if eigvals.numel() else 0.0
+        grid = [gamma for gamma in default_ridge_grid().tolist() if gamma >= floor] or [floor]
+        q = ((projected * projected).sum(dim=1) - float(sums_noise)).clamp_min(0.0)
+        ridge, table = gcv_from_spectrum(eigvals.clamp_min(0.0), q, n, float(n), grid)
+    if not (math.isfinite(float(ridge)) and float(ridge) > 0):
+        raise AnalyticInputError(f"ridge must be a finite number > 0, got {ridge!r}")
+    weights = eigvecs @ (projected / (eigvals.clamp_min(0.0) + float(ridge)).unsqueeze(1))
+    return weights, float(ridge), table, projection
 
 
 def ridge_residual(gram: Tensor, class_sums: Tensor, weights: Tensor, yty: float) -> float:
@@ -195,6 +252,12 @@ class RidgeState:
         if not isinstance(gram, Tensor) or not isinstance(sums, Tensor):
             raise AnalyticInputError("ridge state needs the gram and class_sums tensors")
         return cls(gram, sums, int(state["num_samples"]))
+
+    def solve_projected(
+        self, num_seen: int, ridge: float | None, sums_noise: float = 0.0
+    ) -> tuple[Tensor, float, list[GCVRow], PSDProjection]:
+        """:meth:`solve` for noisy statistics: G projected onto the PSD cone (:func:`solve_ridge_psd`)."""
+        return solve_ridge_psd(self.gram, self.class_sums[:, :num_seen], self.num_samples, ridge, sums_noise)
 
     def solve(self, num_seen: int, ridge: float | None) -> tuple[Tensor, float, list[GCVRow]]:
         """(W over the first ``num_seen`` classes, γ, GCV table): ``ridge`` None selects γ by GCV."""

@@ -80,8 +80,12 @@ def select_subspace_ridge_gcv(
     num_samples: int,
     yty: float,
     grid: Sequence[float] | Tensor | None = None,
+    sums_noise: float = 0.0,
 ) -> tuple[float, list[GCVRow]]:
     """γ for :func:`solve_subspace_ridge` by generalised cross-validation, from the summary alone.
+
+    ``sums_noise``: Σ_c of the noise variance per entry of B's column c; q_i is debiased by it
+    (fcl_flower/analytic/ridge.py ``solve_ridge_psd``).
 
     The sketch is already diagonal in U (eigenvalues σ²), so with q_i = ‖(UᵀB)_i‖² the residual of
     W = U W̃ is RSS(γ) = tr(YᵀY) − Σ_i q_i (σ_i² + 2γ)/(σ_i² + γ)² and df(γ) = Σ_i σ_i²/(σ_i² + γ),
@@ -95,9 +99,10 @@ def select_subspace_ridge_gcv(
     if label_corr.shape[0] != summary.dim:
         raise LowRankError(f"B has {label_corr.shape[0]} rows but the summary has dimension {summary.dim}")
     projected = summary.basis.T @ label_corr.to(device=summary.basis.device, dtype=torch.float64)
-    return gcv_from_spectrum(
-        summary.singular_values.square(), (projected * projected).sum(dim=1), num_samples, yty, grid
-    )
+    q = (projected * projected).sum(dim=1)
+    if sums_noise:
+        q = (q - float(sums_noise)).clamp_min(0.0)
+    return gcv_from_spectrum(summary.singular_values.square(), q, num_samples, yty, grid)
 
 
 def outside_subspace_norm(summary: LowRankSummary, label_corr: Tensor) -> float:

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.transforms import functional as TF
 
 from .errors import DatasetError
 
@@ -92,6 +91,8 @@ class _Storage:
 def _to_tensor(x: Any) -> torch.Tensor:
     """Float32 CHW tensor from whatever a transform produced."""
     if isinstance(x, Image.Image):
+        from torchvision.transforms import functional as TF  # here: importing torchvision costs ~1 s
+
         return TF.to_tensor(x)
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(np.ascontiguousarray(x))

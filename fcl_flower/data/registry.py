@@ -13,6 +13,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from .array_cache import CACHE_DIR
 from .bundle import DatasetBundle, build_bundle
 from .cifar import cifar100_arrays
 from .digits import digits_arrays
@@ -85,7 +86,7 @@ def _is_int(x: object) -> bool:
 def _load(name: str, root: str, download: bool, seed: int, image_size: int | None) -> DatasetBundle:
     base = Path(root)
     if name == "digits":
-        x_tr, y_tr, x_te, y_te = digits_arrays()
+        x_tr, y_tr, x_te, y_te = digits_arrays(str(base / CACHE_DIR))
         tf = tensor_resize(image_size) if image_size is not None else None
         size = image_size or 8
         return build_bundle(

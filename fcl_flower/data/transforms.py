@@ -2,12 +2,18 @@
 
 Why two transforms per dataset: gradient training (stage 1) uses augmentation, while the
 analytic statistics are computed with eval transforms (docs/methods/stsa.md §2.4), so every bundle carries both.
+
+torchvision is imported when a transform is *built*, not with this module: importing it costs
+about as much as importing torch itself (it pulls in its model zoo and detection ops), and a
+ClientApp process that serves digits or synthetic data without resizing never needs it.
 """
 
 from __future__ import annotations
 
-from torchvision import transforms as T
-from torchvision.transforms import InterpolationMode
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchvision import transforms as T
 
 CIFAR100_MEAN = (0.5071, 0.4867, 0.4408)
 CIFAR100_STD = (0.2675, 0.2565, 0.2761)
@@ -19,6 +25,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 def cifar_transforms() -> tuple[T.Compose, T.Compose]:
     """ResNet CIFAR-100 (32x32): crop + flip + brightness jitter, then normalise."""
+    from torchvision import transforms as T
+
     norm = T.Normalize(CIFAR100_MEAN, CIFAR100_STD)
     train = T.Compose(
         [
@@ -34,6 +42,8 @@ def cifar_transforms() -> tuple[T.Compose, T.Compose]:
 
 def tiny_imagenet_transforms() -> tuple[T.Compose, T.Compose]:
     """ResNet Tiny-ImageNet (64x64): crop + flip; eval centre-crop; then normalise."""
+    from torchvision import transforms as T
+
     norm = T.Normalize(TINY_IMAGENET_MEAN, TINY_IMAGENET_STD)
     train = T.Compose([T.RandomCrop(64, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), norm])
     return train, T.Compose([T.CenterCrop(64), T.ToTensor(), norm])
@@ -47,6 +57,9 @@ def vit_transforms(
     The eval resize keeps the 256/224 ratio of the STSA code for any ``image_size``.
     ``mean``/``std`` = None gives inputs in [0, 1] (the code's CIFAR-224 quirk, docs/methods/stsa.md §4.1).
     """
+    from torchvision import transforms as T
+    from torchvision.transforms import InterpolationMode
+
     tail: list = [T.ToTensor()]
     if mean is not None and std is not None:
         tail.append(T.Normalize(mean, std))
@@ -60,7 +73,9 @@ def vit_transforms(
 
 def tensor_resize(image_size: int) -> T.Resize:
     """Resize for float CHW tensors (digits / synthetic at a larger size, e.g. a ViT smoke test)."""
-    return T.Resize((image_size, image_size), interpolation=InterpolationMode.BILINEAR, antialias=True)
+    from torchvision import transforms as T
+
+    return T.Resize((image_size, image_size), interpolation=T.InterpolationMode.BILINEAR, antialias=True)
 
 
 #: Training augmentations of a site's own images (node config ``augment``; fcl_flower/data/own.py).
@@ -80,6 +95,8 @@ def own_transforms(image_shape: tuple[int, int, int], augment: str = "auto") -> 
     resized crops of scale 0.05..1 above :data:`RESIZED_CROP_FROM` px, like the ViT datasets) and a
     horizontal flip; ``crop`` the crop alone (for images whose left and right differ, e.g. text).
     """
+    from torchvision import transforms as T
+
     channels, height, width = image_shape
     if augment not in AUGMENTATIONS:
         raise ValueError(f"augment must be one of {', '.join(AUGMENTATIONS)} (got {augment!r})")

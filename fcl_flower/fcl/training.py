@@ -3,7 +3,8 @@ server's pooled joint-gradient bound)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -11,11 +12,25 @@ import torch.nn.functional as F
 
 from fcl_flower.config import RunConfig
 from fcl_flower.data import LabelledDataset
+from fcl_flower.fcl.sgd import MomentumSGD
 from fcl_flower.models import IncrementalClassifier
 from fcl_flower.runtime import make_loader
 
 # extra_loss(model, images, labels, logits over the seen classes) -> scalar added to the CE loss
 ExtraLoss = Callable[[IncrementalClassifier, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@contextmanager
+def seeded_global_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """Run the block with torch's global generator seeded from ``seed``, inside a fork (the
+    caller's generator state is restored afterwards).
+
+    Random augmentations (crops, flips) and dropout draw from the global generator. Seeding it per
+    round makes a round train the same whatever the process did before: a SuperNode starts a fresh
+    ClientApp process per message, while the simulation reuses one."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 @dataclass(frozen=True)
@@ -46,11 +61,7 @@ def local_sgd(
     nothing and reports 0 examples, so FedAvg gives its unchanged model weight 0."""
     if len(dataset) == 0:
         return TrainStats(num_examples=0, mean_loss=0.0)
-    # Random augmentations (crops, flips) and dropout draw from torch's global generator: seed it
-    # from ``seed`` inside a fork, so a round trains the same whatever the process did before (a
-    # SuperNode starts a fresh ClientApp process per message; the simulation reuses one).
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
+    with seeded_global_rng(seed, device):
         return _sgd_epochs(model, dataset, cfg, lr, num_seen, device, seed, extra_loss, ce_from)
 
 
@@ -67,7 +78,8 @@ def _sgd_epochs(
 ) -> TrainStats:
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimiser = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    # torch.optim.SGD's update, bit for bit, without importing torch._dynamo (fcl_flower/fcl/sgd.py)
+    optimiser = MomentumSGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     total, count = 0.0, 0
     for epoch in range(cfg.local_epochs):
         for images, labels in make_loader(dataset, cfg, shuffle=True, seed=seed * 1000 + epoch):
@@ -78,7 +90,7 @@ def _sgd_epochs(
             loss = F.cross_entropy(logits[:, ce_from:], labels - ce_from)
             if extra_loss is not None:
                 loss = loss + extra_loss(model, images, labels, logits)
-            optimiser.zero_grad(set_to_none=True)
+            optimiser.zero_grad()
             loss.backward()
             optimiser.step()
             total += float(loss.detach()) * len(labels)

@@ -65,10 +65,11 @@ class StsaStats:
         return to_record({key: cast_for_wire(value, wire_dtype) for key, value in self.arrays().items()})
 
     @classmethod
-    def read(cls, record: ArrayRecord, *, packed: int, dim: int, classes: int) -> StsaStats:
-        """G stays packed at wire precision until summed; C and the counts become float64."""
+    def read(cls, record: ArrayRecord, *, packed: int, dim: int, classes: int, noisy_counts: bool = False) -> StsaStats:
+        """G stays packed at wire precision until summed; C and the counts become float64.
+        ``noisy_counts``: the counts carry noise (any finite floats; fcl_flower/analytic/checks.py)."""
         _exact_keys(record, cls.KEYS)
-        counts = read_tensor(record, "counts", shape=(classes,), nonnegative=True).to(torch.float64)
+        counts = read_tensor(record, "counts", shape=(classes,), nonnegative=not noisy_counts).to(torch.float64)
         return cls(
             read_tensor(record, "gram-packed", shape=(packed,), floating=True),
             read_tensor(record, "class-sums", shape=(dim, classes), floating=True).to(torch.float64),
@@ -114,10 +115,14 @@ class StsaEStats:
         )
 
     @classmethod
-    def read(cls, record: ArrayRecord, *, dummies: int, dim: int, classes: int) -> StsaEStats:
+    def read(
+        cls, record: ArrayRecord, *, dummies: int, dim: int, classes: int, noisy_counts: bool = False
+    ) -> StsaEStats:
+        """``noisy_counts``: the counts carry noise (any finite floats; fcl_flower/analytic/checks.py)."""
         _exact_keys(record, cls.KEYS)
-        counts = read_tensor(record, "counts", shape=(dummies, classes), nonnegative=True).to(torch.float64)
-        if not torch.equal(counts, counts.round()):
+        counts = read_tensor(record, "counts", shape=(dummies, classes), nonnegative=not noisy_counts)
+        counts = counts.to(torch.float64)
+        if not noisy_counts and not torch.equal(counts, counts.round()):
             raise UploadError("array 'counts' has non-integer entries")
         sums = read_tensor(record, "class-sums", shape=(dummies, dim, classes), floating=True).to(torch.float64)
         return cls(sums, counts)

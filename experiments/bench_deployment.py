@@ -1,0 +1,289 @@
+"""Rounds on real SuperNodes: a SuperLink and N SuperNodes on loopback, timed round by round.
+
+    python experiments/bench_deployment.py                     # 3 SuperNodes, STSA, default CNN
+    python experiments/bench_deployment.py --stage1-rounds 5 --num-tasks 5 --keep /tmp/fcl-bench
+
+What it does (deploy/local_federation.py does the process work):
+
+1. exports each client's share of the digits split into its own folder
+   (experiments/export_partitions.py), as in the deploy/README walkthrough;
+2. starts ``flower-superlink`` (TLS, SuperNode authentication) and ``--num-nodes``
+   ``flower-supernode`` processes on 127.0.0.1, SuperNode k reading only ``data-dir=client-k``;
+   ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``, so nothing is installed at run time;
+3. submits one ``flwr run`` of STSA with the default CNN backbone (``small-cnn``), first
+   ``--stage1-rounds`` FedAvg rounds of the backbone, then one analytic (statistics) round per
+   stage, and waits until it finishes;
+4. stops every process it started (by PID: the SuperLink, the SuperNodes and their descendants)
+   and checks that none survived.
+
+It reads the server's own clock from the run's results.json: ``rounds[i].seconds`` is one round
+as the ServerApp sees it (send the instructions, every ClientApp process starts, loads the app and
+its data, works and replies, the server checks and aggregates the replies); ``stages[t].seconds``
+is a whole stage (its rounds, the solve, the evaluation). A *FedAvg round* is one of stage 1's
+training rounds; an *analytic stage* is a later stage (one statistics round, the ridge solve and
+the evaluation). The JSON (experiments/results/bench_deployment.json) holds every round and
+stage, the machine and the load average before and after; the table prints medians and maxima.
+Targets (issue 16, 3 SuperNodes, 2 cores): analytic stage <= 3 s, FedAvg round <= 3 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from experiments.benchlib import format_table, median, write_json
+from experiments.export_partitions import export_partitions
+from fcl_flower.config import RunConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TARGET_SECONDS = {"fedavg_round": 3.0, "analytic_stage": 3.0}
+
+# One message in a fresh interpreter, as a SuperNode's flwr-clientapp process handles it: Flower's
+# own ClientApp runtime, then this app's module, then the handler; wall and CPU seconds of each.
+COLD_PROCESS = """
+import json, sys, time
+def now():
+    return time.perf_counter(), time.process_time()
+t0 = now()
+import flwr.supernode.runtime.run_clientapp
+t1 = now()
+import clients.app
+t2 = now()
+from flwr.app import Context, RecordDict
+from flwr.common.serde import message_from_proto
+from flwr.proto.message_pb2 import Message
+proto = Message()
+proto.ParseFromString(open(sys.argv[1], "rb").read())
+context = Context(run_id=1, node_id=1, node_config={"data-dir": sys.argv[2]}, state=RecordDict(), run_config={})
+reply = clients.app.app(message_from_proto(proto), context)
+t3 = now()
+assert not reply.has_error(), reply.error.reason
+peak = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0] / 1024
+span = lambda a, b: [b[0] - a[0], b[1] - a[1]]
+print(json.dumps({"flwr_runtime": span(t0, t1), "clients_app": span(t1, t2), "handle": span(t2, t3),
+                  "total": span(t0, t3), "peak_rss_mib": peak}))
+"""
+
+
+def federation_module() -> Any:
+    """deploy/local_federation.py (a script folder, not a package)."""
+    spec = importlib.util.spec_from_file_location("local_federation", ROOT / "deploy" / "local_federation.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
+    return RunConfig(
+        strategy="stsa",
+        dataset="digits",
+        backbone="small-cnn",
+        num_tasks=args.num_tasks,
+        num_clients=args.num_nodes,
+        stage1_rounds=args.stage1_rounds,
+        local_epochs=args.local_epochs,
+        rf_dim=args.rf_dim,
+        device="cpu",
+        out=str(out),
+        run_name="bench-deployment",
+        round_timeout=600.0,
+        overwrite=True,
+    ).validated()
+
+
+def process_rss_mib(pids: list[int]) -> float:
+    """Summed resident memory of ``pids`` now (MiB; Linux /proc)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS"):
+                    total += int(line.split()[1])
+    return total / 1024
+
+
+def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    fed = federation_module()
+    cfg = run_config(args, workdir / "out")
+    data = workdir / "data"
+    began = time.monotonic()
+    export_partitions(cfg, data)
+    export_seconds = time.monotonic() - began
+    load_before = os.getloadavg()
+    federation = fed.LocalFederation(workdir / "federation", fed.node_configs_for(args.num_nodes, data))
+    with federation:
+        began = time.monotonic()
+        federation.start(say=lambda line: print(f"  {line}", flush=True))
+        startup_seconds = time.monotonic() - began
+        began = time.monotonic()
+        run_id = federation.submit(cfg.to_mapping())
+        submit_seconds = time.monotonic() - began
+        print(f"  run {run_id} submitted; waiting for it ...", flush=True)
+        status = federation.wait_run(run_id, timeout=args.timeout)
+        run_seconds = time.monotonic() - began
+        core_rss = process_rss_mib([p.pid for p in federation.core.values()])
+        if status != "finished:completed":
+            raise SystemExit(f"error: run {run_id} {status}:\n{federation.run_log(run_id)[-3000:]}")
+    survivors = federation.surviving()
+    if survivors:
+        raise SystemExit(f"error: processes survived the stop: {survivors}")
+    load_after = os.getloadavg()
+    results = json.loads((cfg.output_dir / "results.json").read_text())
+    rounds, stages = results["rounds"], results["stages"]
+    train_rounds = [r["seconds"] for r in rounds[: cfg.stage1_rounds]]
+    stats_round_1 = rounds[cfg.stage1_rounds]["seconds"]
+    analytic = [s["seconds"] for s in stages[1:]]
+    return {
+        "config": {k: v for k, v in cfg.to_mapping().items() if k not in ("out",)},
+        "num_nodes": args.num_nodes,
+        "fedavg_round_seconds": train_rounds,
+        "stage1_statistics_round_seconds": stats_round_1,
+        "analytic_stage_seconds": analytic,
+        "analytic_round_seconds": [r["seconds"] for r in rounds[cfg.stage1_rounds + 1 :]],
+        "stage_seconds": [s["seconds"] for s in stages],
+        "rounds": rounds,
+        "accuracy": [s["accuracy"] for s in stages],
+        "export_seconds": export_seconds,
+        "federation_startup_seconds": startup_seconds,
+        "submit_seconds": submit_seconds,
+        "run_wall_seconds": run_seconds,
+        "superlink_supernodes_rss_mib_at_end": core_rss,
+        "load_average_before": list(load_before),
+        "load_average_after": list(load_after),
+        "targets_seconds": TARGET_SECONDS,
+    }
+
+
+def run_all(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    result = bench(args, workdir)
+    if args.cold_repeats > 0:
+        cfg = run_config(args, workdir / "out")
+        result["cold_clientapp_process"] = cold_processes(cfg, workdir / "data", workdir, args.cold_repeats)
+    return result
+
+
+def capture_messages(cfg: RunConfig, folder: Path) -> dict[str, Path]:
+    """The first ``query.info``, ``train`` and ``query.stats`` message node 1 gets in an in-process
+    run of ``cfg`` (the real ServerApp logic), each written as Flower's protobuf."""
+    from flwr.common.serde import message_to_proto
+
+    from clients.app import app as client_app
+    from fcl_flower.local_grid import LocalGrid
+    from strategies.app import run_experiment
+
+    grid = LocalGrid(client_app, cfg.num_clients)
+    run_experiment(grid, cfg.replace(out=str(folder / "in-process"), stage1_rounds=1))
+    files: dict[str, Path] = {}
+    for message in grid.sent:
+        kind = message.metadata.message_type
+        if message.metadata.dst_node_id == 1 and kind not in files:
+            message.metadata.__dict__["_message_id"] = message.object_id
+            files[kind] = folder / f"{kind}.pb"
+            files[kind].write_bytes(message_to_proto(message).SerializeToString())
+    return files
+
+
+def cold_processes(cfg: RunConfig, data: Path, folder: Path, repeats: int) -> dict[str, Any]:
+    """Each message type handled by fresh interpreters (``repeats`` times; the first also fills
+    the data cache): wall and CPU seconds of Flower's runtime import, the app import, the handler."""
+    files = capture_messages(cfg, folder)
+    out: dict[str, Any] = {}
+    for kind, file in files.items():
+        runs = []
+        for _ in range(repeats):
+            proc = subprocess.run(
+                [sys.executable, "-c", COLD_PROCESS, str(file), str(data / "client-0")],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            if proc.returncode != 0:
+                raise SystemExit(f"error: a cold ClientApp process failed on {kind}:\n{proc.stderr[-2000:]}")
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        out[kind] = {"runs": runs, "load_average": list(os.getloadavg())}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-nodes", type=int, default=3, help="SuperNodes (one client each)")
+    parser.add_argument("--num-tasks", type=int, default=5, help="stages: 1 with FedAvg rounds, the rest analytic")
+    parser.add_argument("--stage1-rounds", type=int, default=3, help="FedAvg rounds of the backbone in stage 1")
+    parser.add_argument("--local-epochs", type=int, default=2, help="local epochs per FedAvg round (default 2)")
+    parser.add_argument("--rf-dim", type=int, default=1000, help="random-feature dimension M (default 1000)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the run")
+    parser.add_argument(
+        "--cold-repeats", type=int, default=3, help="fresh ClientApp processes per message type (0: skip)"
+    )
+    parser.add_argument("--keep", default=None, help="work folder to keep (default: a temporary one, removed)")
+    parser.add_argument("--out", default=None, help="JSON output (default experiments/results/bench_deployment.json)")
+    args = parser.parse_args(argv)
+    if args.stage1_rounds < 1 or args.num_tasks < 2:
+        parser.error("need --stage1-rounds >= 1 and --num-tasks >= 2 (a FedAvg round and an analytic stage)")
+    print(f"bench_deployment: {args.num_nodes} SuperNodes on loopback, load average {os.getloadavg()}")
+    if args.keep:
+        workdir = Path(args.keep).expanduser().resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        result = run_all(args, workdir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="fcl-bench-deploy-") as tmp:
+            result = run_all(args, Path(tmp))
+    rows = []
+    for name, values in (
+        ("FedAvg round (stage 1)", result["fedavg_round_seconds"]),
+        ("analytic stage (stages 2..)", result["analytic_stage_seconds"]),
+        ("  its statistics round", result["analytic_round_seconds"]),
+    ):
+        target = TARGET_SECONDS.get("fedavg_round" if "FedAvg" in name else "analytic_stage", float("nan"))
+        rows.append(
+            {
+                "what": name,
+                "n": len(values),
+                "median s": median(values),
+                "max s": max(values),
+                "target s": target if not name.startswith("  ") else "",
+            }
+        )
+    print(format_table(rows, ["what", "n", "median s", "max s", "target s"], floats="{:.2f}"))
+    cold = result.get("cold_clientapp_process", {})
+    if cold:
+        rows = []
+        for kind, entry in cold.items():
+            last = entry["runs"][-1]  # the data cache is filled by then, as from a run's 2nd message on
+            rows.append(
+                {
+                    "message": kind,
+                    "flwr runtime s": f"{last['flwr_runtime'][0]:.2f} / {last['flwr_runtime'][1]:.2f}",
+                    "clients.app s": f"{last['clients_app'][0]:.2f} / {last['clients_app'][1]:.2f}",
+                    "handler s": f"{last['handle'][0]:.2f} / {last['handle'][1]:.2f}",
+                    "total s": f"{last['total'][0]:.2f} / {last['total'][1]:.2f}",
+                    "peak MiB": f"{last['peak_rss_mib']:.0f}",
+                    "load": f"{entry['load_average'][0]:.1f}",
+                }
+            )
+        print("one message in a fresh ClientApp process (wall / CPU seconds; last of the repeats):")
+        print(format_table(rows, list(rows[0])))
+    print(
+        f"federation start {result['federation_startup_seconds']:.1f} s, flwr run submit {result['submit_seconds']:.1f} s, "
+        f"whole run {result['run_wall_seconds']:.1f} s; load average before {result['load_average_before'][0]:.2f}, "
+        f"after {result['load_average_after'][0]:.2f} (1 min)"
+    )
+    print(f"wrote {write_json('bench_deployment', result, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
