@@ -191,6 +191,37 @@ class RunConfig:
         50,
         "LGA: L-BFGS steps of the proxy's gradient inversion (paper/code 250; 0: no proxy, old model = last global model).",
     )
+    # --- data-free generative replay (TARGET, LANDER) --------------------------------------
+    generator_rounds: int = _knob(
+        6, "TARGET/LANDER: generator synthesis rounds per task (code: TARGET 10 on CIFAR-100, LANDER 40 after warm-up)."
+    )
+    generator_steps: int = _knob(
+        5, "TARGET/LANDER: generator iterations per synthesis round (code: TARGET 10, LANDER 40)."
+    )
+    generator_warmup: int = _knob(
+        2,
+        "TARGET/LANDER: synthesis rounds before the student and the adversarial term start (code: TARGET 20, LANDER 10).",
+    )
+    synthesis_batch: int = _knob(64, "TARGET/LANDER: synthetic images per synthesis round (code: 256).")
+    generator_bn: float = _knob(
+        1.0,
+        "TARGET/LANDER: weight of the generator's BatchNorm-statistics (DeepInversion) term (code: LANDER 1; "
+        "TARGET 10 on CIFAR-100, which on digits swamps the class term).",
+    )
+    student_steps: int = _knob(
+        20,
+        "TARGET/LANDER: server-side student distillation steps per round after warm-up (code: TARGET 400, LANDER 50).",
+    )
+    kd_weight: float = _knob(25.0, "TARGET: weight of the clients' distillation loss on synthetic data (code: 25).")
+    lander_radius: float = _knob(0.015, "LANDER: radius r of the bounding loss around the label-text anchors.")
+    lander_ltc: float = _knob(5.0, "LANDER: weight of the anchor (LTC) and feature-distillation terms.")
+    lander_pre: float = _knob(0.4, "LANDER: base weight alpha_pre of the distillation from the previous task.")
+    lander_cur: float = _knob(0.2, "LANDER: base weight alpha_cur of the current task's losses.")
+    text_encoder: str = _knob(
+        "openai/clip-vit-base-patch32",
+        "LANDER: Hugging Face text encoder of the label-text embeddings; 'name-hash' (or an unavailable model) uses "
+        "deterministic embeddings hashed from the class names.",
+    )
     # --- infrastructure --------------------------------------------------------------------
     out: str = _knob("~/fcl-flower-results", "Output folder (made absolute); results.json goes in <out>/<run-name>.")
     run_name: str = _knob("", "Sub-folder name for this run (default <strategy>-<dataset>-seed<seed>-<config hash>).")
@@ -283,7 +314,17 @@ class RunConfig:
                 "partition task-pool has no large first task and no joining clients: "
                 "set first-task-classes and initial-clients to 0"
             )
-        positive = ("num_tasks", "num_clients", "local_epochs", "batch_size", "dummy_clients", "rank")
+        positive = (
+            "num_tasks",
+            "num_clients",
+            "local_epochs",
+            "batch_size",
+            "dummy_clients",
+            "rank",
+            "generator_rounds",
+            "generator_steps",
+            "synthesis_batch",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{self.key(name)} must be >= 1 (got {getattr(self, name)})")
@@ -296,7 +337,12 @@ class RunConfig:
             "rank_budget_bytes",
             "memory_size",
             "classes_per_task",
+            "generator_warmup",
+            "student_steps",
         ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{self.key(name)} must be >= 0 (got {getattr(self, name)})")
+        for name in ("generator_bn", "kd_weight", "lander_radius", "lander_ltc", "lander_pre", "lander_cur"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.key(name)} must be >= 0 (got {getattr(self, name)})")
         if self.lr <= 0:

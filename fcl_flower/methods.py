@@ -69,6 +69,7 @@ class MethodSpec:
     backfill: bool = False  # a client that missed a statistics round sends them later
     upload_noise: tuple[str, ...] = ()  # blocks of its upload that noise can cover (fcl_flower/privacy/noise.py)
     pooled_data: bool = False  # the server trains on every client's data (joint bounds): no federated-only run
+    anchor_dim: int = 0  # > 0: the model has an anchor head of this size (LANDER's label-text space)
 
     def phase(self, name: str) -> Phase:
         for phase in self.phases:
@@ -122,6 +123,15 @@ SGD_KNOBS = ("stage1-rounds", "local-epochs", "lr", "momentum", "weight-decay", 
 GRADIENT_KNOBS = (*SGD_KNOBS, "rounds-per-task")
 RIDGE_KNOBS = (*SGD_KNOBS, "rf-dim", "ridge", "head", "min-class-count", "feature-clip")
 SECURE_KNOBS = ("secure-aggregation", "secagg-fraction-bits", "secagg-min-clients", "secagg-signed-keys")
+#: Knobs of the server's data-free generator (TARGET, LANDER).
+GENERATOR_KNOBS = (
+    "generator-rounds",
+    "generator-steps",
+    "generator-warmup",
+    "synthesis-batch",
+    "generator-bn",
+    "student-steps",
+)
 NOISE_KNOBS = (
     "noise-q",
     "noise-s",
@@ -307,5 +317,28 @@ register(
         phases=(Phase("stamp", Kind.TRAIN, "clients.stamp:handle_stamp"),),
         knobs=_all(GRADIENT_KNOBS, ("memory-size", "gm-c")),
         task_pool=True,
+    )
+)
+register(
+    MethodSpec(
+        name="target",
+        family=Family.GRADIENT,
+        summary="TARGET: the server trains a generator from the global model; clients distil it on synthetic data",
+        strategy="strategies.target:TARGETStrategy",
+        phases=(FEDAVG, Phase("target", Kind.TRAIN, "clients.target:handle_target")),
+        knobs=_all(GRADIENT_KNOBS, GENERATOR_KNOBS, ("kd-weight",)),
+    )
+)
+register(
+    MethodSpec(
+        name="lander",
+        family=Family.GRADIENT,
+        summary="LANDER: TARGET-style replay around label-text-embedding anchors, with bounding losses",
+        strategy="strategies.lander:LANDERStrategy",
+        phases=(Phase("lander", Kind.TRAIN, "clients.lander:handle_lander"),),
+        knobs=_all(
+            GRADIENT_KNOBS, GENERATOR_KNOBS, ("lander-radius", "lander-ltc", "lander-pre", "lander-cur", "text-encoder")
+        ),
+        anchor_dim=512,  # CLIP ViT-B's text embedding size, that of the LTE the LANDER code ships
     )
 )

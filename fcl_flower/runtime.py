@@ -101,6 +101,7 @@ def build_model_for_shape(cfg: RunConfig, num_classes: int, image_shape: tuple[i
         pretrained=cfg.pretrained,
         head=cfg.train_head,
         seed=cfg.seed,
+        anchor_dim=cfg.method.anchor_dim,
     )
 
 

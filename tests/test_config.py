@@ -53,7 +53,7 @@ def test_every_knob_is_a_sim_flag_with_the_same_default_help_and_choices(sim) ->
             assert tuple(action.choices or ()) == tuple(RunConfig.choices(knob) or ())
     # no stray flags: only the knobs plus the simulation's own resources/logging
     extra = {a.dest for a in parser._actions} - {f.name for f in RunConfig.knobs()}
-    assert extra == {"help", "num_cpus", "num_gpus", "ray_verbose"}
+    assert extra == {"help", "num_cpus", "num_gpus", "ray_verbose", "ray_address"}
 
 
 def test_parsed_defaults_give_the_default_config_and_flags_override(sim) -> None:

@@ -20,6 +20,21 @@ VARIANTS = {
     "stsa": {},
     "fedran": {"rank": 20},
     "finetune": {"stage1_rounds": 1, "rounds_per_task": 1, "num_tasks": 2},
+    # TARGET/LANDER: the clients' model carries LANDER's anchor head (the registry's anchor_dim)
+    **{
+        name: {
+            "stage1_rounds": 1,
+            "rounds_per_task": 1,
+            "num_tasks": 2,
+            "generator_rounds": 1,
+            "generator_steps": 2,
+            "generator_warmup": 1,
+            "synthesis_batch": 16,
+            "student_steps": 2,
+            "text_encoder": "name-hash",
+        }
+        for name in ("target", "lander")
+    },
     "stamp": {
         "partition": "task-pool",
         "classes_per_task": 2,

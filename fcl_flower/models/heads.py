@@ -47,9 +47,14 @@ class IncrementalClassifier(nn.Module):
 
     Logits of classes not seen yet are still produced; trainers mask them (e.g. set to -inf)
     themselves, so the head never needs resizing between tasks.
+
+    ``anchor_dim > 0`` adds LANDER's anchor head: a linear map of the backbone feature into the
+    ``anchor_dim``-dimensional space of the label-text embeddings ([CODE-L]'s ``mapping``, whose
+    output it calls ``att``), trained and averaged with the rest of the model;
+    :meth:`forward_with_anchor` returns both outputs of one backbone pass.
     """
 
-    def __init__(self, backbone: Backbone, num_classes: int, head: str = "cosine") -> None:
+    def __init__(self, backbone: Backbone, num_classes: int, head: str = "cosine", anchor_dim: int = 0) -> None:
         super().__init__()
         if num_classes < 1:
             raise ModelError(f"num_classes must be >= 1, got {num_classes}")
@@ -59,9 +64,19 @@ class IncrementalClassifier(nn.Module):
         self.num_classes = int(num_classes)
         dim = backbone.feature_dim
         self.head: nn.Module = CosineHead(dim, num_classes) if head == "cosine" else nn.Linear(dim, num_classes)
+        if anchor_dim < 0:
+            raise ModelError(f"anchor_dim must be >= 0, got {anchor_dim}")
+        self.anchor: nn.Module | None = nn.Linear(dim, anchor_dim) if anchor_dim else None
 
     def features(self, x: Tensor) -> Tensor:
         return self.backbone(x)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.backbone(x))
+
+    def forward_with_anchor(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(logits, anchor embedding) of one backbone pass; needs ``anchor_dim > 0``."""
+        if self.anchor is None:
+            raise ModelError("this classifier has no anchor head (anchor_dim = 0)")
+        features = self.backbone(x)
+        return self.head(features), self.anchor(features)

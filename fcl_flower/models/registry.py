@@ -108,8 +108,12 @@ def build_classifier(
     pretrained: bool = False,
     head: str = "cosine",
     seed: int | None = None,
+    anchor_dim: int = 0,
 ) -> IncrementalClassifier:
-    """Backbone + head over all ``num_classes``; ``seed`` fixes backbone *and* head init."""
+    """Backbone + head over all ``num_classes``; ``seed`` fixes backbone *and* head init.
+
+    ``anchor_dim > 0`` adds an anchor head (LANDER), drawn after the head, so backbone and head
+    start from the same weights as without it."""
     with seeded(seed):
         backbone = build_backbone(backbone_name, in_channels=in_channels, image_size=image_size, pretrained=pretrained)
-        return IncrementalClassifier(backbone, num_classes, head=head)
+        return IncrementalClassifier(backbone, num_classes, head=head, anchor_dim=anchor_dim)

@@ -19,6 +19,7 @@ from fcl_flower.protocol.errors import ProtocolError
 HEADER, CONFIG, ROUND, MODEL, METRICS, SECAGG = "header", "config", "round", "arrays", "metrics", "secagg"
 TEACHER, EWC_FISHER, EWC_ANCHOR, OLD_MODEL = "teacher", "ewc-fisher", "ewc-anchor", "lga-old-model"
 LGA_PROTO = "lga-proto"
+SYNTHETIC, ANCHORS = "synthetic-images", "lander-anchors"  # TARGET/LANDER (train instructions)
 RIDGE, COUNTS = "ridge", "counts"  # evaluate: the analytic classifier W; per-class correct / total
 BACKFILL_PREFIX = "backfill-"  # reply record "backfill-<task>", metric "backfill-<task>-num-examples"
 

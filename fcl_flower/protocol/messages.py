@@ -13,7 +13,8 @@ Server -> client:
 message            Flower type    carries
 =================  =============  ==============================================================
 :class:`TrainIns`  ``train``      global trainable state, learning rate, method arrays (teacher,
-                                  Fisher + anchor, LGA's old model)
+                                  Fisher + anchor, LGA's old model, TARGET/LANDER's synthetic
+                                  images, LANDER's label-text anchors)
 :class:`StatsIns`  ``query.stats``global trainable state, backfill request, FedRAN rank, the
                                   secure round's participants
 :class:`InfoIns`   ``query.info`` "which client do you serve?"
@@ -42,6 +43,7 @@ from flwr.app.typing import MetricRecordValues
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.methods import Kind
 from fcl_flower.protocol.base import (
+    ANCHORS,
     BACKFILL_PREFIX,
     CONFIG,
     COUNTS,
@@ -54,6 +56,7 @@ from fcl_flower.protocol.base import (
     OLD_MODEL,
     RIDGE,
     ROUND,
+    SYNTHETIC,
     TEACHER,
     Header,
     Instruction,
@@ -75,7 +78,18 @@ from fcl_flower.protocol.secure import (
     parse_secure_reply,
 )
 
-__all__ = ["BACKFILL_PREFIX", "EWC_ANCHOR", "EWC_FISHER", "HEADER", "LGA_PROTO", "OLD_MODEL", "TEACHER", "Header"]
+__all__ = [
+    "ANCHORS",
+    "BACKFILL_PREFIX",
+    "EWC_ANCHOR",
+    "EWC_FISHER",
+    "HEADER",
+    "LGA_PROTO",
+    "OLD_MODEL",
+    "SYNTHETIC",
+    "TEACHER",
+    "Header",
+]
 
 
 # ------------------------------------------------------------------------------------ server -> client
@@ -91,12 +105,16 @@ class TrainIns(Instruction):
     ewc_fisher: ArrayRecord | None = None  # EWC: the aggregated Fisher ...
     ewc_anchor: ArrayRecord | None = None  # ... and the parameters it anchors to
     old_model: ArrayRecord | None = None  # LGA: the old model the proxy selected
+    synthetic: ArrayRecord | None = None  # TARGET/LANDER: the server's synthetic images (uint8)
+    anchors: ArrayRecord | None = None  # LANDER: the label-text embeddings of all classes
 
     OPTIONAL: ClassVar[dict[str, str]] = {
         TEACHER: "teacher",
         EWC_FISHER: "ewc_fisher",
         EWC_ANCHOR: "ewc_anchor",
         OLD_MODEL: "old_model",
+        SYNTHETIC: "synthetic",
+        ANCHORS: "anchors",
     }
 
     def _fill(self, content: RecordDict) -> None:
