@@ -53,6 +53,13 @@ DOMAIN = 0x5EED_0015  # the noise's seed-sequence tag, as the module documents i
 ALL = ("gram", "sums", "counts")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accounting_caches() -> None:
+    """The accountant memoises ε and z: every test computes its own (and a mutant cannot hide in a cache)."""
+    accountant.calibrate_multiplier.cache_clear()
+    accountant._epsilon.cache_clear()
+
+
 def _one_line(err: pytest.ExceptionInfo[BaseException]) -> str:
     text = str(err.value)
     assert "\n" not in text
@@ -255,6 +262,18 @@ def test_make_accountant_builds_dp_accountings_accountants() -> None:
     with pytest.raises(AccountingError) as err:
         accountant.make_accountant("moments")
     assert _one_line(err) == "unknown accountant 'moments'; choose one of: pld, rdp"
+    # the PLD accountant is dp-accounting's at its 1e-4 discretisation: tight for one Gaussian mechanism
+    pld.compose(dp_accounting.GaussianDpEvent(2.0))
+    assert pld.get_epsilon(1e-3) == pytest.approx(dp_accounting.get_epsilon_gaussian(2.0, 1e-3), rel=1e-3)
+
+
+def test_without_dp_accounting_the_error_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)  # `import dp_accounting` now raises ImportError
+    with pytest.raises(AccountingError) as err:
+        accountant.make_accountant("rdp")
+    assert _one_line(err) == "differential privacy needs dp-accounting: pip install 'fcl-flower[dp]'"
 
 
 def test_composed_event_of_known_lists() -> None:
@@ -266,6 +285,7 @@ def test_composed_event_of_known_lists() -> None:
     assert accountant.composed_event([2.0, 3.0]) == dp_accounting.ComposedDpEvent([gauss(2.0), gauss(3.0)])
     assert accountant.composed_event([2.0, 0.0, 3.0]) == dp_accounting.NonPrivateDpEvent()
     assert accountant.composed_event([-1.0]) == dp_accounting.NonPrivateDpEvent()
+    assert accountant.composed_event([0.5]) == gauss(0.5)  # any z > 0 is a Gaussian mechanism, even below 1
 
 
 def test_epsilon_spent_is_dp_accountings_for_known_settings() -> None:
@@ -357,6 +377,12 @@ def test_ledger_composes_per_client_and_per_stage() -> None:
     copy.load_state_dict({"a": [["1", 3]], "c": [[2, "0.5"]]})  # a checkpoint read back from JSON text
     assert copy.releases == {"a": [(1, 3.0)], "c": [(2, 0.5)]}
     assert all(isinstance(s, int) and isinstance(z, float) for items in copy.releases.values() for s, z in items)
+
+
+def test_the_ledgers_default_accountant_is_pld() -> None:
+    ledger = PrivacyLedger(1e-3)
+    ledger.record(["a"], 0, 2.0)
+    assert ledger.epsilon("a") == pytest.approx(dp_accounting.get_epsilon_gaussian(2.0, 1e-3), rel=1e-3)
 
 
 def test_ledger_worst_prefers_the_larger_epsilon_whatever_the_name() -> None:
