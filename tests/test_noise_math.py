@@ -419,6 +419,9 @@ def test_psd_projection_by_hand_on_a_diagonal_gram() -> None:
     # P(G) = diag(3, 0, 0, 0.5): W = C / (λ⁺ + 1)
     assert torch.allclose(weights, torch.tensor([[0.75], [1.0], [2.0], [1 / 1.5]], dtype=torch.float64))
     assert gamma == 1.0 and table == []
+    # a zero eigenvalue is not a negative one
+    zero = solve_ridge_psd(torch.diag(torch.tensor([2.0, 0.0], dtype=torch.float64)), sums[:2], 10, 1.0)[3]
+    assert zero == PSDProjection(negative=0, clipped=0.0, trace=2.0)
 
 
 def test_psd_ridge_matches_a_numpy_projection_on_a_random_indefinite_gram() -> None:
@@ -427,6 +430,11 @@ def test_psd_ridge_matches_a_numpy_projection_on_a_random_indefinite_gram() -> N
     gram, sums = a + a.T, rng.normal(size=(6, 3))
     weights, *_ = solve_ridge_psd(torch.from_numpy(gram), torch.from_numpy(sums), 5, 0.3)
     assert np.allclose(weights.numpy(), _psd_oracle(gram, sums, 0.3), atol=1e-10)
+    # float32 statistics are solved in float64 (the oracle sees the same float32 values)
+    g32, c32 = torch.from_numpy(gram).float(), torch.from_numpy(sums).float()
+    weights, *_ = solve_ridge_psd(g32, c32, 5, 0.3)
+    assert weights.dtype == torch.float64
+    assert np.allclose(weights.numpy(), _psd_oracle(g32.double().numpy(), c32.double().numpy(), 0.3), atol=1e-12)
 
 
 @pytest.mark.parametrize("ridge", [0.0, -1.0, math.inf, math.nan])
@@ -439,27 +447,58 @@ def test_psd_ridge_needs_a_positive_finite_ridge(ridge: float) -> None:
         solve_ridge_psd(torch.ones(3, 2, dtype=torch.float64), torch.ones(3, 1, dtype=torch.float64), 3, 1.0)
 
 
-@pytest.mark.parametrize("sums_noise", [0.0, 40.0])
+def _gcv_rows(lam: np.ndarray, q: np.ndarray, n: int, grid: list[float]) -> list[float]:
+    """rss, df, rss, df, … of the GCV scan, written out from the formula."""
+    rows: list[float] = []
+    for gamma in grid:
+        rss = max(n - float(np.sum(q * (lam + 2 * gamma) / (lam + gamma) ** 2)), 0.0)
+        rows += [rss, float(np.sum(lam / (lam + gamma)))]
+    return rows
+
+
+@pytest.mark.parametrize("sums_noise", [0.0, 0.5, 40.0])
 def test_psd_gcv_scans_the_grid_above_the_noise_floor_with_debiased_q(sums_noise: float) -> None:
     rng = np.random.default_rng(3)
     phi = rng.normal(size=(6, 8))  # rank 6 < M = 8: the noise makes G indefinite
     noise = rng.normal(size=(8, 8))
     gram = phi.T @ phi + 0.5 * (noise + noise.T)
-    sums = phi.T @ np.eye(3)[rng.integers(0, 3, 6)] * 4.0
+    sums = phi.T @ np.eye(3)[rng.integers(0, 3, 6)] * 0.3
     lam, vecs = np.linalg.eigh(gram)
     assert lam[0] < 0
     floor = -lam[0]
     grid = [g for g in np.logspace(-2, 8, 41).tolist() if g >= floor]
     q = np.maximum(((vecs.T @ sums) ** 2).sum(axis=1) - sums_noise, 0.0)
     expected = _gcv_oracle(np.maximum(lam, 0.0), q, 6, 6.0, grid)
-    weights, gamma, table, _ = solve_ridge_psd(torch.from_numpy(gram), torch.from_numpy(sums), 6, None, sums_noise)
+    extra = {"sums_noise": sums_noise} if sums_noise else {}  # 0 is the default
+    weights, gamma, table, _ = solve_ridge_psd(torch.from_numpy(gram), torch.from_numpy(sums), 6, None, **extra)
     assert gamma == pytest.approx(expected) and gamma >= floor
     assert [row.gamma for row in table] == pytest.approx(grid)
+    rows = _gcv_rows(np.maximum(lam, 0.0), q, 6, grid)
+    assert [v for row in table for v in (row.rss, row.df)] == pytest.approx(rows, rel=1e-9, abs=1e-12)
     assert np.allclose(weights.numpy(), _psd_oracle(gram, sums, gamma), atol=1e-9)
     # RidgeState.solve_projected solves the seen classes' columns with the state's n
     state = RidgeState(torch.from_numpy(gram), torch.from_numpy(np.hstack([sums, np.ones((8, 2))])), 6)
-    w_state, gamma_state, *_ = state.solve_projected(3, None, sums_noise)
+    w_state, gamma_state, table_state, _ = state.solve_projected(3, None, **extra)
     assert gamma_state == pytest.approx(expected) and torch.allclose(w_state, weights)
+    assert [v for row in table_state for v in (row.rss, row.df)] == pytest.approx(rows, rel=1e-9, abs=1e-12)
+    w_fixed, gamma_fixed, table_fixed, _ = state.solve_projected(3, 0.7)
+    assert gamma_fixed == 0.7 and table_fixed == []
+    assert np.allclose(w_fixed.numpy(), _psd_oracle(gram, sums, 0.7), atol=1e-9)
+
+
+def test_psd_gcv_grid_starts_at_the_floor_itself_and_is_whole_for_a_psd_gram() -> None:
+    sums = torch.ones(2, 1, dtype=torch.float64)
+    # λ_min = −1 exactly: the grid point 1 = |λ_min| is kept (γ ≥ floor), 1e-2 … 10^-0.25 are not
+    table = solve_ridge_psd(torch.diag(torch.tensor([5.0, -1.0], dtype=torch.float64)), sums, 4, None)[2]
+    assert table[0].gamma == 1.0 and len(table) == 33
+    # a PSD Gram (λ_min = 0): the floor is 0, the whole 41-point grid
+    table = solve_ridge_psd(torch.diag(torch.tensor([5.0, 0.0], dtype=torch.float64)), sums, 4, None)[2]
+    assert len(table) == 41 and table[0].gamma == pytest.approx(0.01)
+    # no features at all: no spectrum, the floor is 0, every γ scores alike and the first is taken
+    weights, gamma, table, _ = solve_ridge_psd(
+        torch.zeros(0, 0, dtype=torch.float64), torch.zeros(0, 2, dtype=torch.float64), 5, None
+    )
+    assert tuple(weights.shape) == (0, 2) and gamma == pytest.approx(0.01) and len(table) == 41
 
 
 def test_psd_gcv_falls_back_to_the_floor_when_the_whole_grid_is_below_it() -> None:
