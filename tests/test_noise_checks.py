@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,6 +56,9 @@ def test_the_bounds_by_hand() -> None:
     assert noise_norm_bound(0.5, 9, 0.01) == pytest.approx(0.5 * (3 + math.sqrt(2 * math.log(100))), rel=1e-12)
     # the sum of k i.i.d. N(0, σ²) is N(0, kσ²): one entry of std σ√k
     assert noise_sum_bound(0.5, 4) == pytest.approx(entry(1.0, 1), rel=1e-12)
+    assert noise_sum_bound(0.5, 4, 1e-3) == pytest.approx(entry(1.0, 1, 1e-3), rel=1e-12)
+    assert noise_sum_bound(0.5, 1) == pytest.approx(entry(0.5, 1), rel=1e-12)
+    assert noise_sum_bound(0.5, -1) == 0.0  # no terms, no noise
     # a union bound over the columns
     assert noise_column_bound(0.5, 9, 4) == pytest.approx(norm(0.5, 9, P / 4), rel=1e-12)
     assert noise_column_bound(0.5, 9, 0) == pytest.approx(norm(0.5, 9), rel=1e-12)
@@ -85,6 +89,12 @@ def test_noisy_counts_at_the_floor() -> None:
     with pytest.raises(StatisticsRejected) as err:
         check_counts(t64(2.3, floor * OUT), 99, noise=0.5)
     assert str(err.value) == f"counts below {floor:.4g}, beyond what noise of std 0.5 gives"
+    check_counts(t64(2.0, floor), 99, noise=0.5)  # exactly at the floor: still possible
+    # float32 counts are compared in float64: float32(floor) lies just below the floor and is rejected
+    below = np.float32(floor)
+    assert float(below) < floor
+    with pytest.raises(StatisticsRejected, match="counts below"):
+        check_counts(torch.tensor([2.0, float(below)], dtype=torch.float32), 99, noise=0.5)
     with pytest.raises(StatisticsRejected, match="counts contains NaN or inf"):
         check_counts(t64(math.nan, 1.0), 1, noise=0.5)
     with pytest.raises(StatisticsRejected, match="counts has non-integer entries"):
@@ -105,6 +115,11 @@ def test_gram_sign_floors_are_widened_per_block() -> None:
         _gram(t64([100.0, fg * OUT], [fg * OUT, 100.0]), t64([5.0], [5.0]), n, noise, nonnegative=True)
     with pytest.raises(StatisticsRejected, match="negative entries"):
         _gram(t64([100.0, 0.0], [0.0, 100.0]), t64([5.0], [fc * OUT]), n, noise, nonnegative=True)
+    # two classes: C has 2 × 2 entries, its floor is the bound over four
+    fc4, n2 = -entry(0.2, 4), t64(10.0, 10.0)
+    _gram(t64([100.0, 0.0], [0.0, 100.0]), t64([5.0, 5.0], [5.0, fc4 * IN]), n2, noise, nonnegative=True)
+    with pytest.raises(StatisticsRejected, match="negative entries"):
+        _gram(t64([100.0, 0.0], [0.0, 100.0]), t64([5.0, 5.0], [5.0, fc4 * OUT]), n2, noise, nonnegative=True)
 
 
 def test_gram_negative_diagonal_and_psd_are_widened_by_the_spectral_bound() -> None:
