@@ -217,7 +217,6 @@ def _wait_exit(process: subprocess.Popen, timeout: float) -> int | None:
         return None
 
 
-@pytest.mark.slow
 def test_supernode_without_registered_key_is_refused(federation) -> None:
     online_before = {n["node-id"] for n in federation.online_nodes()}
     assert len(online_before) == 3
@@ -234,7 +233,6 @@ def test_supernode_without_registered_key_is_refused(federation) -> None:
     assert {n["node-id"] for n in federation.online_nodes()} == online_before
 
 
-@pytest.mark.slow
 def test_superlink_speaks_only_tls_with_our_certificate(federation) -> None:
     context = ssl.create_default_context(cafile=str(federation.certs / "ca.crt"))
     with (
@@ -260,7 +258,6 @@ def test_superlink_speaks_only_tls_with_our_certificate(federation) -> None:
         assert not answer.startswith(b"HTTP/")  # plain HTTP gets no HTTP answer
 
 
-@pytest.mark.slow
 def test_deployed_run_equals_simulation(federation, tmp_path) -> None:
     cfg = run_config(tmp_path / "deployed")
     sim_cfg = cfg.replace(out=str(tmp_path / "simulated"))
