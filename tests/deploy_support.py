@@ -3,10 +3,11 @@ tests/test_deployment_own_data.py): the launcher module and whether this machine
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from experiments.bench_deployment import federation_module
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -14,11 +15,7 @@ BIN = Path(sys.executable).parent
 
 def load_federation_module() -> ModuleType:
     """deploy/local_federation.py (a script, not a package module), loaded by path."""
-    spec = importlib.util.spec_from_file_location("local_federation", ROOT / "deploy" / "local_federation.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
+    module: ModuleType = federation_module()
     return module
 
 
