@@ -5,6 +5,7 @@
     python -m experiments.mutation --list                # modules, their tests, pending ones
     python -m experiments.mutation --include-pending     # also the modules marked pending
     python -m experiments.mutation --report-only         # re-score the last runs (after editing equivalents)
+    python -m experiments.mutation --module M --merge    # replace M's entry in the report, keep the others
 
 Each module is mutated on its own with mutmut (the ``dev`` extra), in a scratch copy of the
 repository under ``.mutation/<module>/`` (gitignored): the copy's ``pyproject.toml`` gets a
@@ -442,6 +443,30 @@ def _mutmut_version() -> str:
         return "not installed"
 
 
+def merge_reports(path: Path, new: dict[str, Any], order: list[str]) -> dict[str, Any]:
+    """``new``'s modules in place of their entries of the report at ``path``; its other modules
+    kept as they are (their ``run`` says which report they come from), in the config's order."""
+    if not path.exists():
+        return new
+    old = json.loads(path.read_text(encoding="utf-8"))
+    fresh = {r["module"]: r for r in new["modules"]}
+    kept = [{**r, "run": r.get("run", old.get("date"))} for r in old.get("modules", []) if r["module"] not in fresh]
+    rank = {p: i for i, p in enumerate(order)}
+    modules = sorted(
+        [*kept, *({**r, "run": new["date"]} for r in new["modules"])], key=lambda r: rank.get(r["module"], len(rank))
+    )
+    return {
+        **new,
+        "seconds": round(sum(r["seconds"] for r in modules), 1),
+        "merged_from": sorted({r["run"] for r in kept}),
+        "summary": {
+            r["module"]: {"score": r.get("score"), "mutants": r.get("mutants"), "seconds": r["seconds"]}
+            for r in modules
+        },
+        "modules": modules,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="module map (default: %(default)s)")
@@ -454,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
         "--report-only",
         action="store_true",
         help="mutate nothing: score each module's last run under .mutation/ with the current equivalents file",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other modules' entries of the existing report (--out) and replace only those run now",
     )
     args = parser.parse_args(argv)
 
@@ -528,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         "modules": results,
     }
     out = args.out or cfg.report
+    if args.merge:
+        report = merge_reports(out, report, [m.path for m in cfg.modules])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     failing = [r["module"] for r in results if not r.get("meets_threshold")]

@@ -23,7 +23,6 @@ Every process is started in its own session and killed (group and descendants) i
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import socket
@@ -43,20 +42,9 @@ from experiments.export_partitions import export_partitions
 from fcl_flower.config import RunConfig
 from fcl_flower.runtime import federated_split
 from fcl_flower.state_io import load_state
+from tests.deploy_support import ROOT, cannot_deploy, load_federation_module
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def _load_federation_module():
-    spec = importlib.util.spec_from_file_location("local_federation", ROOT / "deploy" / "local_federation.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-federation_module = _load_federation_module()
+federation_module = load_federation_module()
 
 # Three stages of STSA with one FedAvg round first, so the broadcast of a trained backbone is
 # part of what must match; secure aggregation on, as in the documented deployment.
@@ -204,18 +192,11 @@ def test_folder_exported_before_the_protocol_keys_still_serves_default_runs(expo
 
 
 # ------------------------------------------------------------------------------ processes
-def _can_deploy() -> str | None:
-    for tool in ("flower-superlink", "flower-supernode", "flwr"):
-        if not (BIN / tool).exists():
-            return f"{tool} not next to {sys.executable}"
-    if not Path("/proc").is_dir():
-        return "needs Linux /proc to find and stop every child process"
-    return None
 
 
 @pytest.fixture(scope="module")
 def federation(exported, tmp_path_factory):
-    reason = _can_deploy()
+    reason = cannot_deploy()
     if reason:
         pytest.skip(reason)
     _, data = exported
@@ -236,7 +217,6 @@ def _wait_exit(process: subprocess.Popen, timeout: float) -> int | None:
         return None
 
 
-@pytest.mark.slow
 def test_supernode_without_registered_key_is_refused(federation) -> None:
     online_before = {n["node-id"] for n in federation.online_nodes()}
     assert len(online_before) == 3
@@ -253,7 +233,6 @@ def test_supernode_without_registered_key_is_refused(federation) -> None:
     assert {n["node-id"] for n in federation.online_nodes()} == online_before
 
 
-@pytest.mark.slow
 def test_superlink_speaks_only_tls_with_our_certificate(federation) -> None:
     context = ssl.create_default_context(cafile=str(federation.certs / "ca.crt"))
     with (
@@ -279,7 +258,6 @@ def test_superlink_speaks_only_tls_with_our_certificate(federation) -> None:
         assert not answer.startswith(b"HTTP/")  # plain HTTP gets no HTTP answer
 
 
-@pytest.mark.slow
 def test_deployed_run_equals_simulation(federation, tmp_path) -> None:
     cfg = run_config(tmp_path / "deployed")
     sim_cfg = cfg.replace(out=str(tmp_path / "simulated"))

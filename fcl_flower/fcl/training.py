@@ -62,38 +62,24 @@ def local_sgd(
     if len(dataset) == 0:
         return TrainStats(num_examples=0, mean_loss=0.0)
     with seeded_global_rng(seed, device):
-        return _sgd_epochs(model, dataset, cfg, lr, num_seen, device, seed, extra_loss, ce_from)
-
-
-def _sgd_epochs(
-    model: IncrementalClassifier,
-    dataset: LabelledDataset,
-    cfg: RunConfig,
-    lr: float,
-    num_seen: int,
-    device: torch.device,
-    seed: int,
-    extra_loss: ExtraLoss | None,
-    ce_from: int,
-) -> TrainStats:
-    model.to(device).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    # torch.optim.SGD's update, bit for bit, without importing torch._dynamo (fcl_flower/fcl/sgd.py)
-    optimiser = MomentumSGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    total, count = 0.0, 0
-    for epoch in range(cfg.local_epochs):
-        for images, labels in make_loader(dataset, cfg, shuffle=True, seed=seed * 1000 + epoch):
-            images, labels = images.to(device), labels.to(device)
-            logits = model(images)[:, :num_seen]
-            if ce_from and bool((labels < ce_from).any()):
-                raise ValueError(f"ce_from={ce_from} but the batch has labels below it")
-            loss = F.cross_entropy(logits[:, ce_from:], labels - ce_from)
-            if extra_loss is not None:
-                loss = loss + extra_loss(model, images, labels, logits)
-            optimiser.zero_grad()
-            loss.backward()
-            optimiser.step()
-            total += float(loss.detach()) * len(labels)
-            count += len(labels)
-    model.eval()
-    return TrainStats(num_examples=len(dataset), mean_loss=total / max(count, 1))
+        model.to(device).train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        # torch.optim.SGD's update, bit for bit, without importing torch._dynamo (fcl_flower/fcl/sgd.py)
+        optimiser = MomentumSGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        total, count = 0.0, 0
+        for epoch in range(cfg.local_epochs):
+            for images, labels in make_loader(dataset, cfg, shuffle=True, seed=seed * 1000 + epoch):
+                images, labels = images.to(device), labels.to(device)
+                logits = model(images)[:, :num_seen]
+                if ce_from and bool((labels < ce_from).any()):
+                    raise ValueError(f"ce_from={ce_from} but the batch has labels below it")
+                loss = F.cross_entropy(logits[:, ce_from:], labels - ce_from)
+                if extra_loss is not None:
+                    loss = loss + extra_loss(model, images, labels, logits)
+                optimiser.zero_grad()
+                loss.backward()
+                optimiser.step()
+                total += float(loss.detach()) * len(labels)
+                count += len(labels)
+        model.eval()
+        return TrainStats(num_examples=len(dataset), mean_loss=total / max(count, 1))
