@@ -115,7 +115,7 @@ class RunConfig:
     ridge_selection: str = _knob(
         "auto",
         "How ridge 'auto' searches its grid: exact (eigendecomposition of G), krylov (shift-invert block Krylov "
-        "with a stated error; falls back to exact when it cannot certify its choice), auto (krylov from M = 2048 with n >= 4 M).",
+        "with a stated error; falls back to exact when it cannot certify its choice), auto (krylov from M = 2048 with n >= 2 M).",
         ("auto", "exact", "krylov"),
     )
     head: str = _knob("cosine", "Analytic classifier head (cosine reproduces the paper).", ("cosine", "dot"))

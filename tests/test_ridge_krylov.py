@@ -36,7 +36,13 @@ def random_feature_statistics(
     return 0.5 * (gram + gram.T), phi.T @ torch.nn.functional.one_hot(labels, classes).double()
 
 
-CASES = [(256, 3000, 10, 0, 1.0), (384, 4000, 20, 1, 3.0), (384, 4000, 20, 2, 0.3), (512, 6000, 30, 3, 1.0)]
+CASES = [
+    (256, 3000, 10, 0, 1.0),
+    (384, 4000, 20, 1, 3.0),
+    (384, 4000, 20, 2, 0.3),
+    (512, 6000, 30, 3, 1.0),
+    (512, 1024, 20, 9, 1.0),  # n = 2 M: GCV's denominator n - df is small
+]
 
 
 @pytest.mark.parametrize(("dim", "samples", "classes", "seed", "spread"), CASES)
@@ -47,11 +53,17 @@ def test_krylov_choice_equals_the_exact_scan_and_its_errors_are_within_the_state
     exact_gamma, exact_rows = select_ridge_gcv(gram, sums, samples, float(samples))
     found = krylov_gcv(gram, sums, samples, float(samples), default_ridge_grid())
     assert found.gamma == exact_gamma, found.reason
+    assert found.margin <= 1e-3
     exact = {row.gamma: row for row in exact_rows}
-    usable = [row for row in found.rows if row.error <= 2e-3]
+    usable = [row for row in found.rows if row.error <= 1e-2]
     assert len(usable) >= 3  # the chosen point and a neighbour on each side
-    for row in usable:
-        assert abs(row.gcv / exact[row.gamma].gcv - 1.0) <= row.error
+    for row in usable:  # the per-row stated error (3 standard errors, from 16 probes) is calibrated within 2x
+        assert abs(row.gcv / exact[row.gamma].gcv - 1.0) <= 2.0 * row.error
+    # the certified margin bounds the exact GCV differences inside the window
+    chosen = exact[exact_gamma].gcv
+    for row in found.rows:
+        if row.error <= 1e-2 and row.gamma != exact_gamma:
+            assert (chosen - exact[row.gamma].gcv) / chosen <= max(found.margin, 0.0) + 1e-12
     centre = found.centres[-1]
     assert found.rows[[r.gamma for r in found.rows].index(centre)].rss == pytest.approx(exact[centre].rss, rel=1e-9)
 
@@ -65,7 +77,7 @@ def test_rss_at_the_centre_is_exact_and_only_df_carries_the_probes_error() -> No
         row = next(r for r in found.rows if r.gamma == centre)
         truth = next(r for r in exact_rows if r.gamma == centre)
         assert row.rss == pytest.approx(truth.rss, rel=1e-9, abs=1e-9)
-        assert abs(row.df - truth.df) <= 4.0 * math.sqrt(2.0 * truth.df / 32) + 1e-6  # Hutchinson's spread
+        assert abs(row.df - truth.df) <= 4.0 * math.sqrt(2.0 * truth.df / 16) + 1e-6  # Hutchinson's spread
 
 
 def test_same_seed_same_numbers_and_another_seed_the_same_choice() -> None:
@@ -79,19 +91,25 @@ def test_same_seed_same_numbers_and_another_seed_the_same_choice() -> None:
     assert other.rows != first.rows  # other probes, other estimates
 
 
-def test_df_close_to_n_is_not_certified_and_the_state_falls_back_to_the_exact_scan() -> None:
-    gram, sums = random_feature_statistics(384, 500, 10, seed=2)  # n < M: df near n at small γ
-    found = krylov_gcv(gram, sums, 500, 500.0, default_ridge_grid())
-    exact_gamma, _ = select_ridge_gcv(gram, sums, 500, 500.0)
-    if found.gamma is not None:  # certified anyway: then it must be the exact choice
-        assert found.gamma == exact_gamma
-        pytest.skip("certified on this draw")
-    assert "stated error" in found.reason or "interior minimum" in found.reason
-    state = RidgeState(gram.clone(), sums.clone(), 500)
+def test_an_uncertified_search_falls_back_to_the_exact_scan_with_its_reason() -> None:
+    gram, sums = random_feature_statistics(256, 3000, 10, seed=0)
+    exact_gamma, _ = select_ridge_gcv(gram, sums, 3000, 3000.0)
+    found = krylov_gcv(gram, sums, 3000, 3000.0, default_ridge_grid(), tolerance=-1.0)  # nothing certifies
+    assert found.gamma is None and found.factor is None
+    assert found.reason.startswith(("GCV's quadrature error", "the probes cannot tell", "GCV is least"))
+    state = RidgeState(gram.clone(), sums.clone(), 3000)
     weights, gamma, _ = state.solve(10, None, "krylov")
     assert gamma == exact_gamma
-    assert state.selection["method"] == "exact" or state.selection.get("fallback")
     assert torch.equal(weights, solve_ridge(gram, sums, exact_gamma))
+
+
+def test_the_state_records_a_fallback() -> None:
+    gram, sums = random_feature_statistics(64, 500, 4)
+    state = RidgeState(gram - 1e6 * torch.eye(64, dtype=torch.float64), sums.clone(), 500, previous=1.0)
+    with pytest.raises(Exception):  # noqa: B017, PT011  (the exact scan's solve then fails on this G)
+        state.solve(4, None, "krylov")
+    assert state.selection["fallback"] == "G + 1·I has no Cholesky factor"
+    assert state.selection["method"] == "krylov" and state.selection["centres"] == [1.0]
 
 
 @pytest.mark.parametrize("previous", [None, 100.0, 3e3])
@@ -104,7 +122,7 @@ def test_state_solve_with_krylov_gives_the_exact_weights_and_reuses_the_previous
     weights, gamma, table = state.solve(12, None, "krylov")
     assert gamma == exact_gamma and state.previous == gamma
     assert state.selection["method"] == "krylov" and "fallback" not in state.selection
-    assert float(state.selection["stated_error"]) <= 2e-3  # type: ignore[arg-type]
+    assert float(state.selection["margin"]) <= 1e-3  # type: ignore[arg-type]
     assert torch.equal(weights, solve_ridge(gram, sums, gamma))  # the same factor, the same bits
     assert [row.gamma for row in table] == default_ridge_grid().tolist()
     centres = state.selection["centres"]
@@ -144,7 +162,7 @@ def test_selection_modes() -> None:
         ({"grid": [1.0, -1.0]}, "grid must be a non-empty 1-D sequence of positive values"),
         ({"grid": []}, "grid must be a non-empty 1-D sequence of positive values"),
         ({"probes": 1}, "probes and steps must be >= 2, got 1 and 5"),
-        ({"steps": 1}, "probes and steps must be >= 2, got 32 and 1"),
+        ({"steps": 1}, "probes and steps must be >= 2, got 16 and 1"),
     ],
 )
 def test_bad_inputs_are_one_line_errors(kwargs: dict[str, object], message: str) -> None:

@@ -52,7 +52,7 @@ __all__ = [
 #: KRYLOV_SAMPLES_PER_DIM samples per feature; below that the exact eigendecomposition costs about as
 #: much, or GCV's denominator n − df is too small for the trace estimate (experiments/bench_ridge_selection.py).
 KRYLOV_FROM_DIM = 2048
-KRYLOV_SAMPLES_PER_DIM = 4
+KRYLOV_SAMPLES_PER_DIM = 2
 
 
 def uses_krylov(selection: str, dim: int, num_samples: int) -> bool:
@@ -298,6 +298,7 @@ class RidgeState:
                 self.gram, sums, self.num_samples, float(self.num_samples), default_ridge_grid(), centre=self.previous
             )
             self.selection = {"method": "krylov", "centres": found.centres, "block_solves": found.block_solves}
+            self.selection["margin"] = found.margin
             if found.gamma is not None:
                 self.previous = found.gamma
                 table = [GCVRow(row.gamma, row.rss, row.df, row.gcv) for row in found.rows]
