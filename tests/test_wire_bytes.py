@@ -7,6 +7,8 @@ the values in place: each must equal what Flower's serialisation and ``Array.num
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
 from fcl_flower.protocol import UploadError, message_bytes, payload_bytes, read_tensor
-from fcl_flower.protocol.arrays import npy_view
+from fcl_flower.protocol.arrays import npy_layout, npy_view
 
 
 def contents() -> list[RecordDict]:
@@ -82,3 +84,31 @@ def test_a_truncated_or_padded_buffer_is_rejected() -> None:
         broken = Array(dtype=array.dtype, shape=array.shape, stype=array.stype, data=data)
         with pytest.raises(UploadError, match="cannot be decoded"):
             read_tensor(ArrayRecord({"x": broken}), "x")
+
+
+def _npy(values: np.ndarray, version: tuple[int, int] | None = None, allow_pickle: bool = False) -> bytes:
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, values, version=version, allow_pickle=allow_pickle)
+    return buffer.getvalue()
+
+
+def test_npy_layout_reads_every_header_version_and_refuses_the_rest() -> None:
+    values = np.arange(6, dtype=np.int32).reshape(2, 3)
+    for version in ((1, 0), (2, 0), (3, 0)):
+        data = _npy(values, version)
+        dtype, shape, fortran, offset = npy_layout(data)
+        assert (dtype, shape, fortran) == (np.dtype(np.int32), (2, 3), False)
+        assert offset == len(data) - values.nbytes and data[offset:] == values.tobytes()
+    assert npy_layout(_npy(np.asfortranarray(values)))[2] is True
+    assert npy_layout(_npy(np.float64(2.5)))[1] == ()  # a 0-d array: one value
+    for data, message in (
+        (b"", "not an .npy buffer"),
+        (b"\x93NUMPY\x01", "not an .npy buffer"),  # shorter than magic + version + header length
+        (b"\x93NUMPX" + _npy(values)[6:], "not an .npy buffer"),
+        (_npy(np.array([1, None], dtype=object), allow_pickle=True), "object arrays are not accepted"),
+        (_npy(values)[:-1], "buffer length does not match its header"),
+        (_npy(values) + b"\x00", "buffer length does not match its header"),
+    ):
+        with pytest.raises(ValueError) as info:
+            npy_layout(data)
+        assert str(info.value) == message
