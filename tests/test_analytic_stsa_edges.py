@@ -782,6 +782,32 @@ def test_packing_helpers_reject_bad_shapes_and_keep_the_device() -> None:
     assert diag.device.type == "meta" and diag.shape == (4,)
 
 
+def test_packing_on_the_cpu_whatever_the_default_device() -> None:
+    g = torch.arange(9, dtype=F64).reshape(3, 3)
+    packed = _upper_reference(g)
+    with torch.device("meta"):  # index and output tensors must follow the input, not the default
+        diag = diagonal_of_packed(packed, 3)
+        sym = pack_symmetrised(g)
+    assert diag.device.type == "cpu" and diag.tolist() == [0.0, 4.0, 8.0]
+    assert sym.device.type == "cpu" and torch.equal(sym, _upper_reference(0.5 * (g + g.T)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packing_on_cuda_equals_the_cpu_result() -> None:
+    """The row-by-row path for tensors on another device gives the CPU path's numbers."""
+    gen = seeded_generator(5)
+    g = torch.randn(7, 7, dtype=F64, generator=gen)
+    packed = torch.randn(28, dtype=F64, generator=gen)
+    sym = 0.5 * (g + g.T)
+    cuda = torch.device("cuda")
+    assert torch.equal(pack_upper(g.to(cuda)).cpu(), pack_upper(g))
+    assert torch.equal(pack_symmetrised(g.to(cuda)).cpu(), pack_symmetrised(g))
+    assert torch.equal(unpack_upper(packed.to(cuda), 7).cpu(), unpack_upper(packed, 7))
+    assert torch.equal(diagonal_of_packed(packed.to(cuda), 7).cpu(), diagonal_of_packed(packed, 7))
+    on_gpu = add_packed_(sym.to(cuda), packed)  # a CPU upload into a Gram on the GPU
+    assert on_gpu.device.type == "cuda" and torch.equal(on_gpu.cpu(), add_packed_(sym.clone(), packed))
+
+
 # =============================================================================== random features
 def test_random_projection_shapes_edges_and_device() -> None:
     assert random_projection(1, 5, seed=0).shape == (1, 5)  # one input feature
