@@ -133,6 +133,9 @@ def test_read_tensor_accepts_what_its_checks_allow() -> None:
     edge = read_tensor(_record(x=np.array([1e150, -1e150])), "x")  # exactly the limit is allowed
     assert edge.tolist() == [1e150, -1e150]
     assert read_tensor(_record(x=np.array([5e200])), "x", finite=False).tolist() == [5e200]  # unchecked
+    assert read_tensor(_record(x=np.array([5e200])), "x", finite=False, nonnegative=True).tolist() == [5e200]
+    for values in ([1.0, np.inf], [-np.inf, 1.0]):  # one infinite end: still "NaN or inf"
+        _raises(lambda values=values: read_tensor(_record(x=np.array(values)), "x"), "array 'x' contains NaN or inf")
     assert read_tensor(_record(x=np.zeros((0, 3))), "x", shape=(0, 3)).shape == (0, 3)  # empty: no peak
     ring = read_ring(_record(x=np.array([[1, 2**64 - 1]], dtype=np.uint64)), "x", shape=(1, 2))
     assert ring.dtype == np.uint64 and ring.tolist() == [[1, 2**64 - 1]]
