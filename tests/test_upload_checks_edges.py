@@ -450,6 +450,36 @@ def test_a_feature_without_energy_is_left_out_of_the_scaled_test() -> None:
     check_gram_statistics(negative, c, n, relative_tolerance=0.0, absolute_tolerance=1e-6)
 
 
+def test_a_zero_energy_feature_with_a_non_zero_gram_entry_is_rejected() -> None:
+    """A feature with G_ii = 0 must have G_ij = 0 for every j, whether the entry sits in its row
+    (the feature first) or in its column (the feature last) of the packed upper triangle."""
+    zero = torch.zeros(5, 1, dtype=F64)
+    for phi, entry in ((torch.cat([zero, PHI], dim=1), (0, 1)), (torch.cat([PHI, zero], dim=1), (0, 2))):
+        g, c = phi.T @ phi, phi.T @ Y
+        check_gram_statistics(g, c, N, relative_tolerance=0.0)  # honest: passes
+        leak = _with(_with(g, entry, 1e-300), entry[::-1], 1e-300)  # symmetric, the diagonal still zero
+        _rejected(
+            lambda leak=leak, c=c: check_gram_statistics(leak, c, N, relative_tolerance=0.0),
+            "a feature or class with zero energy has non-zero sums",
+        )
+
+
+def test_zero_energy_is_checked_across_row_blocks() -> None:
+    """M = 2049 packs in two blocks of rows (2047 + 2): the zero-energy test finds an entry of the
+    last feature's column in either block, and leaves every diagonal out."""
+    dim = 2049
+    g = torch.eye(dim, dtype=F64)
+    g[dim - 1, dim - 1] = 0.0  # the last feature has no energy
+    c, n = torch.zeros(dim, 1, dtype=F64), torch.zeros(1, dtype=F64)
+    check_gram_statistics(g, c, n, relative_tolerance=0.0)
+    for row in (5, dim - 2):  # first block, second block
+        leak = _with(_with(g, (row, dim - 1), 1e-300), (dim - 1, row), 1e-300)
+        _rejected(
+            lambda leak=leak: check_gram_statistics(leak, c, n, relative_tolerance=0.0),
+            "a feature or class with zero energy has non-zero sums",
+        )
+
+
 # =============================================================================== STSA-E class sums
 def test_honest_class_sums_pass_at_the_bound() -> None:
     sums, counts = C.unsqueeze(0), N.unsqueeze(0)  # one dummy client
