@@ -430,6 +430,18 @@ def test_float32_and_integer_inputs_are_judged_in_float64() -> None:
     )
 
 
+def test_a_float32_gram_is_symmetrised_in_float64() -> None:
+    """G01 = 1, G10 = 2^-24 in float32: the symmetric part 0.5 + 2^-25 exists only in float64, and
+    with G00 = G11 = 0.5 it breaks Cauchy-Schwarz by 2^-24 (float32 would round it to exactly 0.5)."""
+    g32 = torch.tensor([[0.5, 1.0], [2.0**-24, 0.5]], dtype=torch.float32)
+    _rejected(
+        lambda: check_gram_statistics(
+            g32, torch.zeros(2, 1, dtype=F64), torch.ones(1, dtype=F64), relative_tolerance=0.0
+        ),
+        "an entry breaks Cauchy-Schwarz |J_ij| <= sqrt(J_ii J_jj): class sums too large for G and the counts",
+    )
+
+
 def test_g_is_judged_by_its_symmetric_part() -> None:
     """Only the upper triangle travels; an asymmetric G whose symmetric part is G passes, although
     its (0, 1) entry alone would break Cauchy-Schwarz."""
