@@ -198,3 +198,11 @@ def test_state_auto_selection_is_exact_below_the_krylov_size_and_remembers_gamma
     _, gamma, table = state.solve(4, None, "auto")  # M = 64 < KRYLOV_FROM_DIM: the exact scan
     assert state.selection == {"method": "exact"} and state.previous == gamma
     assert (gamma, table) == select_ridge_gcv(gram, sums, 500, 500.0)
+
+
+def test_state_solve_with_krylov_takes_float32_class_sums() -> None:
+    """The state's class sums are solved in float64 whatever their dtype, on the Krylov path too."""
+    gram, sums = random_feature_statistics(256, 3000, 6, seed=8)
+    state = RidgeState(gram.clone(), sums.float(), 3000)
+    weights, gamma, _ = state.solve(6, None, "krylov")
+    assert weights.dtype == torch.float64 and torch.equal(weights, solve_ridge(gram, sums.float().double(), gamma))
