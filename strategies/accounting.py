@@ -15,7 +15,8 @@ from typing import Any
 #: the server's own work on a stage's replies (:meth:`StageAccounting.timed`): ``accept`` is the
 #: whole of reading one reply (protocol header, ``parse`` of the arrays, ``check`` of the upload;
 #: those two are parts of it, as far as the method times them), ``bytes`` counting its size,
-#: ``add`` folding it into the running sums, ``finish`` closing the round's sums (once per round)
+#: ``add`` folding it into the running sums (a round that is not streamed: aggregating the kept
+#: replies together), ``finish`` closing a streamed round's sums (once per round)
 REPLY_STEPS = ("accept", "parse", "check", "bytes", "add", "finish")
 
 
