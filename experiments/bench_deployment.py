@@ -24,6 +24,25 @@ training rounds; an *analytic stage* is a later stage (one statistics round, the
 the evaluation). The JSON (experiments/results/bench_deployment.json) holds every round and
 stage, the machine and the load average before and after; the table prints medians and maxima.
 Targets (issue 16, 3 SuperNodes, 2 cores): analytic stage <= 3 s, FedAvg round <= 3 s.
+
+Paper-size uploads (issue 16 item 3): ``--wire-dtype float32 float64`` runs the federation once
+per wire dtype (each a fresh SuperLink and SuperNodes), e.g.::
+
+    python experiments/bench_deployment.py --rf-dim 10000 --wire-dtype float32 float64 \
+        --stage1-rounds 0 --num-tasks 2 --ridge 1.0 --cold-repeats 0
+
+and reports, per dtype, the stage time, the upload bytes per client, the server's own work on the
+replies (``extra.server_reply_seconds`` of results.json: accept = parse + check + the protocol
+header, counting the bytes, adding to the running sums) against the ridge solve
+(``extra.solve_seconds``), and the peak memory of every process: a sampler thread walks the
+process tree of the SuperLink and of each SuperNode every ``--sample-interval`` seconds and keeps
+each process's VmHWM (its own peak RSS, from /proc/<pid>/status), by role: ``superlink``
+(flower-superlink), ``serverapp`` (the flwr-serverapp process its SuperExec starts for the run),
+``supernode`` and ``clientapp`` (the flwr-clientapp processes a SuperNode's SuperExec starts, one
+per message), ``superexec``. A process's VmHWM is read while it lives, so a growth in its last
+``--sample-interval`` seconds can be missed. Writes experiments/results/
+bench_deployment-uploads-M<rf-dim>.json. Target: the server's handling of a reply costs less than
+the solve.
 """
 
 from __future__ import annotations
@@ -36,11 +55,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from experiments.benchlib import format_table, median, write_json
+from experiments.benchlib import RESULTS_DIR, format_table, median, write_json
 from experiments.export_partitions import export_partitions
 from fcl_flower.config import RunConfig
 
@@ -95,6 +115,8 @@ def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
         stage1_rounds=args.stage1_rounds,
         local_epochs=args.local_epochs,
         rf_dim=args.rf_dim,
+        ridge=args.ridge,
+        **({"wire_dtype": args.wire} if getattr(args, "wire", None) else {}),
         device="cpu",
         out=str(out),
         run_name="bench-deployment",
@@ -114,6 +136,102 @@ def process_rss_mib(pids: list[int]) -> float:
     return total / 1024
 
 
+#: a process's role, from the program it runs (its command line)
+ROLES = (
+    ("flwr-serverapp", "serverapp"),
+    ("flwr-clientapp", "clientapp"),
+    ("flower-superexec", "superexec"),
+    ("flower-superlink", "superlink"),
+    ("flower-supernode", "supernode"),
+)
+
+
+def process_role(pid: int) -> str | None:
+    """``serverapp``, ``clientapp``, ``superexec``, ``superlink``, ``supernode``, else None."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    names = {Path(a.decode(errors="replace")).name for a in argv[:3]}
+    return next((role for program, role in ROLES if program in names), None)
+
+
+def memory_kib(pid: int) -> tuple[int, int]:
+    """(VmHWM, VmRSS) of ``pid`` in KiB: its peak resident memory so far and now; (0, 0) once gone."""
+    peak = now = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM"):
+                peak = int(line.split()[1])
+            elif line.startswith("VmRSS"):
+                now = int(line.split()[1])
+    return peak, now
+
+
+class PeakSampler(threading.Thread):
+    """Samples the process trees under ``roots`` (name -> pid: the SuperLink, each SuperNode) every
+    ``interval`` seconds: every process's VmHWM (the highest seen), its role and the root it runs
+    under, and the largest summed VmRSS of all of them at one sample."""
+
+    def __init__(self, roots: dict[str, int], interval: float, descendants: Any) -> None:
+        super().__init__(daemon=True)
+        self.roots, self.interval, self.descendants = roots, interval, descendants
+        self.seen: dict[int, dict[str, Any]] = {}  # pid -> {"root", "role", "peak_kib"}
+        self.total_peak_kib = 0
+        self.samples = 0
+        self._stop_event = threading.Event()
+
+    def sample(self) -> None:
+        total = 0
+        for root, pid in self.roots.items():
+            for member in [pid, *sorted(self.descendants([pid]))]:
+                peak, now = memory_kib(member)
+                if not peak:
+                    continue
+                entry = self.seen.get(member)
+                if entry is None:
+                    entry = self.seen[member] = {"root": root, "role": process_role(member), "peak_kib": 0}
+                entry["peak_kib"] = max(entry["peak_kib"], peak)
+                total += now
+        self.total_peak_kib = max(self.total_peak_kib, total)
+        self.samples += 1
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=10)
+        self.sample()  # the survivors' last word
+
+    def report(self) -> dict[str, Any]:
+        """Peak MiB per role (the largest single process, and how many processes had it), per
+        SuperNode (the node process and its ClientApp processes), and the summed peak."""
+
+        def mib(kib: int) -> float:
+            return round(kib / 1024, 1)
+
+        by_role: dict[str, dict[str, Any]] = {}
+        per_node: dict[str, dict[str, float]] = {}
+        for entry in self.seen.values():
+            role = entry["role"] or "other"
+            row = by_role.setdefault(role, {"processes": 0, "peak_mib": 0.0})
+            row["processes"] += 1
+            row["peak_mib"] = max(row["peak_mib"], mib(entry["peak_kib"]))
+            if entry["root"].startswith("supernode") and role in ("supernode", "clientapp"):
+                node = per_node.setdefault(entry["root"], {"supernode_peak_mib": 0.0, "clientapp_peak_mib": 0.0})
+                key = f"{role}_peak_mib"
+                node[key] = max(node[key], mib(entry["peak_kib"]))
+        return {
+            "by_role": dict(sorted(by_role.items())),
+            "per_supernode": dict(sorted(per_node.items())),
+            "all_processes_summed_rss_peak_mib": mib(self.total_peak_kib),
+            "samples": self.samples,
+            "interval_s": self.interval,
+        }
+
+
 def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     fed = federation_module()
     cfg = run_config(args, workdir / "out")
@@ -123,16 +241,25 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     export_seconds = time.monotonic() - began
     load_before = os.getloadavg()
     federation = fed.LocalFederation(workdir / "federation", fed.node_configs_for(args.num_nodes, data))
+    sampler: PeakSampler | None = None
     with federation:
         began = time.monotonic()
         federation.start(say=lambda line: print(f"  {line}", flush=True))
         startup_seconds = time.monotonic() - began
-        began = time.monotonic()
-        run_id = federation.submit(cfg.to_mapping())
-        submit_seconds = time.monotonic() - began
-        print(f"  run {run_id} submitted; waiting for it ...", flush=True)
-        status = federation.wait_run(run_id, timeout=args.timeout)
-        run_seconds = time.monotonic() - began
+        if args.sample_interval > 0:
+            roots = {name: process.pid for name, process in federation.core.items()}
+            sampler = PeakSampler(roots, args.sample_interval, fed.descendants)
+            sampler.start()
+        try:
+            began = time.monotonic()
+            run_id = federation.submit(cfg.to_mapping())
+            submit_seconds = time.monotonic() - began
+            print(f"  run {run_id} submitted; waiting for it ...", flush=True)
+            status = federation.wait_run(run_id, timeout=args.timeout)
+            run_seconds = time.monotonic() - began
+        finally:
+            if sampler is not None:
+                sampler.stop()
         core_rss = process_rss_mib([p.pid for p in federation.core.values()])
         if status != "finished:completed":
             raise SystemExit(f"error: run {run_id} {status}:\n{federation.run_log(run_id)[-3000:]}")
@@ -145,7 +272,15 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     train_rounds = [r["seconds"] for r in rounds[: cfg.stage1_rounds]]
     stats_round_1 = rounds[cfg.stage1_rounds]["seconds"]
     analytic = [s["seconds"] for s in stages[1:]]
+    extra = {
+        "peak_memory": sampler.report() if sampler is not None else None,
+        "server_reply_seconds": [s["extra"].get("server_reply_seconds") for s in stages],
+        "solve_seconds": [s["extra"].get("solve_seconds") for s in stages],
+        "upload_bytes_per_client": [s["upload_bytes_per_client"] for s in stages],
+        "upload_message_bytes_per_client": [s["upload_message_bytes_per_client"] for s in stages],
+    }
     return {
+        **extra,
         "config": {k: v for k, v in cfg.to_mapping().items() if k not in ("out",)},
         "num_nodes": args.num_nodes,
         "fedavg_round_seconds": train_rounds,
@@ -167,6 +302,12 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def run_all(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    if args.wire_dtype:  # one fresh federation per wire dtype
+        runs = {}
+        for wire in args.wire_dtype:
+            print(f"wire dtype {wire}:", flush=True)
+            runs[wire] = bench(argparse.Namespace(**{**vars(args), "wire": wire}), workdir / wire)
+        return {"rf_dim": args.rf_dim, "num_nodes": args.num_nodes, "runs": runs}
     result = bench(args, workdir)
     if args.cold_repeats > 0:
         cfg = run_config(args, workdir / "out")
@@ -217,6 +358,43 @@ def cold_processes(cfg: RunConfig, data: Path, folder: Path, repeats: int) -> di
     return out
 
 
+def uploads_table(result: dict[str, Any]) -> str:
+    """Per wire dtype: the analytic stage, its upload, the server's reply handling against the
+    solve, and the peak memory of each kind of process (the largest single process)."""
+    rows = []
+    for wire, run in result["runs"].items():
+        timing, solve = run["server_reply_seconds"][-1], run["solve_seconds"][-1]
+        uploads = run["upload_bytes_per_client"][-1]
+        memory = run["peak_memory"]["by_role"] if run["peak_memory"] else {}
+        replies = max(1, timing["replies"])
+        rows.append(
+            {
+                "wire": wire,
+                "stage s": run["stage_seconds"][-1],
+                "round s": run["analytic_round_seconds"][-1],
+                "MiB/client": max(uploads.values()) / 2**20,
+                "reply s": timing["handling"] / replies,
+                "parse": timing["parse"] / replies,
+                "check": timing["check"] / replies,
+                "bytes": timing["bytes"] / replies,
+                "add": timing["add"] / replies,
+                "finish s": timing["finish"],
+                "solve s": solve,
+                "meets": "yes" if timing["handling"] / replies < solve else "no",
+                **{f"{role} MiB": memory.get(role, {}).get("peak_mib", "") for role in PEAK_ROLES},
+                "load": run["load_average_after"][0],
+            }
+        )
+    return (
+        f"M = {result['rf_dim']}, {result['num_nodes']} SuperNodes, last analytic stage "
+        "(reply s and its steps: per reply, mean; target reply s < solve s):\n"
+        + format_table(rows, list(rows[0]), floats="{:.2f}")
+    )
+
+
+PEAK_ROLES = ("superlink", "serverapp", "supernode", "clientapp")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-nodes", type=int, default=3, help="SuperNodes (one client each)")
@@ -224,6 +402,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage1-rounds", type=int, default=3, help="FedAvg rounds of the backbone in stage 1")
     parser.add_argument("--local-epochs", type=int, default=2, help="local epochs per FedAvg round (default 2)")
     parser.add_argument("--rf-dim", type=int, default=1000, help="random-feature dimension M (default 1000)")
+    parser.add_argument("--ridge", default="auto", help="ridge gamma, or 'auto' (GCV; default)")
+    parser.add_argument(
+        "--wire-dtype",
+        nargs="+",
+        choices=("float32", "float64"),
+        default=None,
+        help="paper-size uploads: one run per wire dtype, with peak memory and the server's reply handling",
+    )
+    parser.add_argument(
+        "--sample-interval", type=float, default=0.1, help="seconds between memory samples (0: no sampling)"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the run")
     parser.add_argument(
         "--cold-repeats", type=int, default=3, help="fresh ClientApp processes per message type (0: skip)"
@@ -231,8 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", default=None, help="work folder to keep (default: a temporary one, removed)")
     parser.add_argument("--out", default=None, help="JSON output (default experiments/results/bench_deployment.json)")
     args = parser.parse_args(argv)
-    if args.stage1_rounds < 1 or args.num_tasks < 2:
-        parser.error("need --stage1-rounds >= 1 and --num-tasks >= 2 (a FedAvg round and an analytic stage)")
+    if args.stage1_rounds < (0 if args.wire_dtype else 1) or args.num_tasks < 2:
+        parser.error(
+            "need --num-tasks >= 2 (an analytic stage) and --stage1-rounds >= 1 (a FedAvg round; 0 with --wire-dtype)"
+        )
     print(f"bench_deployment: {args.num_nodes} SuperNodes on loopback, load average {os.getloadavg()}")
     if args.keep:
         workdir = Path(args.keep).expanduser().resolve()
@@ -241,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="fcl-bench-deploy-") as tmp:
             result = run_all(args, Path(tmp))
+    if args.wire_dtype:
+        print(uploads_table(result))
+        out = args.out or RESULTS_DIR / f"bench_deployment-uploads-M{args.rf_dim}.json"
+        print(f"wrote {write_json('bench_deployment_uploads', result, out)}")
+        return 0
     rows = []
     for name, values in (
         ("FedAvg round (stage 1)", result["fedavg_round_seconds"]),

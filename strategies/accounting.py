@@ -7,7 +7,19 @@ of the stage was sent to, why its data is not in the stage.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+#: the server's own work on a stage's replies (:meth:`StageAccounting.timed`): ``accept`` is the
+#: whole of reading one reply (protocol header, ``parse`` of the arrays, ``check`` of the upload;
+#: those two are parts of it, as far as the method times them), ``bytes`` counting its size,
+#: ``add`` folding it into the running sums (a round that is not streamed: aggregating the kept
+#: replies together), ``finish`` closing a streamed round's sums (once per round)
+REPLY_STEPS = ("accept", "parse", "check", "bytes", "add", "finish")
+#: stage extras that are wall-clock times (like a stage's ``seconds``: they differ between runs)
+TIMING_EXTRAS = ("server_reply_seconds", "solve_seconds")
 
 
 def client_name(client: int) -> str:
@@ -31,6 +43,17 @@ class StageAccounting:
         self.rejected: dict[str, str] = {}  # client (or node-<id>) -> why its reply was rejected
         self.expected: set[str] = set()  # clients some round of the stage was sent to
         self.sampling: dict[int, dict[str, Any]] = {}  # server round -> sampled / contributed clients
+        self.seconds: dict[str, float] = {}  # step (REPLY_STEPS) -> seconds summed over the stage
+        self.replies = 0  # replies the server read in the stage (accepted or not)
+
+    @contextmanager
+    def timed(self, step: str) -> Iterator[None]:
+        """Add the wall time of the ``with`` body to ``step``'s sum (also when it raises)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - began
 
     def expect(self, clients: set[str]) -> None:
         self.expected |= clients
@@ -64,6 +87,16 @@ class StageAccounting:
                         else "no accepted reply (timed out, or one of the rejected node-* uploads)"
                     )
         return left_out
+
+    def timing_extra(self) -> dict[str, Any]:
+        """``extra.server_reply_seconds``: the server's work on the stage's replies, summed per step,
+        with ``handling`` (accept + bytes + add: what one reply costs the server, summed) and
+        ``replies``; empty for a stage without replies."""
+        if not self.replies:
+            return {}
+        steps = {step: self.seconds.get(step, 0.0) for step in REPLY_STEPS}
+        handling = steps["accept"] + steps["bytes"] + steps["add"]
+        return {"server_reply_seconds": {**steps, "handling": handling, "replies": self.replies}}
 
     def sampling_extra(self) -> dict[str, Any]:
         return {"sampling": [self.sampling[r] for r in sorted(self.sampling)]} if self.sampling else {}

@@ -21,6 +21,7 @@ far, for the worst client) or ``extra.noise`` (the paper's q, s).
 from __future__ import annotations
 
 import math
+import time
 from abc import abstractmethod
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -217,11 +218,14 @@ class AnalyticStrategy(StagedStrategy):
     def end_stage(self, task: int) -> dict[str, Any]:
         self.model.eval()  # frozen from here on: no later round trains it (keys stay the same
         # on both sides, so the broadcast state still matches the clients' models)
+        began = time.perf_counter()
         try:
             self.weights, extra = self.solve(task)
         except (AnalyticInputError, NotPositiveDefiniteError) as err:
             raise StageFailed(f"the ridge solve failed: {err}") from None
-        return {**extra, **self.pop_withheld(), **self.privacy_extras(task)}
+        # the ridge solve (and its selection), next to extra.server_reply_seconds (reading the replies)
+        solve = {"solve_seconds": time.perf_counter() - began}
+        return {**extra, **solve, **self.pop_withheld(), **self.privacy_extras(task)}
 
     def pop_withheld(self) -> dict[str, Any]:
         """Samples withheld under min-class-count in this stage (never silent)."""

@@ -337,17 +337,23 @@ class StagedStrategy(Strategy):
         kept: list[Accepted[Any]] = []
         clients: list[str] = []
         examples = 0
+        timed = self.accounting.timed
         for message in replies:
+            self.accounting.replies += 1
             try:
-                item = self.accept(plan, message, set(clients))
+                with timed("accept"):
+                    item = self.accept(plan, message, set(clients))
             except UploadError as err:
                 self.reject(message, err, server_round)
                 continue
-            self.accounting.accept(item.client, payload_bytes(message.content), message_bytes(message.content))
+            with timed("bytes"):
+                sizes = payload_bytes(message.content), message_bytes(message.content)
+            self.accounting.accept(item.client, *sizes)
             clients.append(item.client)
             examples += item.num_examples
             if fold is not None:
-                fold.add(item)
+                with timed("add"):
+                    fold.add(item)
             else:
                 kept.append(item)
             del item, message  # a folded reply is dropped here
@@ -356,11 +362,12 @@ class StagedStrategy(Strategy):
         # Replies arrive in whatever order the nodes finish; aggregating in client order makes
         # every float sum (and any seeded shuffle of the replies) independent of that order.
         self.accounting.contributed(server_round, sorted(clients, key=client_order))
-        if fold is not None:
-            fold.finish()
-        else:
-            kept.sort(key=lambda a: client_order(a.client))
-            self.aggregate_round(plan, kept)
+        with timed("finish" if fold is not None else "add"):
+            if fold is not None:
+                fold.finish()
+            else:
+                kept.sort(key=lambda a: client_order(a.client))
+                self.aggregate_round(plan, kept)
         metrics = MetricRecord({"num-clients": len(clients), "num-examples": examples})
         return self.global_arrays(), metrics
 

@@ -150,7 +150,7 @@ def stage_record(
 ) -> StageRecord:
     accuracy, per_task, scores = strategy.score_stage(task, grid)
     accounting = strategy.accounting
-    extra = {**extra, **scores, **accounting.sampling_extra()}
+    extra = {**extra, **scores, **accounting.sampling_extra(), **accounting.timing_extra()}
     old_only = strategy.split.old_only
     if len(old_only[task]):
         extra = {**extra, "old_only_clients": [f"client-{c}" for c in old_only[task].tolist()]}

@@ -196,12 +196,17 @@ class STSAStrategy(AnalyticStrategy):
             if reply.backfill:
                 raise UploadError("a masked upload carries its late statistics inside, not as records")
             return {"masked": stats}
-        plain = self.read_plain(plan.task, reply.arrays)
-        self.check(plain, reply.num_examples)
-        late = self.backfill.read(client, reply, self.read_plain)
+        timed = self.accounting.timed
+        with timed("parse"):
+            plain = self.read_plain(plan.task, reply.arrays)
+        with timed("check"):
+            self.check(plain, reply.num_examples)
+        with timed("parse"):
+            late = self.backfill.read(client, reply, self.read_plain)
         for task, (payload, count) in late.items():
             try:
-                self.check(payload, count)
+                with timed("check"):
+                    self.check(payload, count)
             except UploadError as err:
                 raise UploadError(f"record 'backfill-{task}': {err}") from None
         return {"stats": plain, "late": late}

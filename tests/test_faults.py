@@ -32,6 +32,7 @@ from fcl_flower.protocol import Header, ProtocolError, StatsIns
 from fcl_flower.protocol.messages import decode_backfill, encode_backfill
 from fcl_flower.runtime import build_model, federated_split
 from fcl_flower.state_io import load_state
+from strategies.accounting import TIMING_EXTRAS
 from strategies.base import StagedStrategy
 from strategies.stsa import STSAStrategy
 from tests.conftest import build, reply_partition, sent_header
@@ -140,8 +141,13 @@ def direct_ridge(cfg: RunConfig, pieces: Iterable[tuple[int, int]]) -> torch.Ten
 
 
 def stage_results(strategy: StagedStrategy) -> list[dict]:
-    """Per-stage records without the wall time (the only field that may differ between runs)."""
-    return [{k: v for k, v in asdict(s).items() if k != "seconds"} for s in strategy.recorder.stages]
+    """Per-stage records without the wall times (the only fields that may differ between runs)."""
+    records = []
+    for stage in strategy.recorder.stages:
+        record = {k: v for k, v in asdict(stage).items() if k != "seconds"}
+        record["extra"] = {k: v for k, v in record["extra"].items() if k not in TIMING_EXTRAS}
+        records.append(record)
+    return records
 
 
 # node 2 = client-1 misses stage 2 (task 1) and is back for stage 3
