@@ -14,8 +14,9 @@ finiteness), ``bytes`` (``payload_bytes`` + ``message_bytes``: counted without r
 classes, ``solve_ridge``). Also the client side: ``pack`` (``packed_gram``: upper triangle of the
 symmetrised G, straight into the wire dtype).
 
-``memory``: for each client count, a fresh process runs STSA on the synthetic dataset, 2 tasks,
-no FedAvg stage, and reports its peak RSS (VmHWM). The server streams: it never holds more than
+``memory``: for each client count, a fresh process runs STSA on the synthetic dataset (400
+training images per class instead of its 40, so that each of 200 clients gets data), 2 tasks,
+no FedAvg stage, γ by GCV, and reports its peak RSS (VmHWM). The server streams: it never holds more than
 ``stream.WINDOW`` replies. By default the ClientApps run in one child process (:class:`WorkerGrid`:
 each message and reply crosses as Flower's protobuf bytes, as through a SuperLink, and the
 clients answer one at a time as the server pulls them), so the peak RSS is the server's alone;
@@ -111,7 +112,21 @@ def reply_rows(dims: list[int], classes: int = 10) -> list[dict[str, Any]]:
     return rows
 
 
-def _client_worker(conn: Any, num_nodes: int) -> None:
+#: synthetic training images per class in ``memory`` (the dataset's default 40 gives a task 400
+#: samples, too few to give each of 200 clients one under the Dirichlet split)
+TRAIN_PER_CLASS = 400
+
+
+def use_synthetic_size(train_per_class: int) -> None:
+    """Make this process's ``synthetic`` dataset hold ``train_per_class`` training images per class
+    (same prototypes, noise and test set); the server and the client process both call it."""
+    from fcl_flower.data import registry
+    from fcl_flower.data.synthetic import SyntheticSpec
+
+    registry.SyntheticSpec = lambda: SyntheticSpec(train_per_class=train_per_class)  # type: ignore[assignment,misc]
+
+
+def _client_worker(conn: Any, num_nodes: int, train_per_class: int) -> None:
     """Child process of :class:`WorkerGrid`: the real ClientApp of every node (LocalGrid's contexts);
     protobuf bytes of a message in, of its reply out; empty bytes in: this process's peak RSS out."""
     from flwr.common.serde import message_from_proto, message_to_proto
@@ -120,6 +135,7 @@ def _client_worker(conn: Any, num_nodes: int) -> None:
     from clients.app import app
     from fcl_flower.local_grid import LocalGrid
 
+    use_synthetic_size(train_per_class)
     grid = LocalGrid(app, num_nodes, record=False)
     while True:
         try:
@@ -136,7 +152,7 @@ def _client_worker(conn: Any, num_nodes: int) -> None:
         conn.send_bytes(message_to_proto(replies[0]).SerializeToString() if replies else b"")
 
 
-def worker_grid(num_nodes: int) -> Any:
+def worker_grid(num_nodes: int, train_per_class: int = TRAIN_PER_CLASS) -> Any:
     """A LocalGrid whose ClientApps run in one child process (see the module doc)."""
     import multiprocessing
 
@@ -150,7 +166,7 @@ def worker_grid(num_nodes: int) -> Any:
         def __init__(self) -> None:
             context = multiprocessing.get_context("spawn")
             self.conn, child = context.Pipe()
-            self.process = context.Process(target=_client_worker, args=(child, num_nodes), daemon=True)
+            self.process = context.Process(target=_client_worker, args=(child, num_nodes, train_per_class), daemon=True)
             self.process.start()
             child.close()
             super().__init__(lambda message, context: message, num_nodes, record=False)
@@ -202,9 +218,10 @@ def run_one(rf_dim: int, clients: int, out: str, in_process: bool = False) -> di
     from experiments.sim import run_local
     from strategies.app import run_experiment
 
+    use_synthetic_size(TRAIN_PER_CLASS)
     cfg = memory_config(rf_dim, clients, out)
     began = time.perf_counter()
-    grid = None if in_process else worker_grid(clients)
+    grid = None if in_process else worker_grid(clients, TRAIN_PER_CLASS)
     recorder = run_local(cfg) if grid is None else run_experiment(grid, cfg)
     row = {
         "M": rf_dim,
@@ -274,7 +291,15 @@ def main(argv: list[str] | None = None) -> int:
         columns = ["M", "clients", "load", "wall s", "stage s", "clients per stage", "peak RSS MiB"]
         columns += ["client process peak RSS MiB", "error"]
         engine = "LocalGrid (clients in the server's process)" if args.clients_in_process else "WorkerGrid"
-        settings = {"dataset": "synthetic", "num_tasks": 2, "stage1_rounds": 0, "engine": engine}
+        settings = {
+            "dataset": f"synthetic, {TRAIN_PER_CLASS} training images per class (20 classes)",
+            "num_tasks": 2,
+            "beta": 0.5,
+            "stage1_rounds": 0,
+            "ridge": "auto (GCV)",
+            "wire_dtype": "float32",
+            "engine": engine,
+        }
     print(format_table(rows, columns, floats="{:.3g}"))
     name = f"bench_paper_size-{args.part}"
     if args.part == "memory":

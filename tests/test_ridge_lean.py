@@ -89,9 +89,10 @@ def test_memory_benchmark_clients_in_a_child_process_change_nothing(tmp_path) ->
     process; the run's accuracies, ridge and byte counts equal those of the in-process grid."""
     from experiments.bench_paper_size import memory_config, worker_grid
     from experiments.sim import run_local
+    from fcl_flower.data.synthetic import SyntheticSpec
     from strategies.app import run_experiment
 
-    grid = worker_grid(3)
+    grid = worker_grid(3, SyntheticSpec().train_per_class)  # the dataset this test process uses
     remote = run_experiment(grid, memory_config(48, 3, str(tmp_path / "worker")))
     assert grid.client_peak_mib() > 0
     local = run_local(memory_config(48, 3, str(tmp_path / "local")))
