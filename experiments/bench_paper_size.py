@@ -193,8 +193,9 @@ def worker_grid(num_nodes: int, train_per_class: int = TRAIN_PER_CLASS) -> Any:
     return WorkerGrid()
 
 
-def memory_config(rf_dim: int, clients: int, out: str) -> Any:
-    """The run of ``memory``: STSA on the synthetic dataset, 2 tasks, no FedAvg stage, γ by GCV."""
+def memory_config(rf_dim: int, clients: int, out: str, ridge: str = "auto") -> Any:
+    """The run of ``memory``: STSA on the synthetic dataset, 2 tasks, no FedAvg stage, γ by GCV
+    (``ridge = auto``) or fixed."""
     from fcl_flower.config import RunConfig
 
     return RunConfig(
@@ -206,20 +207,20 @@ def memory_config(rf_dim: int, clients: int, out: str) -> Any:
         seed=0,
         stage1_rounds=0,
         rf_dim=rf_dim,
-        ridge="auto",
+        ridge=ridge,
         device="cpu",
         out=out,
         round_timeout=3600.0,
     )
 
 
-def run_one(rf_dim: int, clients: int, out: str, in_process: bool = False) -> dict[str, Any]:
+def run_one(rf_dim: int, clients: int, out: str, in_process: bool = False, ridge: str = "auto") -> dict[str, Any]:
     """In this process: one STSA run (clients in a child process, or in this one), then the peak RSS."""
     from experiments.sim import run_local
     from strategies.app import run_experiment
 
     use_synthetic_size(TRAIN_PER_CLASS)
-    cfg = memory_config(rf_dim, clients, out)
+    cfg = memory_config(rf_dim, clients, out, ridge)
     began = time.perf_counter()
     grid = None if in_process else worker_grid(clients, TRAIN_PER_CLASS)
     recorder = run_local(cfg) if grid is None else run_experiment(grid, cfg)
@@ -237,13 +238,15 @@ def run_one(rf_dim: int, clients: int, out: str, in_process: bool = False) -> di
     return row
 
 
-def memory_rows(rf_dim: int, clients: list[int], timeout: float, in_process: bool = False) -> list[dict[str, Any]]:
+def memory_rows(
+    rf_dim: int, clients: list[int], timeout: float, in_process: bool = False, ridge: str = "auto"
+) -> list[dict[str, Any]]:
     rows = []
     for k in clients:
         load = os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as tmp:
             command = [sys.executable, "-m", "experiments.bench_paper_size", "_one", str(rf_dim), str(k), tmp]
-            command += ["in-process"] if in_process else []
+            command += [ridge, "in-process"] if in_process else [ridge]
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
             except subprocess.TimeoutExpired:
@@ -263,7 +266,8 @@ def memory_rows(rf_dim: int, clients: list[int], timeout: float, in_process: boo
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_one"]:
-        print(json.dumps(run_one(int(argv[1]), int(argv[2]), argv[3], argv[4:5] == ["in-process"])))
+        ridge = argv[4] if len(argv) > 4 else "auto"
+        print(json.dumps(run_one(int(argv[1]), int(argv[2]), argv[3], argv[5:6] == ["in-process"], ridge)))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parts = parser.add_subparsers(dest="part", required=True)
@@ -273,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     memory.add_argument("--rf-dim", type=int, default=2000)
     memory.add_argument("--clients", type=int, nargs="+", default=[5, 20, 50, 200])
     memory.add_argument("--timeout", type=float, default=3600.0, help="Seconds per run.")
+    memory.add_argument("--ridge", default="auto", help="'auto' (GCV, the default) or a fixed γ.")
     memory.add_argument(
         "--clients-in-process",
         action="store_true",
@@ -287,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         columns += ["handling s", "solve s", "handling/solve"]
         settings: dict[str, Any] = {"samples": "M/2", "classes per upload": 10, "solve classes": 100}
     else:
-        rows = memory_rows(args.rf_dim, args.clients, args.timeout, args.clients_in_process)
+        rows = memory_rows(args.rf_dim, args.clients, args.timeout, args.clients_in_process, args.ridge)
         columns = ["M", "clients", "load", "wall s", "stage s", "clients per stage", "peak RSS MiB"]
         columns += ["client process peak RSS MiB", "error"]
         engine = "LocalGrid (clients in the server's process)" if args.clients_in_process else "WorkerGrid"
@@ -296,14 +301,14 @@ def main(argv: list[str] | None = None) -> int:
             "num_tasks": 2,
             "beta": 0.5,
             "stage1_rounds": 0,
-            "ridge": "auto (GCV)",
+            "ridge": "auto (GCV)" if args.ridge == "auto" else args.ridge,
             "wire_dtype": "float32",
             "engine": engine,
         }
     print(format_table(rows, columns, floats="{:.3g}"))
     name = f"bench_paper_size-{args.part}"
     if args.part == "memory":
-        name += f"-M{args.rf_dim}"
+        name += f"-M{args.rf_dim}" + ("" if args.ridge == "auto" else f"-ridge{args.ridge}")
     path = write_json(name, {"settings": settings, "rows": rows}, args.out)
     print(f"wrote {path}")
     return 0
