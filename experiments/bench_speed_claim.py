@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import itertools
 import logging
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -154,7 +156,9 @@ def config_for(strategy: str, out: Path, *, quick: bool, common: dict[str, Any] 
     return RunConfig.from_mapping(values)
 
 
-def measure(cfg: RunConfig, *, max_post_stages: int, budget_s: float) -> tuple[list[float], list[float]]:
+def measure(
+    cfg: RunConfig, *, max_post_stages: int, budget_s: float, profiler: cProfile.Profile | None = None
+) -> tuple[list[float], list[float]]:
     """(wall seconds, CPU seconds) of every stage run: stage 1, then post-stages until enough are measured.
 
     Wall time is results.json's ``seconds``. CPU time is this process's (server and every client
@@ -176,13 +180,33 @@ def measure(cfg: RunConfig, *, max_post_stages: int, budget_s: float) -> tuple[l
         cpu_marks.append(time.process_time())
         add(record)
         post = len(recorder.stages) - 1
+        if profiler is not None and post == 0:
+            profiler.enable()  # the post-stages only
         if post >= max_post_stages or (post >= 1 and time.perf_counter() - began > budget_s):
             raise _Enough
 
     recorder.add = add_and_check  # type: ignore[method-assign]  # stops the stage loop early
-    with contextlib.suppress(_Enough):
-        strategy.start(LocalGrid(client_app, cfg.num_clients))
+    try:
+        with contextlib.suppress(_Enough):
+            strategy.start(LocalGrid(client_app, cfg.num_clients))
+    finally:
+        if profiler is not None:
+            profiler.disable()
     return [s.seconds for s in recorder.stages], [b - a for a, b in itertools.pairwise(cpu_marks)]
+
+
+def top_functions(profiler: cProfile.Profile, count: int = 15) -> dict[str, list[dict[str, Any]]]:
+    """The ``count`` functions with the most own time and the most cumulative time (summed over the
+    post-stages profiled)."""
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    entries = [
+        {"function": f"{Path(file).name}:{line}({name})", "calls": nc, "own s": tt, "cumulative s": ct}
+        for (file, line, name), (_, nc, tt, ct, _) in stats.items()
+    ]
+    return {
+        "by own time": sorted(entries, key=lambda e: -e["own s"])[:count],
+        "by cumulative time": sorted(entries, key=lambda e: -e["cumulative s"])[:count],
+    }
 
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -219,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the same for every method).")
     parser.add_argument("--quick", action="store_true", help="Tiny schedules: checks the script, measures nothing.")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="Also record where each method's post-stage time goes (cProfile over the post-stages: top functions "
+        "by own and by cumulative time); profiling slows the run, so take timings from a run without it.",
+    )
     parser.add_argument(
         "--out", help="JSON path (default experiments/results/bench_speed_claim[_<backbone>].json; --quick: $TMPDIR)."
     )
@@ -265,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             method_common["stage1-rounds"] = args.analytic_stage1_rounds
         cfg = config_for(strategy, tmp, quick=args.quick, common=method_common)
         load = os.getloadavg()[0]
-        stages, cpu = measure(cfg, max_post_stages=args.max_post_stages, budget_s=args.budget_s)
+        profiler = cProfile.Profile() if args.profile else None
+        stages, cpu = measure(cfg, max_post_stages=args.max_post_stages, budget_s=args.budget_s, profiler=profiler)
         post, post_cpu = stages[1:], cpu[1:]
         row = {
             "strategy": strategy,
@@ -281,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             "stage_cpu_seconds": cpu,
             "settings": cfg.to_mapping(),
         }
+        if profiler is not None:
+            row["profile"] = top_functions(profiler)
         rows.append(row)
         print(
             f"  {strategy}: stage 1 {stages[0]:.1f} s; {len(post)} post-stage(s), mean {row['mean post-stage s']:.2f} s "

@@ -112,6 +112,12 @@ class RunConfig:
     # --- analytic methods ------------------------------------------------------------------
     rf_dim: int = _knob(1000, "Random-feature dimension M (0: no projection, use raw features).")
     ridge: str = _knob("auto", "Ridge gamma, a number, or 'auto' for GCV on the aggregated statistics.")
+    ridge_selection: str = _knob(
+        "auto",
+        "How ridge 'auto' searches its grid: exact (eigendecomposition of G), krylov (shift-invert block Krylov "
+        "with a stated error; falls back to exact when it cannot certify its choice), auto (krylov from M = 2048 with n >= 2 M).",
+        ("auto", "exact", "krylov"),
+    )
     head: str = _knob("cosine", "Analytic classifier head (cosine reproduces the paper).", ("cosine", "dot"))
     wire_dtype: str = _knob("float32", "Dtype of uploaded statistics.", ("float32", "float64"))
     dummy_clients: int = _knob(1, "STSA-E: dummy clients K_D each client splits its data into.")

@@ -122,6 +122,7 @@ COMMON_KNOBS: tuple[str, ...] = (
 SGD_KNOBS = ("stage1-rounds", "local-epochs", "lr", "momentum", "weight-decay", "weighted-fedavg")
 GRADIENT_KNOBS = (*SGD_KNOBS, "rounds-per-task")
 RIDGE_KNOBS = (*SGD_KNOBS, "rf-dim", "ridge", "head", "min-class-count", "feature-clip")
+DENSE_RIDGE_KNOBS = (*RIDGE_KNOBS, "ridge-selection")  # the M × M solves (FedRAN's is in its subspace)
 SECURE_KNOBS = ("secure-aggregation", "secagg-fraction-bits", "secagg-min-clients", "secagg-signed-keys")
 #: Knobs of the server's data-free generator (TARGET, LANDER).
 GENERATOR_KNOBS = (
@@ -210,7 +211,7 @@ register(
         summary="STSA: exact Gram G and class sums C per client and stage; ridge in closed form",
         strategy="strategies.stsa:STSAStrategy",
         phases=(FEDAVG, Phase("stsa-stats", Kind.STATS, "clients.stsa:handle_stats")),
-        knobs=_all(RIDGE_KNOBS, SECURE_KNOBS, NOISE_KNOBS),
+        knobs=_all(DENSE_RIDGE_KNOBS, SECURE_KNOBS, NOISE_KNOBS),
         secure_aggregation=True,
         backfill=True,
         upload_noise=("gram", "sums", "counts"),
@@ -223,7 +224,7 @@ register(
         summary="STSA-E: class sums and counts of dummy clients only; the server estimates G (Eq. 9)",
         strategy="strategies.stsa_e:STSAEStrategy",
         phases=(FEDAVG, Phase("stsa-e-stats", Kind.STATS, "clients.stsa_e:handle_stats")),
-        knobs=_all(RIDGE_KNOBS, ("dummy-clients", "k-mode"), NOISE_KNOBS),
+        knobs=_all(DENSE_RIDGE_KNOBS, ("dummy-clients", "k-mode"), NOISE_KNOBS),
         backfill=True,
         upload_noise=("sums", "counts"),
     )
@@ -246,7 +247,7 @@ register(
         summary="upper bound: the same features, ridge on all seen data pooled on the server",
         strategy="strategies.joint:JointStrategy",
         phases=(FEDAVG,),
-        knobs=RIDGE_KNOBS,
+        knobs=DENSE_RIDGE_KNOBS,
         pooled_data=True,
     )
 )

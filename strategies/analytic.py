@@ -286,8 +286,11 @@ def upload_checks() -> Iterator[None]:
 
 def solve_dense(ridge: RidgeState, num_seen: int, cfg: RunConfig) -> tuple[torch.Tensor, dict[str, Any]]:
     """W from the summed statistics, γ fixed or by GCV (``ridge = auto``), and the result extras."""
-    weights, gamma, table = ridge.solve(num_seen, cfg.ridge_value())
-    return weights, ridge_extras(ridge.num_samples, gamma, table)
+    weights, gamma, table = ridge.solve(num_seen, cfg.ridge_value(), cfg.ridge_selection)
+    extra = ridge_extras(ridge.num_samples, gamma, table)
+    if ridge.selection and "gcv" in extra:
+        extra["gcv"].update(ridge.selection)
+    return weights, extra
 
 
 def noisy_total(counts: Iterable[torch.Tensor]) -> int:

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from .errors import AnalyticInputError, NotPositiveDefiniteError
 from .packing import add_packed_
+from .ridge_krylov import krylov_gcv
 
 __all__ = [
     "GCVRow",
@@ -45,7 +46,23 @@ __all__ = [
     "solve_ridge",
     "solve_ridge_psd",
     "symmetric_part",
+    "uses_krylov",
 ]
+
+#: ``ridge-selection auto`` searches with the Krylov estimate from this M on, when there are at least
+#: KRYLOV_SAMPLES_PER_DIM samples per feature; below that the exact eigendecomposition costs about as
+#: much, or GCV's denominator n − df is too small for the trace estimate (experiments/bench_ridge_selection.py).
+KRYLOV_FROM_DIM = 2048
+KRYLOV_SAMPLES_PER_DIM = 2
+
+
+def uses_krylov(selection: str, dim: int, num_samples: int) -> bool:
+    """Whether ``selection`` (auto, exact or krylov) searches with :func:`krylov_gcv` at this M and n."""
+    if selection not in ("auto", "exact", "krylov"):
+        raise AnalyticInputError(f"ridge selection must be auto, exact or krylov, got {selection!r}")
+    if selection == "auto":
+        return dim >= KRYLOV_FROM_DIM and num_samples >= KRYLOV_SAMPLES_PER_DIM * dim
+    return selection == "krylov"
 
 
 def _check_system(gram: Tensor, class_sums: Tensor) -> None:
@@ -243,6 +260,8 @@ class RidgeState:
     gram: Tensor
     class_sums: Tensor
     num_samples: int = 0
+    previous: float | None = None  # the last γ GCV chose: the Krylov search starts there
+    selection: dict[str, object] = field(default_factory=dict)  # how the last γ was selected
 
     @classmethod
     def empty(cls, dim: int, num_classes: int) -> RidgeState:
@@ -282,10 +301,31 @@ class RidgeState:
         """:meth:`solve` for noisy statistics: G projected onto the PSD cone (:func:`solve_ridge_psd`)."""
         return solve_ridge_psd(self.gram, self.class_sums[:, :num_seen], self.num_samples, ridge, sums_noise)
 
-    def solve(self, num_seen: int, ridge: float | None) -> tuple[Tensor, float, list[GCVRow]]:
-        """(W over the first ``num_seen`` classes, γ, GCV table): ``ridge`` None selects γ by GCV."""
+    def solve(self, num_seen: int, ridge: float | None, selection: str = "exact") -> tuple[Tensor, float, list[GCVRow]]:
+        """(W over the first ``num_seen`` classes, γ, GCV table): ``ridge`` None selects γ by GCV,
+        ``selection`` says how (:func:`uses_krylov`); :attr:`selection` then records how it went.
+        The Krylov search starts from the previous stage's γ and falls back to the exact scan
+        when it cannot certify its choice."""
         sums = self.class_sums[:, :num_seen]
         table: list[GCVRow] = []
+        self.selection = {}
+        if ridge is None and uses_krylov(selection, self.gram.shape[0], self.num_samples):
+            found = krylov_gcv(
+                self.gram, sums, self.num_samples, float(self.num_samples), default_ridge_grid(), centre=self.previous
+            )
+            self.selection = {"method": "krylov", "centres": found.centres, "block_solves": found.block_solves}
+            self.selection["margin"] = found.margin
+            if found.gamma is not None:
+                self.previous = found.gamma
+                table = [GCVRow(row.gamma, row.rss, row.df, row.gcv) for row in found.rows]
+                self.selection["stated_error"] = next(row.error for row in found.rows if row.gamma == found.gamma)
+                if found.factor is not None:  # γ is the last centre: its factor is the solve's
+                    weights = torch.cholesky_solve(sums.to(torch.float64), found.factor)
+                    return weights, found.gamma, table
+                return solve_ridge(self.gram, sums, found.gamma), found.gamma, table
+            self.selection["fallback"] = found.reason
         if ridge is None:
+            self.selection.setdefault("method", "exact")
             ridge, table = select_ridge_gcv(self.gram, sums, self.num_samples, float(self.num_samples))
+            self.previous = ridge
         return solve_ridge(self.gram, sums, ridge), ridge, table

@@ -1,0 +1,145 @@
+"""Ridge selection (``ridge auto``) against one solve, exact scan and Krylov search (issue 16 item 4).
+
+    python -m experiments.bench_ridge_selection                    # M = 4096 and 10000, ~15 min on 2 cores
+    python -m experiments.bench_ridge_selection --dims 1024 --quick
+
+Statistics: G = ΦᵀΦ and C = ΦᵀY of ReLU random features (M wide) of a 100-class Gaussian mixture,
+n = ``--samples-per-dim`` · M samples, accumulated in float64 batches (the clients' work; not timed).
+Per M, each end to end through :meth:`RidgeState.solve`:
+
+* ``solve``: W at a fixed γ (the exact scan's choice): Cholesky + solve, the unit of cost;
+* ``exact``: ``ridge-selection exact``, the eigendecomposition scan of the 41-point grid, then the solve;
+* ``krylov cold``: ``ridge-selection krylov`` with no previous γ (the first stage);
+* ``krylov warm``: the same with the previous stage's γ one grid step away from the choice (a
+  later stage whose choice moved), and ``krylov same``: the previous γ is the choice.
+
+``selection / solve`` = (time with selection − time of the fixed-γ solve) / time of the fixed-γ solve.
+Every Krylov row says whether it chose the exact scan's γ and the stated relative error of GCV there.
+Writes experiments/results/bench_ridge_selection.json (machine and load average included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from typing import Any
+
+import torch
+
+from experiments.benchlib import format_table, machine_info, write_json
+from fcl_flower.analytic.ridge import RidgeState, default_ridge_grid
+
+
+def statistics(dim: int, samples: int, classes: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """G (symmetrised) and C of ReLU random features of a Gaussian mixture, in batches."""
+    gen = torch.Generator().manual_seed(seed)
+    width = 128
+    means = torch.randn(classes, width, generator=gen)
+    projection = torch.randn(width, dim, generator=gen) / math.sqrt(width)
+    bias = torch.randn(dim, generator=gen)
+    gram = torch.zeros(dim, dim, dtype=torch.float64)
+    sums = torch.zeros(dim, classes, dtype=torch.float64)
+    for begin in range(0, samples, 2048):
+        labels = torch.randint(0, classes, (min(2048, samples - begin),), generator=gen)
+        phi = torch.relu((means[labels] + torch.randn(len(labels), width, generator=gen)) @ projection + bias).double()
+        gram.addmm_(phi.T, phi)
+        sums.index_add_(1, labels, phi.T)
+    gram = 0.5 * (gram + gram.T)
+    return gram, sums
+
+
+def timed(state: RidgeState, classes: int, ridge: float | None, selection: str) -> tuple[float, float, dict[str, Any]]:
+    began = time.perf_counter()
+    _, gamma, _ = state.solve(classes, ridge, selection)
+    return time.perf_counter() - began, gamma, dict(state.selection)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dims", type=int, nargs="+", default=[4096, 10000])
+    parser.add_argument("--classes", type=int, default=100)
+    parser.add_argument("--samples-per-dim", type=float, default=5.0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--skip-exact-above", type=int, default=20000, help="no exact scan above this M")
+    parser.add_argument("--quick", action="store_true", help="small M only: checks the script")
+    parser.add_argument("--out", help="JSON path (default experiments/results/bench_ridge_selection.json)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dims = [512] if args.quick else args.dims
+    grid = default_ridge_grid().tolist()
+    rows: list[dict[str, Any]] = []
+    began = time.perf_counter()
+    for dim in dims:
+        samples = int(args.samples_per_dim * dim)
+        load = os.getloadavg()[0]
+        gram, sums = statistics(dim, samples, args.classes)
+        state = RidgeState(gram, sums, samples)
+        exact_s, exact_gamma = math.nan, math.nan
+        if dim <= args.skip_exact_above:
+            exact_s, exact_gamma, _ = timed(state, args.classes, None, "exact")
+        cold_s, cold_gamma, cold = timed(RidgeState(gram, sums, samples), args.classes, None, "krylov")
+        reference = exact_gamma if math.isfinite(exact_gamma) else cold_gamma
+        solve_s, _, _ = timed(state, args.classes, reference, "exact")
+        step = grid[min(grid.index(reference) + 1, len(grid) - 1)]
+        warm_s, warm_gamma, warm = timed(RidgeState(gram, sums, samples, previous=step), args.classes, None, "krylov")
+        same_s, same_gamma, same = timed(
+            RidgeState(gram, sums, samples, previous=reference), args.classes, None, "krylov"
+        )
+        row: dict[str, Any] = {
+            "M": dim,
+            "n": samples,
+            "classes": args.classes,
+            "solve s": solve_s,
+            "exact s": exact_s,
+            "exact / solve": (exact_s - solve_s) / solve_s,
+            "gamma exact": exact_gamma,
+        }
+        for name, seconds, gamma, info in (
+            ("cold", cold_s, cold_gamma, cold),
+            ("warm", warm_s, warm_gamma, warm),
+            ("same", same_s, same_gamma, same),
+        ):
+            row[f"krylov {name} s"] = seconds
+            row[f"krylov {name} / solve"] = (seconds - solve_s) / solve_s
+            row[f"krylov {name} gamma"] = gamma
+            row[f"krylov {name} equals exact"] = gamma == exact_gamma if math.isfinite(exact_gamma) else None
+            row[f"krylov {name} detail"] = info
+        row["load average"] = [load, os.getloadavg()[0]]
+        rows.append(row)
+        print(
+            format_table(
+                [row],
+                [
+                    "M",
+                    "solve s",
+                    "exact / solve",
+                    "krylov cold / solve",
+                    "krylov warm / solve",
+                    "krylov same / solve",
+                    "gamma exact",
+                    "krylov cold gamma",
+                ],
+            ),
+            flush=True,
+        )
+    path = write_json(
+        "bench_ridge_selection",
+        {
+            "benchmark": "bench_ridge_selection",
+            "machine": machine_info(),
+            "threads": torch.get_num_threads(),
+            "quick": args.quick,
+            "rows": rows,
+            "seconds": time.perf_counter() - began,
+        },
+        args.out,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

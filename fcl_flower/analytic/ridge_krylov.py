@@ -1,0 +1,296 @@
+"""GCV ridge selection without an eigendecomposition: shift-invert block Krylov (issue 16 item 4).
+
+:func:`fcl_flower.analytic.ridge.select_ridge_gcv` diagonalises G (``eigh``): at M = 4096 that is
+an order of magnitude more work than the Cholesky solve it serves. This module picks γ on the same
+grid, by the same criterion, GCV(γ) = n · RSS(γ) / (n − df(γ))², from one Cholesky factor of
+G + γ_c I at a centre γ_c (the previous stage's γ when there is one) plus a few block solves:
+
+* With A = (G + γ_c I)⁻¹ (eigenvalues μ = 1/(λ + γ_c)), both GCV ingredients are spectral sums of
+  rational functions of μ:
+
+      RSS(γ) = tr(YᵀY) − Σ_c c_cᵀ g_γ(A) c_c,   g_γ(μ) = μ (1 + (2γ − γ_c) μ) / (1 + (γ − γ_c) μ)²,
+      df(γ)  = tr h_γ(A),                        h_γ(μ) = (1 − γ_c μ) / (1 + (γ − γ_c) μ).
+
+* A block Krylov space of A started from [C, Z] (Z: ``probes`` Rademacher vectors from a seeded
+  generator) and its Rayleigh–Ritz pairs give block Gauss quadrature for the quadratic forms
+  (exact for polynomials in μ of degree < 2·steps; Golub & Meurant, "Matrices, Moments and
+  Quadrature"); the trace is Hutchinson's estimator over Z (Golub & von Matt, "Generalized
+  cross-validation for large-scale problems", 1997, use the same two pieces). At γ = γ_c, g and h
+  are polynomials, so RSS(γ_c) is exact and df(γ_c) carries only the trace estimator's error.
+* Stated error. The quadrature's truncation error is estimated per grid point as the change from
+  ``steps − 1`` to ``steps`` blocks; the grid points where it is below ``tolerance`` (relative to
+  GCV) form the accurate window around the centre. The probes are shared by every γ, so the
+  difference GCV(γ_i) − GCV(γ_j) is far more precise than either value: per probe it is computed,
+  and its mean plus three standard errors plus both quadrature errors bounds how much worse the
+  chosen γ can be than any other point of the window (``margin``, relative; ≤ 0: better than
+  every other point). γ is the window's least-GCV point when it is not on the window's edge (else
+  the search recentres there, at most ``max_centres`` times) and its margin is ≤ ``tolerance``;
+  otherwise ``gamma`` is None, ``reason`` says why, and the caller falls back to the exact scan.
+  Each row also carries the absolute stated error of its own GCV estimate (quadrature plus three
+  standard errors of the trace estimator).
+
+So the chosen γ equals the exact scan's whenever the exact GCV's minimum is lower than every other
+grid point in the window (margin < 0), and otherwise its GCV is within ``tolerance`` (relative) of
+that point's (tests/test_ridge_krylov.py compares both on random-feature statistics, n/M from 2 to
+12; experiments/bench_ridge_selection.py at M = 4096 and 10000).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .errors import AnalyticInputError
+
+__all__ = ["KrylovGCV", "KrylovRow", "krylov_gcv"]
+
+
+@dataclass(frozen=True)
+class KrylovRow:
+    """One grid point: γ, the estimated RSS, df and GCV, and GCV's stated relative error."""
+
+    gamma: float
+    rss: float
+    df: float
+    gcv: float
+    error: float
+
+
+@dataclass
+class KrylovGCV:
+    """The outcome: the chosen γ (None when the search did not settle), the rows of the last
+    centre, every centre tried, the Cholesky factor of G + γI when γ is the last centre (so the
+    solve reuses it), and why the search gave up when it did."""
+
+    gamma: float | None
+    rows: list[KrylovRow]
+    centres: list[float]
+    factor: Tensor | None = None
+    reason: str = ""
+    block_solves: int = 0
+    margin: float = math.nan
+
+    @property
+    def certified(self) -> bool:
+        return self.gamma is not None
+
+
+def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
+    """``block`` orthogonalised against ``basis`` (twice: classical Gram–Schmidt, re-orthogonalised)
+    and then within itself; columns that vanish (rank deficiency) are dropped."""
+    for _ in range(2 if basis is not None else 0):
+        assert basis is not None
+        block = block - basis @ (basis.T @ block)
+    q, r = torch.linalg.qr(block)
+    diag = torch.diagonal(r).abs()
+    keep = diag > 1e-10 * max(float(diag.max()), 1e-300) if diag.numel() else diag.bool()
+    return q[:, keep]
+
+
+def _estimates(
+    theta: Tensor, weights_c: Tensor, weights_z: Tensor, centre: float, gammas: Tensor, yty: float
+) -> tuple[Tensor, Tensor]:
+    """(RSS per γ, df per γ and probe) from Ritz values ``theta`` of A and the squared projections
+    of C (summed over classes) and of each probe onto the Ritz vectors."""
+    shift = (gammas - centre).unsqueeze(1)  # (grid, 1)
+    mu = theta.unsqueeze(0)  # (1, s)
+    denom = 1.0 + shift * mu
+    g = mu * (1.0 + (2.0 * gammas.unsqueeze(1) - centre) * mu) / (denom * denom)
+    h = (1.0 - centre * mu) / denom
+    rss = (yty - g @ weights_c).clamp_min(0.0)
+    return rss, h @ weights_z  # RSS per γ, df per γ and probe
+
+
+def _gcv(rss: Tensor, df: Tensor, n: int) -> Tensor:
+    room = n - df
+    return torch.where(room > 0, n * rss / room.clamp_min(1e-300) ** 2, torch.full_like(rss, math.inf))
+
+
+def _krylov(apply: Callable[[Tensor], Tensor], start: Tensor, steps: int) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """Block Krylov space of ``apply`` from ``start``: (orthonormal basis V, the symmetrised
+    compression Vᵀ·apply(V), Vᵀ·start, the width of all blocks but the last, columns applied)."""
+    dim = start.shape[0]
+    blocks: list[Tensor] = []
+    images: list[Tensor] = []
+    block = _orthonormal(start, None)
+    basis = block[:, :0]
+    applied = 0
+    for _ in range(steps):
+        if block.shape[1] == 0 or basis.shape[1] >= dim:
+            break
+        blocks.append(block)
+        image = apply(block)
+        applied += block.shape[1]
+        images.append(image)
+        basis = torch.cat(blocks, dim=1)
+        block = _orthonormal(image, basis)
+    compressed = basis.T @ torch.cat(images, dim=1)
+    previous = basis.shape[1] - (blocks[-1].shape[1] if len(blocks) > 1 else 0)
+    return basis, 0.5 * (compressed + compressed.T), basis.T @ start, previous, applied
+
+
+def _ritz(compressed: Tensor, coords: Tensor, size: int, classes: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Ritz values of the leading ``size`` block and the squared coordinates of the start block on
+    the Ritz vectors: summed over the ``classes`` columns of C, and per probe."""
+    theta, vectors = torch.linalg.eigh(compressed[:size, :size])
+    squared = (vectors.T @ coords[:size]) ** 2
+    return theta, squared[:, :classes].sum(dim=1), squared[:, classes:]
+
+
+def _coarse_centre(gram: Tensor, start: Tensor, classes: int, n: int, yty: float, gammas: Tensor, steps: int) -> float:
+    """A starting centre: the least-GCV grid point by Gauss quadrature in a Krylov space of G
+    itself (no factorisation; its small eigenvalues are lumped, so it is only a starting point)."""
+    basis, compressed, coords, _, _ = _krylov(lambda block: gram @ block, start, steps)
+    theta, weights_c, weights_z = _ritz(compressed, coords, basis.shape[1], classes)
+    rss, df = _estimates(1.0 / (theta.clamp_min(0.0) + 1.0), weights_c, weights_z, 1.0, gammas, yty)
+    return float(gammas[int(torch.argmin(_gcv(rss, df.mean(dim=1), n)))])
+
+
+@dataclass(frozen=True)
+class _Centre:
+    """One centre's estimates: the rows, the factor of G + γ_c I (None: not positive definite),
+    the columns solved, the quadrature's relative error of GCV per γ, and GCV per γ and probe."""
+
+    rows: list[KrylovRow]
+    factor: Tensor | None
+    solved: int
+    quadrature: Tensor
+    per_probe: Tensor
+
+
+def _one_centre(
+    gram: Tensor, start: Tensor, classes: int, n: int, yty: float, gammas: Tensor, centre: float, steps: int
+) -> _Centre:
+    system = gram.clone()
+    system.diagonal().add_(centre)
+    factor, info = torch.linalg.cholesky_ex(system)
+    del system
+    if int(info) != 0:
+        return _Centre([], None, 0, torch.empty(0), torch.empty(0))
+    basis, compressed, coords, previous, solved = _krylov(
+        lambda block: torch.cholesky_solve(block, factor), start, steps
+    )
+
+    def estimates(size: int) -> tuple[Tensor, Tensor]:
+        theta, weights_c, weights_z = _ritz(compressed, coords, size, classes)
+        return _estimates(theta.clamp(0.0, 1.0 / centre), weights_c, weights_z, centre, gammas, yty)
+
+    rss, per_probe = estimates(basis.shape[1])
+    df = per_probe.mean(dim=1)
+    se = per_probe.std(dim=1) / math.sqrt(per_probe.shape[1])
+    if previous < basis.shape[1] < gram.shape[0]:
+        rss_prev, df_prev = estimates(previous)
+        rss_err, df_err = (rss - rss_prev).abs(), (df - df_prev.mean(dim=1)).abs()
+    else:  # one block, or the space is the whole of R^M (then quadrature is exact)
+        rss_err = torch.zeros_like(rss) if basis.shape[1] >= gram.shape[0] else torch.full_like(rss, math.inf)
+        df_err = rss_err
+    gcv = _gcv(rss, df, n)
+    room = (n - df).clamp_min(1e-300)
+    valid = torch.isfinite(gcv) & (df + df_err + 3.0 * se < n)
+    quadrature = torch.where(valid, rss_err / rss.clamp_min(1e-300) + 2.0 * df_err / room, math.inf)
+    relative = torch.where(valid, quadrature + 6.0 * se / room, math.inf)
+    rows = [
+        KrylovRow(float(gm), float(r), float(d), float(gc), float(e))
+        for gm, r, d, gc, e in zip(
+            gammas.tolist(), rss.tolist(), df.tolist(), gcv.tolist(), relative.tolist(), strict=True
+        )
+    ]
+    return _Centre(rows, factor, solved, quadrature, _gcv(rss.unsqueeze(1), per_probe, n))
+
+
+def _margin(found: _Centre, best: int, others: range) -> float:
+    """Upper bound (three standard errors of the paired probe differences, plus both points'
+    quadrature errors) on max_j GCV(γ_best) − GCV(γ_j) over ``others``, relative to GCV(γ_best).
+    The probes are shared by all γ, so the differences are far more precise than the values."""
+    rows, per_probe = found.rows, found.per_probe
+    worst = -math.inf
+    for j in others:
+        if j == best:
+            continue
+        paired = per_probe[best] - per_probe[j]
+        spread = 3.0 * float(paired.std()) / math.sqrt(paired.numel())
+        quadrature = float(found.quadrature[best]) * rows[best].gcv + float(found.quadrature[j]) * rows[j].gcv
+        worst = max(worst, rows[best].gcv - rows[j].gcv + spread + quadrature)
+    return worst / rows[best].gcv
+
+
+def krylov_gcv(
+    gram: Tensor,
+    class_sums: Tensor,
+    num_samples: int,
+    yty: float,
+    grid: Sequence[float] | Tensor,
+    *,
+    centre: float | None = None,
+    probes: int = 16,
+    steps: int = 5,
+    tolerance: float = 1e-3,
+    max_centres: int = 3,
+    seed: int = 0,
+) -> KrylovGCV:
+    """GCV's γ on ``grid`` from Cholesky factors at a few centres (module doc). ``centre``: where to
+    start (the grid point nearest it; default: the least-GCV point of a Gauss-quadrature estimate in
+    a Krylov space of G itself, which costs a few block products and no factorisation)."""
+    n = int(num_samples)
+    if n <= 0:
+        raise AnalyticInputError(f"num_samples must be positive, got {num_samples}")
+    gammas = torch.as_tensor(grid, dtype=torch.float64)
+    if gammas.dim() != 1 or gammas.numel() == 0 or bool((gammas <= 0).any()):
+        raise AnalyticInputError("grid must be a non-empty 1-D sequence of positive values")
+    if probes < 2 or steps < 2:
+        raise AnalyticInputError(f"probes and steps must be >= 2, got {probes} and {steps}")
+    g = gram.to(torch.float64)
+    c = class_sums.to(torch.float64)
+    dim = g.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    z = torch.randint(0, 2, (dim, probes), generator=generator).to(torch.float64).mul_(2.0).sub_(1.0)
+    values = gammas.tolist()
+    start = torch.cat([c, z], dim=1)
+    if centre is None:
+        centre = _coarse_centre(g, start, c.shape[1], n, float(yty), gammas, steps)
+    else:
+        wanted = math.log(float(centre))
+        centre = min(values, key=lambda v: abs(math.log(v) - wanted))
+    result = KrylovGCV(gamma=None, rows=[], centres=[])
+    for _ in range(max_centres):
+        result.centres.append(centre)
+        found = _one_centre(g, start, c.shape[1], n, float(yty), gammas, centre, steps)
+        result.block_solves += found.solved
+        if found.factor is None:
+            result.reason = f"G + {centre:g}·I has no Cholesky factor"
+            result.rows = []
+            return result
+        rows = result.rows = found.rows
+        usable = [float(q) <= tolerance for q in found.quadrature]
+        here = values.index(centre)
+        if not usable[here]:
+            result.reason = f"GCV's quadrature error at γ_c = {centre:g} exceeds {tolerance:g} (df close to n?)"
+            return result
+        low = high = here  # the run of grid points around the centre where the quadrature is accurate
+        while low > 0 and usable[low - 1]:
+            low -= 1
+        while high < len(rows) - 1 and usable[high + 1]:
+            high += 1
+        best = min(range(low, high + 1), key=lambda i: rows[i].gcv)
+        if (best == low and low > 0) or (best == high and high < len(rows) - 1):
+            if best == here:
+                result.reason = f"GCV is least at γ_c = {centre:g}, at the edge of its accurate window"
+                return result
+            centre = rows[best].gamma  # the minimum lies beyond this window: recentre there
+            continue
+        result.margin = _margin(found, best, range(low, high + 1))
+        if result.margin > tolerance:
+            result.reason = (
+                f"the probes cannot tell γ = {rows[best].gamma:g} from its neighbours: GCV may be "
+                f"{result.margin:.2g} (relative) above another grid point's"
+            )
+            return result
+        result.gamma = rows[best].gamma
+        result.factor = found.factor if best == here else None
+        return result
+    result.reason = f"no interior minimum after {max_centres} centres {result.centres}"
+    return result
