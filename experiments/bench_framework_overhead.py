@@ -133,9 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rf-dim", type=int, default=1000)
     parser.add_argument("--num-cpus", type=float, default=1.0, help="Ray: CPU per simulated client.")
     parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads of the in-process engines (direct, local); 0: torch's default. Ray's actors run "
+        "with one thread each (OMP_NUM_THREADS = --num-cpus), so --threads 1 compares like with like.",
+    )
     parser.add_argument("--out", help="JSON path (default experiments/results/bench_framework_overhead.json).")
     args = parser.parse_args(argv)
     load = os.getloadavg()[0]
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     from flwr.common.logger import console_handler
 
     console_handler.setLevel(logging.WARNING)
@@ -187,9 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     columns = ["engine", "stage 1 s", "stages 2..T mean s", "ratio vs direct", "ratio vs direct + checks"]
     print(format_table(rows, [*columns, "run total s", "outside stages s"], floats="{:.2f}"))
-    default_size = args.rf_dim == 1000 and args.num_clients == 5
+    name = "bench_framework_overhead"
+    if not (args.rf_dim == 1000 and args.num_clients == 5):
+        name += f"-M{args.rf_dim}-K{args.num_clients}"
+    if args.threads > 0:
+        name += f"-threads{args.threads}"
     path = write_json(
-        "bench_framework_overhead" if default_size else f"bench_framework_overhead-M{args.rf_dim}-K{args.num_clients}",
+        name,
         {
             "load_average_at_start": load,
             "load_average_at_end": os.getloadavg()[0],
@@ -202,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 "stage1_rounds": 0,
                 "ray_num_cpus_per_client": args.num_cpus,
                 "wire_dtype": "float32",
+                "torch_threads_in_process": torch.get_num_threads(),
             },
             "engines": engines,
             "rows": rows,
