@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,6 +42,13 @@ from fcl_flower.analytic import (
     unpack_upper,
 )
 from fcl_flower.analytic.estimator import GramEstimator
+from fcl_flower.analytic.packing import (
+    add_packed_,
+    diagonal_of_packed,
+    pack_symmetrised,
+    packed_blocks,
+    row_offset,
+)
 from fcl_flower.analytic.random_features import clip_rows
 from fcl_flower.analytic.ridge import RidgeState, gcv_from_spectrum
 from tests.conftest import seeded_generator
@@ -682,6 +690,124 @@ def test_packing_keeps_the_device_and_dtype_of_its_input() -> None:
         assert unpack_upper(torch.ones(6, device="cpu"), 3).device.type == "cpu"
 
 
+def _upper_reference(g: torch.Tensor) -> torch.Tensor:
+    """The row-major upper triangle by fancy indexing (the direct definition)."""
+    rows, cols = torch.triu_indices(g.shape[0], g.shape[0])
+    return g[rows, cols]
+
+
+def _symmetric_from_packed(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """The full symmetric matrix of a packed upper triangle, by fancy indexing."""
+    rows, cols = torch.triu_indices(dim, dim)
+    out = torch.zeros(dim, dim, dtype=packed.dtype)
+    out[rows, cols] = packed
+    out[cols, rows] = packed
+    return out
+
+
+def test_row_offset_and_packed_blocks_cover_the_triangle_once() -> None:
+    for dim in (1, 2, 7, 30):
+        for row in range(dim + 1):  # row r starts after the r longer rows above it
+            assert row_offset(row, dim) == sum(dim - i for i in range(row))
+        for block in (1, dim, 3 * dim + 1, 10**6):
+            end = 0
+            for a, b, mask in packed_blocks(dim, block):
+                assert a == end and b > a  # consecutive row ranges, none empty
+                assert mask.dtype == np.bool_ and np.array_equal(mask, np.triu(np.ones((b - a, dim - a), dtype=bool)))
+                assert int(mask.sum()) == row_offset(b, dim) - row_offset(a, dim)
+                end = b
+            assert end == dim
+    # rows per block: block_elements // dim, at least one
+    assert [(a, b) for a, b, _ in packed_blocks(7, 20)] == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    assert [(a, b) for a, b, _ in packed_blocks(7, 3)] == [(i, i + 1) for i in range(7)]
+    assert [(a, b) for a, b, _ in packed_blocks(7, 21)] == [(0, 3), (3, 6), (6, 7)]
+    assert [(a, b) for a, b, _ in packed_blocks(1, 5)] == [(0, 1)]
+    assert list(packed_blocks(0)) == []
+    assert [(a, b) for a, b, _ in packed_blocks(5)] == [(0, 5)]  # default: ~4 M entries per block
+
+
+@pytest.mark.parametrize("dim", [1, 5, 300, 600, 2100])  # > 256: several tiles; > 2048: several row blocks
+def test_packing_round_trips_equal_the_direct_definition(dim: int) -> None:
+    gen = seeded_generator(dim)
+    g = torch.randn(dim, dim, dtype=F64, generator=gen)  # not symmetric
+    sym = 0.5 * (g + g.T)
+    assert torch.equal(pack_upper(g), _upper_reference(g))
+    assert torch.equal(pack_upper(g, F32), _upper_reference(g).to(F32))
+    assert torch.equal(pack_symmetrised(g), _upper_reference(sym))
+    assert torch.equal(pack_symmetrised(g, F32), _upper_reference(sym).to(F32))
+    packed = torch.randn(packed_length(dim), dtype=F64, generator=gen)
+    assert torch.equal(unpack_upper(packed, dim), _symmetric_from_packed(packed, dim))
+    assert torch.equal(diagonal_of_packed(packed, dim), torch.diagonal(_symmetric_from_packed(packed, dim)))
+    before = sym.clone()
+    out = add_packed_(sym, packed)
+    assert out is sym  # in place
+    assert torch.equal(sym, before + _symmetric_from_packed(packed, dim))
+
+
+def test_packing_helpers_reject_bad_shapes_and_keep_the_device() -> None:
+    _raises(
+        lambda: pack_symmetrised(torch.zeros(2, 3)),
+        AnalyticInputError,
+        "pack_symmetrised needs a square matrix, got shape (2, 3)",
+    )
+    _raises(
+        lambda: add_packed_(torch.zeros(3), torch.zeros(6)),
+        AnalyticInputError,
+        "add_packed_ needs a square matrix, got shape (3,)",
+    )
+    _raises(
+        lambda: add_packed_(torch.zeros(3, 3), torch.zeros(5)),
+        AnalyticInputError,
+        "packed Gram has 5 entries, expected 6 for dim 3",
+    )
+    _raises(
+        lambda: diagonal_of_packed(torch.zeros(2, 3), 3),
+        AnalyticInputError,
+        "packed Gram must be 1-D, got shape (2, 3)",
+    )
+    _raises(
+        lambda: diagonal_of_packed(torch.zeros(7), 3),
+        AnalyticInputError,
+        "packed Gram has 7 entries, expected 6 for dim 3",
+    )
+    assert diagonal_of_packed(torch.zeros(0), 0).shape == (0,)
+    meta = torch.empty(4, 4, device="meta", dtype=F64)
+    sym = pack_symmetrised(meta, F32)
+    assert sym.device.type == "meta" and sym.dtype == F32 and sym.shape == (10,)
+    assert pack_symmetrised(meta).dtype == F64
+    assert pack_upper(meta, F32).dtype == F32
+    added = add_packed_(meta, torch.zeros(10, dtype=F64))  # a CPU upload into a Gram on another device
+    assert added is meta
+    diag = diagonal_of_packed(torch.empty(10, device="meta"), 4)
+    assert diag.device.type == "meta" and diag.shape == (4,)
+
+
+def test_packing_on_the_cpu_whatever_the_default_device() -> None:
+    g = torch.arange(9, dtype=F64).reshape(3, 3)
+    packed = _upper_reference(g)
+    with torch.device("meta"):  # index and output tensors must follow the input, not the default
+        diag = diagonal_of_packed(packed, 3)
+        sym = pack_symmetrised(g)
+    assert diag.device.type == "cpu" and diag.tolist() == [0.0, 4.0, 8.0]
+    assert sym.device.type == "cpu" and torch.equal(sym, _upper_reference(0.5 * (g + g.T)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packing_on_cuda_equals_the_cpu_result() -> None:
+    """The row-by-row path for tensors on another device gives the CPU path's numbers."""
+    gen = seeded_generator(5)
+    g = torch.randn(7, 7, dtype=F64, generator=gen)
+    packed = torch.randn(28, dtype=F64, generator=gen)
+    sym = 0.5 * (g + g.T)
+    cuda = torch.device("cuda")
+    assert torch.equal(pack_upper(g.to(cuda)).cpu(), pack_upper(g))
+    assert torch.equal(pack_symmetrised(g.to(cuda)).cpu(), pack_symmetrised(g))
+    assert torch.equal(unpack_upper(packed.to(cuda), 7).cpu(), unpack_upper(packed, 7))
+    assert torch.equal(diagonal_of_packed(packed.to(cuda), 7).cpu(), diagonal_of_packed(packed, 7))
+    on_gpu = add_packed_(sym.to(cuda), packed)  # a CPU upload into a Gram on the GPU
+    assert on_gpu.device.type == "cuda" and torch.equal(on_gpu.cpu(), add_packed_(sym.clone(), packed))
+
+
 # =============================================================================== random features
 def test_random_projection_shapes_edges_and_device() -> None:
     assert random_projection(1, 5, seed=0).shape == (1, 5)  # one input feature
@@ -820,6 +946,24 @@ def test_zero_samples_and_gramless_statistics() -> None:
     assert summed.gram is None and torch.equal(summed.class_sums, 2 * gramless.class_sums)
 
 
+def test_packed_gram_is_the_packed_symmetrised_gram() -> None:
+    gen = seeded_generator(4)
+    acc = StatisticsAccumulator(6, 3)
+    acc.update(torch.randn(11, 6, generator=gen), torch.randint(0, 3, (11,), generator=gen))
+    gram = acc.result().gram
+    assert gram is not None and torch.equal(gram, gram.T)
+    assert acc.packed_gram().dtype == F64 and torch.equal(acc.packed_gram(), _upper_reference(gram))
+    assert acc.packed_gram(F32).dtype == F32 and torch.equal(acc.packed_gram(F32), _upper_reference(gram).to(F32))
+    without = acc.result(with_gram=False)  # after packed_gram: the rest, without G
+    assert without.gram is None and torch.equal(without.class_sums, acc.result().class_sums)
+    assert acc.result(with_gram=True).gram is not None
+    _raises(
+        lambda: StatisticsAccumulator(6, 3, with_gram=False).packed_gram(),
+        AnalyticInputError,
+        "this accumulator has no Gram matrix (with_gram=False)",
+    )
+
+
 def test_aggregate_never_aliases_its_inputs() -> None:
     acc = StatisticsAccumulator(2, 2)
     acc.update(torch.ones(1, 2), torch.tensor([1]))
@@ -948,6 +1092,29 @@ def test_ridge_state_over_stages_equals_one_direct_solve() -> None:
     assert torch.equal(restored.gram, state.gram) and torch.equal(restored.class_sums, state.class_sums)
     assert restored.num_samples == 30
     assert set(state.state_dict()) == {"gram", "class_sums", "num_samples"}
+
+
+def test_ridge_state_add_packed_equals_add_of_the_unpacked_gram() -> None:
+    gen = seeded_generator(8)
+    x = torch.randn(9, 4, generator=gen, dtype=F64)
+    gram_t, sums_t = x.T @ x, torch.randn(4, 2, generator=gen, dtype=F64)
+    plain, packed = RidgeState.empty(4, 5), RidgeState.empty(4, 5)
+    for state in (plain, packed):
+        state.add(range(5), torch.eye(4, dtype=F64), torch.ones(4, 5, dtype=F64), 2)
+    plain.add(range(1, 3), gram_t, sums_t, 9)
+    packed.add_packed(range(1, 3), pack_upper(gram_t), sums_t, 9)
+    assert torch.equal(packed.gram, plain.gram) and torch.equal(packed.class_sums, plain.class_sums)
+    assert packed.num_samples == plain.num_samples == 11
+    packed.add_packed(range(3, 5), None, sums_t, 1)  # no Gram (STSA-E): G unchanged
+    assert torch.equal(packed.gram, plain.gram) and packed.num_samples == 12
+    assert torch.equal(packed.class_sums[:, 3:], plain.class_sums[:, 3:] + sums_t)
+    before = packed.gram.clone()
+    _raises(  # the shapes are checked before G changes
+        lambda: packed.add_packed(range(2), pack_upper(gram_t), torch.zeros(4, 3, dtype=F64), 1),
+        AnalyticInputError,
+        "class_sums shape (4, 3) does not fit 4 features and 2 classes",
+    )
+    assert torch.equal(packed.gram, before) and packed.num_samples == 12
 
 
 # =============================================================================== STSA-E estimator

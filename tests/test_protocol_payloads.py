@@ -12,6 +12,7 @@ from fcl_flower.protocol.arrays import (
     cast_for_wire,
     from_record,
     message_bytes,
+    npy_view,
     payload_bytes,
     read_ring,
     read_tensor,
@@ -132,6 +133,9 @@ def test_read_tensor_accepts_what_its_checks_allow() -> None:
     edge = read_tensor(_record(x=np.array([1e150, -1e150])), "x")  # exactly the limit is allowed
     assert edge.tolist() == [1e150, -1e150]
     assert read_tensor(_record(x=np.array([5e200])), "x", finite=False).tolist() == [5e200]  # unchecked
+    assert read_tensor(_record(x=np.array([5e200])), "x", finite=False, nonnegative=True).tolist() == [5e200]
+    for values in ([1.0, np.inf], [-np.inf, 1.0]):  # one infinite end: still "NaN or inf"
+        _raises(lambda values=values: read_tensor(_record(x=np.array(values)), "x"), "array 'x' contains NaN or inf")
     assert read_tensor(_record(x=np.zeros((0, 3))), "x", shape=(0, 3)).shape == (0, 3)  # empty: no peak
     ring = read_ring(_record(x=np.array([[1, 2**64 - 1]], dtype=np.uint64)), "x", shape=(1, 2))
     assert ring.dtype == np.uint64 and ring.tolist() == [[1, 2**64 - 1]]
@@ -281,6 +285,28 @@ def test_masked_stsa_stats_round_trip_and_checks() -> None:
     _raises(lambda: MaskedStsaStats.read(extra, packed=3, dim=2, classes=1), "unexpected array(s) x")
     no_counts = ArrayRecord({"gram-packed": Array(gram), "class-sums": Array(sums)})
     _raises(lambda: MaskedStsaStats.read(no_counts, packed=3, dim=2, classes=1), "missing array 'counts'")
+
+
+def test_large_uploads_are_read_in_place_the_rest_copied() -> None:
+    """G (packed) and the masked arrays are views of the reply's bytes (only summed, never written);
+    C and the counts, and read_ring/read_tensor by default, are private writable copies."""
+    packed, sums = torch.tensor([1.0, 2.0, 3.0], dtype=F64), torch.tensor([[0.1], [0.2]], dtype=F64)
+    record = StsaStats(packed, sums, torch.tensor([4.0], dtype=F64)).to_record("float64")
+    got = StsaStats.read(record, packed=3, dim=2, classes=1)
+    assert np.shares_memory(got.gram_packed.numpy(), npy_view(record["gram-packed"]))
+    assert not np.shares_memory(got.class_sums.numpy(), npy_view(record["class-sums"]))
+    assert not np.shares_memory(got.counts.numpy(), npy_view(record["counts"]))
+    ring = np.array([1, 2, 3], dtype=np.uint64)
+    masked_record = MaskedStsaStats(ring, ring.reshape(3, 1), ring[:2]).to_record()
+    masked = MaskedStsaStats.read(masked_record, packed=3, dim=3, classes=1)
+    for name, values in (
+        ("gram-packed", masked.gram_packed),
+        ("class-sums", masked.class_sums),
+        ("counts", masked.counts),
+    ):
+        assert not values.flags.writeable and np.shares_memory(values, npy_view(masked_record[name]))
+    owned = read_ring(masked_record, "gram-packed", shape=(3,))
+    assert owned.flags.writeable and not np.shares_memory(owned, npy_view(masked_record["gram-packed"]))
 
 
 def test_stsa_e_stats_read() -> None:

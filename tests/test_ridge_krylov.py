@@ -177,3 +177,32 @@ def test_an_indefinite_gram_at_the_centre_is_reported_not_raised() -> None:
     gram = gram - 1e6 * torch.eye(64, dtype=torch.float64)
     found = krylov_gcv(gram, sums, 500, 500.0, default_ridge_grid(), centre=1.0)
     assert found.gamma is None and found.reason == "G + 1·I has no Cholesky factor"
+
+
+def test_state_records_the_krylov_search_as_krylov_gcv_reports_it() -> None:
+    gram, sums = random_feature_statistics(256, 3000, 6, seed=8)
+    found = krylov_gcv(gram, sums, 3000, 3000.0, default_ridge_grid(), centre=None)
+    assert found.gamma is not None
+    state = RidgeState(gram.clone(), sums.clone(), 3000)
+    _, gamma, table = state.solve(6, None, "krylov")
+    assert gamma == found.gamma
+    assert set(state.selection) == {"method", "centres", "block_solves", "margin", "stated_error"}
+    assert state.selection["block_solves"] == found.block_solves and state.selection["centres"] == found.centres
+    assert state.selection["stated_error"] == next(row.error for row in found.rows if row.gamma == found.gamma)
+    assert [(r.gamma, r.rss, r.df, r.gcv) for r in table] == [(r.gamma, r.rss, r.df, r.gcv) for r in found.rows]
+
+
+def test_state_auto_selection_is_exact_below_the_krylov_size_and_remembers_gamma() -> None:
+    gram, sums = random_feature_statistics(64, 500, 4, seed=5)
+    state = RidgeState(gram.clone(), sums.clone(), 500)
+    _, gamma, table = state.solve(4, None, "auto")  # M = 64 < KRYLOV_FROM_DIM: the exact scan
+    assert state.selection == {"method": "exact"} and state.previous == gamma
+    assert (gamma, table) == select_ridge_gcv(gram, sums, 500, 500.0)
+
+
+def test_state_solve_with_krylov_takes_float32_class_sums() -> None:
+    """The state's class sums are solved in float64 whatever their dtype, on the Krylov path too."""
+    gram, sums = random_feature_statistics(256, 3000, 6, seed=8)
+    state = RidgeState(gram.clone(), sums.float(), 3000)
+    weights, gamma, _ = state.solve(6, None, "krylov")
+    assert weights.dtype == torch.float64 and torch.equal(weights, solve_ridge(gram, sums.float().double(), gamma))

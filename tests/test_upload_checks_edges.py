@@ -27,8 +27,10 @@ from fcl_flower.analytic.checks import (
     check_gram_statistics,
     check_lowrank_statistics,
     check_magnitude,
+    check_packed_statistics,
     wire_epsilon,
 )
+from fcl_flower.analytic.packing import pack_upper
 
 F64 = torch.float64
 PHI = torch.tensor([[3.0, 4.0], [3.0, 4.0], [5.0, 0.0], [0.0, 5.0], [4.0, 3.0]], dtype=F64)
@@ -428,6 +430,18 @@ def test_float32_and_integer_inputs_are_judged_in_float64() -> None:
     )
 
 
+def test_a_float32_gram_is_symmetrised_in_float64() -> None:
+    """G01 = 1, G10 = 2^-24 in float32: the symmetric part 0.5 + 2^-25 exists only in float64, and
+    with G00 = G11 = 0.5 it breaks Cauchy-Schwarz by 2^-24 (float32 would round it to exactly 0.5)."""
+    g32 = torch.tensor([[0.5, 1.0], [2.0**-24, 0.5]], dtype=torch.float32)
+    _rejected(
+        lambda: check_gram_statistics(
+            g32, torch.zeros(2, 1, dtype=F64), torch.ones(1, dtype=F64), relative_tolerance=0.0
+        ),
+        "an entry breaks Cauchy-Schwarz |J_ij| <= sqrt(J_ii J_jj): class sums too large for G and the counts",
+    )
+
+
 def test_g_is_judged_by_its_symmetric_part() -> None:
     """Only the upper triangle travels; an asymmetric G whose symmetric part is G passes, although
     its (0, 1) entry alone would break Cauchy-Schwarz."""
@@ -448,6 +462,124 @@ def test_a_feature_without_energy_is_left_out_of_the_scaled_test() -> None:
     )
     negative = _with(g, (2, 2), -1e-6)  # within δ's diagonal floor, so still "no energy"
     check_gram_statistics(negative, c, n, relative_tolerance=0.0, absolute_tolerance=1e-6)
+
+
+def test_a_zero_energy_feature_with_a_non_zero_gram_entry_is_rejected() -> None:
+    """A feature with G_ii = 0 must have G_ij = 0 for every j, whether the entry sits in its row
+    (the feature first) or in its column (the feature last) of the packed upper triangle."""
+    zero = torch.zeros(5, 1, dtype=F64)
+    for phi, entry in ((torch.cat([zero, PHI], dim=1), (0, 1)), (torch.cat([PHI, zero], dim=1), (0, 2))):
+        g, c = phi.T @ phi, phi.T @ Y
+        check_gram_statistics(g, c, N, relative_tolerance=0.0)  # honest: passes
+        leak = _with(_with(g, entry, 1e-300), entry[::-1], 1e-300)  # symmetric, the diagonal still zero
+        _rejected(
+            lambda leak=leak, c=c: check_gram_statistics(leak, c, N, relative_tolerance=0.0),
+            "a feature or class with zero energy has non-zero sums",
+        )
+
+
+def test_zero_energy_is_checked_across_row_blocks() -> None:
+    """M = 2049 packs in two blocks of rows (2047 + 2): the zero-energy test finds an entry of the
+    last feature's column in either block, and leaves every diagonal out."""
+    dim = 2049
+    g = torch.eye(dim, dtype=F64)
+    g[dim - 1, dim - 1] = 0.0  # the last feature has no energy
+    c, n = torch.zeros(dim, 1, dtype=F64), torch.zeros(1, dtype=F64)
+    check_gram_statistics(g, c, n, relative_tolerance=0.0)
+    for row in (5, dim - 2):  # first block, second block
+        leak = _with(_with(g, (row, dim - 1), 1e-300), (dim - 1, row), 1e-300)
+        _rejected(
+            lambda leak=leak: check_gram_statistics(leak, c, n, relative_tolerance=0.0),
+            "a feature or class with zero energy has non-zero sums",
+        )
+
+
+# =============================================================================== packed uploads
+PACKED = pack_upper(G)  # [59, 36, 66]
+
+
+def _packed_shapes(g, c, n) -> str:
+    return f"shapes G packed {tuple(g.shape)}, C {tuple(c.shape)}, counts {tuple(n.shape)} do not fit together"
+
+
+@pytest.mark.parametrize(
+    "g, c, n",
+    [
+        (PACKED.reshape(3, 1), C, N),  # G not 1-D
+        (PACKED, C.reshape(-1), N),  # C not 2-D
+        (PACKED[:2], C, N),  # G's length is not M(M+1)/2
+        (PACKED, C, N[:1]),  # counts do not match the classes
+    ],
+)
+def test_packed_shapes_that_do_not_fit_are_rejected(g, c, n) -> None:
+    _rejected(lambda: check_packed_statistics(g, c, n, relative_tolerance=0.0), _packed_shapes(g, c, n))
+
+
+def test_packed_checks_name_the_packed_gram_and_default_to_signed_features() -> None:
+    check_packed_statistics(PACKED, C, N, relative_tolerance=0.0)  # the dataset's own statistics
+    _rejected(
+        lambda: check_packed_statistics(_with(PACKED, (1,), float("inf")), C, N, relative_tolerance=0.0),
+        "G contains NaN or inf",
+    )
+    signed = torch.tensor([[3.0, -4.0], [-3.0, 4.0], [5.0, 0.0], [1.0, -2.0], [-2.0, 1.0]], dtype=F64)  # either sign
+    y = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]], dtype=F64)
+    g, c, n = signed.T @ signed, signed.T @ y, y.sum(0)
+    check_packed_statistics(pack_upper(g), c, n, relative_tolerance=0.0)  # nonnegative is off by default
+    _rejected(
+        lambda: check_packed_statistics(pack_upper(g), c, n, relative_tolerance=0.0, nonnegative=True),
+        "G or the class sums have negative entries (random ReLU features are >= 0)",
+    )
+
+
+def test_packed_statistics_without_features_judge_the_counts_alone() -> None:
+    empty_g, empty_c = torch.zeros(0, dtype=F64), torch.zeros(0, 2, dtype=F64)  # M = 0
+    check_packed_statistics(empty_g, empty_c, N, relative_tolerance=0.0, nonnegative=True)
+    _rejected(
+        lambda: check_packed_statistics(empty_g, empty_c, torch.tensor([-1.0, 3.0]), relative_tolerance=0.0),
+        "G has a negative diagonal entry (a sum of squares)",
+    )
+
+
+def test_the_float32_factorisation_runs_only_for_float32_tolerances_and_fast() -> None:
+    from unittest import mock
+
+    from fcl_flower.analytic import checks
+
+    calls: list[torch.dtype] = []
+    real = checks._positive_factor
+
+    def spy(*args):
+        calls.append(args[-1])
+        return real(*args)
+
+    eps32 = wire_epsilon(torch.float32)
+    cases = [
+        ({"relative_tolerance": eps32}, [torch.float32]),  # fast by default
+        ({"relative_tolerance": eps32, "fast": False}, [F64]),
+        ({"relative_tolerance": wire_epsilon(F64)}, [F64]),  # float64 uploads: float64 only
+        ({"relative_tolerance": eps32, "absolute_tolerance": 1e-9}, [F64]),  # opened secure sums
+    ]
+    for options, expected in cases:
+        calls.clear()
+        with mock.patch.object(checks, "_positive_factor", spy):
+            check_packed_statistics(PACKED.float(), C.float(), N, **options)
+        assert calls == expected, options
+
+
+def test_packed_checks_work_on_the_cpu_whatever_the_default_device() -> None:
+    with torch.device("meta"):
+        check_packed_statistics(PACKED, C, N, relative_tolerance=0.0)
+        _rejected(
+            lambda: check_packed_statistics(PACKED, C * 3.0, N, relative_tolerance=0.0),
+            "an entry breaks Cauchy-Schwarz |J_ij| <= sqrt(J_ii J_jj): class sums too large for G and the counts",
+        )
+
+
+def test_gram_statistics_with_one_dimensional_class_sums_are_rejected_by_shape() -> None:
+    _rejected(
+        lambda: check_gram_statistics(G, C.reshape(-1), N, relative_tolerance=0.0),
+        f"shapes G {tuple(G.shape)}, C (4,), counts {tuple(N.shape)} do not fit together",
+    )
 
 
 # =============================================================================== STSA-E class sums

@@ -7,6 +7,10 @@ the values in place: each must equal what Flower's serialisation and ``Array.num
 
 from __future__ import annotations
 
+import io
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +18,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
 from fcl_flower.protocol import UploadError, message_bytes, payload_bytes, read_tensor
-from fcl_flower.protocol.arrays import npy_view
+from fcl_flower.protocol.arrays import npy_layout, npy_view
 
 
 def contents() -> list[RecordDict]:
@@ -43,6 +47,7 @@ def contents() -> list[RecordDict]:
                 }
             )
         )
+    out.append(RecordDict({"": ArrayRecord({"x": Array(np.zeros(2))})}))  # an empty record name: no key field
     big = torch.rand(1_100_000, dtype=torch.float64)  # > 2 MiB arrays: a 4-byte length prefix
     out.append(RecordDict({"arrays": ArrayRecord({"w": big, "b": big[:5].float()})}))
     return out
@@ -82,3 +87,65 @@ def test_a_truncated_or_padded_buffer_is_rejected() -> None:
         broken = Array(dtype=array.dtype, shape=array.shape, stype=array.stype, data=data)
         with pytest.raises(UploadError, match="cannot be decoded"):
             read_tensor(ArrayRecord({"x": broken}), "x")
+
+
+def _npy(values: np.ndarray, version: tuple[int, int] | None = None, allow_pickle: bool = False) -> bytes:
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, values, version=version, allow_pickle=allow_pickle)
+    return buffer.getvalue()
+
+
+def test_npy_layout_reads_every_header_version_and_refuses_the_rest() -> None:
+    values = np.arange(6, dtype=np.int32).reshape(2, 3)
+    for version in ((1, 0), (2, 0), (3, 0)):
+        data = _npy(values, version)
+        dtype, shape, fortran, offset = npy_layout(data)
+        assert (dtype, shape, fortran) == (np.dtype(np.int32), (2, 3), False)
+        assert offset == len(data) - values.nbytes and data[offset:] == values.tobytes()
+    assert npy_layout(_npy(np.asfortranarray(values)))[2] is True
+    assert npy_layout(_npy(np.float64(2.5)))[1] == ()  # a 0-d array: one value
+    for data, message in (
+        (b"", "not an .npy buffer"),
+        (b"\x93NUMPY\x01", "not an .npy buffer"),  # shorter than magic + version + header length
+        (b"\x93NUMPX" + _npy(values)[6:], "not an .npy buffer"),
+        (_npy(np.array([1, None], dtype=object), allow_pickle=True), "object arrays are not accepted"),
+        (_npy(values)[:-1], "buffer length does not match its header"),
+        (_npy(values) + b"\x00", "buffer length does not match its header"),
+    ):
+        with pytest.raises(ValueError) as info:
+            npy_layout(data)
+        assert str(info.value) == message
+
+
+def test_message_bytes_refuses_an_unknown_record_type() -> None:
+    with pytest.raises(ValueError) as info:
+        message_bytes({"x": 5})  # type: ignore[arg-type]
+    assert str(info.value) == "unsupported record type: int"
+
+
+def test_reading_in_place_warns_nothing_in_a_fresh_process() -> None:
+    """torch warns once per process about a read-only array; read_tensor silences exactly that."""
+    record = ArrayRecord({"g": Array(np.arange(3, dtype=np.float64))})
+    assert read_tensor(record, "g", copy=False).tolist() == [0.0, 1.0, 2.0]
+    code = (
+        "import numpy as np\n"
+        "from flwr.app import Array, ArrayRecord\n"
+        "from fcl_flower.protocol import read_tensor\n"
+        "t = read_tensor(ArrayRecord({'g': Array(np.arange(3.0))}), 'g', copy=False)\n"
+        "print(t.tolist())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[0.0, 1.0, 2.0]"
+
+
+def test_message_bytes_counts_a_negative_shape_entry_as_protobuf_does() -> None:
+    negative = Array(dtype="float64", shape=(-1, 3), stype="numpy.ndarray", data=b"abc")  # int32 -1: a 10-byte varint
+    content = RecordDict({"odd": ArrayRecord({"x": negative})})
+    assert message_bytes(content) == recorddict_to_proto(content).ByteSize()
