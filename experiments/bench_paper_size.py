@@ -14,11 +14,15 @@ finiteness), ``bytes`` (``payload_bytes`` + ``message_bytes``: counted without r
 classes, ``solve_ridge``). Also the client side: ``pack`` (``packed_gram``: upper triangle of the
 symmetrised G, straight into the wire dtype).
 
-``memory``: for each client count, a fresh process runs STSA on the synthetic dataset in-process
-(LocalGrid: server and clients in one process, clients answer one at a time as the server pulls
-them, strategies/stream.py), 2 tasks, no FedAvg stage, and reports its peak RSS (VmHWM). The
-server streams: it never holds more than ``stream.WINDOW`` replies.
-Writes experiments/results/bench_paper_size.json (machine, load average).
+``memory``: for each client count, a fresh process runs STSA on the synthetic dataset (400
+training images per class instead of its 40, so that each of 200 clients gets data), 2 tasks,
+no FedAvg stage, γ by GCV, and reports its peak RSS (VmHWM). The server streams: it never holds more than
+``stream.WINDOW`` replies. By default the ClientApps run in one child process (:class:`WorkerGrid`:
+each message and reply crosses as Flower's protobuf bytes, as through a SuperLink, and the
+clients answer one at a time as the server pulls them), so the peak RSS is the server's alone;
+the child's peak is reported next to it. ``--clients-in-process`` runs them in the server's
+process instead (LocalGrid, as ``sim.py --engine local``): that peak includes one client's work.
+Writes experiments/results/bench_paper_size-memory-M<M>.json (machine, load average).
 """
 
 from __future__ import annotations
@@ -108,12 +112,93 @@ def reply_rows(dims: list[int], classes: int = 10) -> list[dict[str, Any]]:
     return rows
 
 
-def run_one(rf_dim: int, clients: int, out: str) -> dict[str, Any]:
-    """In this process: one STSA run in-process, then its peak RSS."""
-    from experiments.sim import run_local
+#: synthetic training images per class in ``memory`` (the dataset's default 40 gives a task 400
+#: samples, too few to give each of 200 clients one under the Dirichlet split)
+TRAIN_PER_CLASS = 400
+
+
+def use_synthetic_size(train_per_class: int) -> None:
+    """Make this process's ``synthetic`` dataset hold ``train_per_class`` training images per class
+    (same prototypes, noise and test set); the server and the client process both call it."""
+    from fcl_flower.data import registry
+    from fcl_flower.data.synthetic import SyntheticSpec
+
+    registry.SyntheticSpec = lambda: SyntheticSpec(train_per_class=train_per_class)  # type: ignore[assignment,misc]
+
+
+def _client_worker(conn: Any, num_nodes: int, train_per_class: int) -> None:
+    """Child process of :class:`WorkerGrid`: the real ClientApp of every node (LocalGrid's contexts);
+    protobuf bytes of a message in, of its reply out; empty bytes in: this process's peak RSS out."""
+    from flwr.common.serde import message_from_proto, message_to_proto
+    from flwr.proto.message_pb2 import Message as ProtoMessage
+
+    from clients.app import app
+    from fcl_flower.local_grid import LocalGrid
+
+    use_synthetic_size(train_per_class)
+    grid = LocalGrid(app, num_nodes, record=False)
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except EOFError:
+            return
+        if not data:
+            conn.send_bytes(json.dumps(peak_rss_mib()).encode())
+            continue
+        message = message_from_proto(ProtoMessage.FromString(data))
+        del data
+        replies = grid.deliver([message])
+        del message
+        conn.send_bytes(message_to_proto(replies[0]).SerializeToString() if replies else b"")
+
+
+def worker_grid(num_nodes: int, train_per_class: int = TRAIN_PER_CLASS) -> Any:
+    """A LocalGrid whose ClientApps run in one child process (see the module doc)."""
+    import multiprocessing
+
+    from flwr.app import Message
+    from flwr.common.serde import message_from_proto, message_to_proto
+    from flwr.proto.message_pb2 import Message as ProtoMessage
+
+    from fcl_flower.local_grid import LocalGrid
+
+    class WorkerGrid(LocalGrid):
+        def __init__(self) -> None:
+            context = multiprocessing.get_context("spawn")
+            self.conn, child = context.Pipe()
+            self.process = context.Process(target=_client_worker, args=(child, num_nodes, train_per_class), daemon=True)
+            self.process.start()
+            child.close()
+            super().__init__(lambda message, context: message, num_nodes, record=False)
+
+        def deliver(self, messages: Any) -> list[Message]:
+            replies = []
+            for message in messages:
+                if message.metadata.dst_node_id in self.unavailable:
+                    continue
+                self.conn.send_bytes(message_to_proto(message).SerializeToString())
+                data = self.conn.recv_bytes()
+                if data:
+                    replies.append(message_from_proto(ProtoMessage.FromString(data)))
+                del data
+            return replies
+
+        def client_peak_mib(self) -> float:
+            self.conn.send_bytes(b"")
+            peak = float(json.loads(self.conn.recv_bytes()))
+            self.conn.close()
+            self.process.join(timeout=30)
+            return peak
+
+    return WorkerGrid()
+
+
+def memory_config(rf_dim: int, clients: int, out: str, ridge: str = "auto") -> Any:
+    """The run of ``memory``: STSA on the synthetic dataset, 2 tasks, no FedAvg stage, γ by GCV
+    (``ridge = auto``) or fixed."""
     from fcl_flower.config import RunConfig
 
-    cfg = RunConfig(
+    return RunConfig(
         strategy="stsa",
         dataset="synthetic",
         num_clients=clients,
@@ -122,29 +207,46 @@ def run_one(rf_dim: int, clients: int, out: str) -> dict[str, Any]:
         seed=0,
         stage1_rounds=0,
         rf_dim=rf_dim,
-        ridge="auto",
+        ridge=ridge,
         device="cpu",
         out=out,
         round_timeout=3600.0,
     )
+
+
+def run_one(rf_dim: int, clients: int, out: str, in_process: bool = False, ridge: str = "auto") -> dict[str, Any]:
+    """In this process: one STSA run (clients in a child process, or in this one), then the peak RSS."""
+    from experiments.sim import run_local
+    from strategies.app import run_experiment
+
+    use_synthetic_size(TRAIN_PER_CLASS)
+    cfg = memory_config(rf_dim, clients, out, ridge)
     began = time.perf_counter()
-    recorder = run_local(cfg)
-    return {
+    grid = None if in_process else worker_grid(clients, TRAIN_PER_CLASS)
+    recorder = run_local(cfg) if grid is None else run_experiment(grid, cfg)
+    row = {
         "M": rf_dim,
         "clients": clients,
+        "clients run": "in the server's process" if grid is None else "in a child process",
         "wall s": time.perf_counter() - began,
         "stage s": [round(s.seconds, 2) for s in recorder.stages],
         "clients per stage": [len(s.clients) for s in recorder.stages],
         "peak RSS MiB": peak_rss_mib(),
     }
+    if grid is not None:
+        row["client process peak RSS MiB"] = grid.client_peak_mib()
+    return row
 
 
-def memory_rows(rf_dim: int, clients: list[int], timeout: float) -> list[dict[str, Any]]:
+def memory_rows(
+    rf_dim: int, clients: list[int], timeout: float, in_process: bool = False, ridge: str = "auto"
+) -> list[dict[str, Any]]:
     rows = []
     for k in clients:
         load = os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as tmp:
             command = [sys.executable, "-m", "experiments.bench_paper_size", "_one", str(rf_dim), str(k), tmp]
+            command += [ridge, "in-process"] if in_process else [ridge]
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
             except subprocess.TimeoutExpired:
@@ -164,7 +266,8 @@ def memory_rows(rf_dim: int, clients: list[int], timeout: float) -> list[dict[st
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_one"]:
-        print(json.dumps(run_one(int(argv[1]), int(argv[2]), argv[3])))
+        ridge = argv[4] if len(argv) > 4 else "auto"
+        print(json.dumps(run_one(int(argv[1]), int(argv[2]), argv[3], argv[5:6] == ["in-process"], ridge)))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parts = parser.add_subparsers(dest="part", required=True)
@@ -174,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     memory.add_argument("--rf-dim", type=int, default=2000)
     memory.add_argument("--clients", type=int, nargs="+", default=[5, 20, 50, 200])
     memory.add_argument("--timeout", type=float, default=3600.0, help="Seconds per run.")
+    memory.add_argument("--ridge", default="auto", help="'auto' (GCV, the default) or a fixed γ.")
+    memory.add_argument(
+        "--clients-in-process",
+        action="store_true",
+        help="Run the ClientApps in the server's process (LocalGrid): the peak then includes a client's work.",
+    )
     for part in (reply, memory):
         part.add_argument("--out", help="JSON path (default experiments/results/bench_paper_size-<part>.json).")
     args = parser.parse_args(argv)
@@ -183,13 +292,23 @@ def main(argv: list[str] | None = None) -> int:
         columns += ["handling s", "solve s", "handling/solve"]
         settings: dict[str, Any] = {"samples": "M/2", "classes per upload": 10, "solve classes": 100}
     else:
-        rows = memory_rows(args.rf_dim, args.clients, args.timeout)
-        columns = ["M", "clients", "load", "wall s", "stage s", "clients per stage", "peak RSS MiB", "error"]
-        settings = {"dataset": "synthetic", "num_tasks": 2, "stage1_rounds": 0, "engine": "LocalGrid (in-process)"}
+        rows = memory_rows(args.rf_dim, args.clients, args.timeout, args.clients_in_process, args.ridge)
+        columns = ["M", "clients", "load", "wall s", "stage s", "clients per stage", "peak RSS MiB"]
+        columns += ["client process peak RSS MiB", "error"]
+        engine = "LocalGrid (clients in the server's process)" if args.clients_in_process else "WorkerGrid"
+        settings = {
+            "dataset": f"synthetic, {TRAIN_PER_CLASS} training images per class (20 classes)",
+            "num_tasks": 2,
+            "beta": 0.5,
+            "stage1_rounds": 0,
+            "ridge": "auto (GCV)" if args.ridge == "auto" else args.ridge,
+            "wire_dtype": "float32",
+            "engine": engine,
+        }
     print(format_table(rows, columns, floats="{:.3g}"))
     name = f"bench_paper_size-{args.part}"
     if args.part == "memory":
-        name += f"-M{args.rf_dim}"
+        name += f"-M{args.rf_dim}" + ("" if args.ridge == "auto" else f"-ridge{args.ridge}")
     path = write_json(name, {"settings": settings, "rows": rows}, args.out)
     print(f"wrote {path}")
     return 0

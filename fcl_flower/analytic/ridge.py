@@ -45,6 +45,7 @@ __all__ = [
     "select_ridge_gcv",
     "solve_ridge",
     "solve_ridge_psd",
+    "symmetric_part",
     "uses_krylov",
 ]
 
@@ -71,6 +72,18 @@ def _check_system(gram: Tensor, class_sums: Tensor) -> None:
         raise AnalyticInputError(f"class_sums shape {tuple(class_sums.shape)} does not match gram dim {gram.shape[0]}")
 
 
+def symmetric_part(gram: Tensor, tile: int = 512) -> Tensor:
+    """½(G + Gᵀ); ``gram`` itself when it is exactly symmetric (the server's G always is: packed
+    uploads are added to both triangles), which are the very same numbers (x + x and ½·2x are exact)
+    without two M × M temporaries. Symmetry is compared tile by tile, with no full-size copy."""
+    dim = int(gram.shape[0])
+    for a in range(0, dim, tile):
+        b = min(dim, a + tile)
+        if not torch.equal(gram[a:b, a:], gram[a:, a:b].T):
+            return 0.5 * (gram + gram.T)
+    return gram
+
+
 def solve_ridge(gram: Tensor, class_sums: Tensor, ridge: float) -> Tensor:
     """W = (G + γI)⁻¹ C (M × c, float64) via Cholesky factor and ``cholesky_solve``.
 
@@ -81,8 +94,12 @@ def solve_ridge(gram: Tensor, class_sums: Tensor, ridge: float) -> Tensor:
     if not math.isfinite(float(ridge)) or float(ridge) < 0:
         raise AnalyticInputError(f"ridge must be a finite number >= 0, got {ridge!r}")
     g = gram.to(torch.float64)
-    system = g + float(ridge) * torch.eye(g.shape[0], dtype=torch.float64, device=g.device)
-    factor, info = torch.linalg.cholesky_ex(system)
+    # G + γI in one M × M buffer, factorised in place (the same numbers as g + γ·eye, without the
+    # identity and factor temporaries: at M = 8192 each is 512 MiB)
+    factor = g.clone()
+    factor.diagonal().add_(float(ridge))
+    info = torch.zeros((), dtype=torch.int32, device=g.device)
+    torch.linalg.cholesky_ex(factor, out=(factor, info))
     if int(info) != 0:
         raise NotPositiveDefiniteError(
             f"G + {ridge:g}·I is not positive definite (Cholesky failed at column {int(info)}); increase the ridge"
@@ -115,7 +132,7 @@ def solve_ridge_psd(
     to max(q_j − sums_noise, 0): otherwise GCV takes the noise in C for signal."""
     _check_system(gram, class_sums)
     g = gram.to(torch.float64)
-    eigvals, eigvecs = torch.linalg.eigh(0.5 * (g + g.T))
+    eigvals, eigvecs = torch.linalg.eigh(symmetric_part(g))
     negative = eigvals < 0
     projection = PSDProjection(int(negative.sum()), float(-eigvals[negative].sum()), float(torch.diagonal(g).sum()))
     projected = eigvecs.T @ class_sums.to(device=g.device, dtype=torch.float64)
@@ -190,8 +207,7 @@ def select_ridge_gcv(
     gammas = default_ridge_grid() if grid is None else torch.as_tensor(grid, dtype=torch.float64)
     if gammas.dim() != 1 or gammas.numel() == 0 or bool((gammas <= 0).any()):
         raise AnalyticInputError("grid must be a non-empty 1-D sequence of positive values")
-    g = gram.to(torch.float64)
-    g = 0.5 * (g + g.T)
+    g = symmetric_part(gram.to(torch.float64))
     eigvals, eigvecs = torch.linalg.eigh(g)
     eigvals = eigvals.clamp_min(0.0)  # G = ΦᵀΦ is PSD; negatives are rounding noise
     projected = eigvecs.T @ class_sums.to(device=g.device, dtype=torch.float64)
