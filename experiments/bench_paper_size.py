@@ -214,15 +214,22 @@ def memory_config(rf_dim: int, clients: int, out: str, ridge: str = "auto") -> A
     )
 
 
-def run_one(rf_dim: int, clients: int, out: str, in_process: bool = False, ridge: str = "auto") -> dict[str, Any]:
+def run_one(
+    rf_dim: int,
+    clients: int,
+    out: str,
+    in_process: bool = False,
+    ridge: str = "auto",
+    train_per_class: int = TRAIN_PER_CLASS,
+) -> dict[str, Any]:
     """In this process: one STSA run (clients in a child process, or in this one), then the peak RSS."""
     from experiments.sim import run_local
     from strategies.app import run_experiment
 
-    use_synthetic_size(TRAIN_PER_CLASS)
+    use_synthetic_size(train_per_class)
     cfg = memory_config(rf_dim, clients, out, ridge)
     began = time.perf_counter()
-    grid = None if in_process else worker_grid(clients, TRAIN_PER_CLASS)
+    grid = None if in_process else worker_grid(clients, train_per_class)
     recorder = run_local(cfg) if grid is None else run_experiment(grid, cfg)
     row = {
         "M": rf_dim,
@@ -239,14 +246,19 @@ def run_one(rf_dim: int, clients: int, out: str, in_process: bool = False, ridge
 
 
 def memory_rows(
-    rf_dim: int, clients: list[int], timeout: float, in_process: bool = False, ridge: str = "auto"
+    rf_dim: int,
+    clients: list[int],
+    timeout: float,
+    in_process: bool = False,
+    ridge: str = "auto",
+    train_per_class: int = TRAIN_PER_CLASS,
 ) -> list[dict[str, Any]]:
     rows = []
     for k in clients:
         load = os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as tmp:
             command = [sys.executable, "-m", "experiments.bench_paper_size", "_one", str(rf_dim), str(k), tmp]
-            command += [ridge, "in-process"] if in_process else [ridge]
+            command += [ridge, str(train_per_class)] + (["in-process"] if in_process else [])
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
             except subprocess.TimeoutExpired:
@@ -267,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_one"]:
         ridge = argv[4] if len(argv) > 4 else "auto"
-        print(json.dumps(run_one(int(argv[1]), int(argv[2]), argv[3], argv[5:6] == ["in-process"], ridge)))
+        per_class = int(argv[5]) if len(argv) > 5 else TRAIN_PER_CLASS
+        in_process = argv[6:7] == ["in-process"]
+        print(json.dumps(run_one(int(argv[1]), int(argv[2]), argv[3], in_process, ridge, per_class)))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parts = parser.add_subparsers(dest="part", required=True)
@@ -278,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     memory.add_argument("--clients", type=int, nargs="+", default=[5, 20, 50, 200])
     memory.add_argument("--timeout", type=float, default=3600.0, help="Seconds per run.")
     memory.add_argument("--ridge", default="auto", help="'auto' (GCV, the default) or a fixed γ.")
+    memory.add_argument(
+        "--train-per-class",
+        type=int,
+        default=TRAIN_PER_CLASS,
+        help="Synthetic training images per class (20 classes, 2 tasks): n of a stage is 10 times it.",
+    )
     memory.add_argument(
         "--clients-in-process",
         action="store_true",
@@ -292,12 +312,14 @@ def main(argv: list[str] | None = None) -> int:
         columns += ["handling s", "solve s", "handling/solve"]
         settings: dict[str, Any] = {"samples": "M/2", "classes per upload": 10, "solve classes": 100}
     else:
-        rows = memory_rows(args.rf_dim, args.clients, args.timeout, args.clients_in_process, args.ridge)
+        rows = memory_rows(
+            args.rf_dim, args.clients, args.timeout, args.clients_in_process, args.ridge, args.train_per_class
+        )
         columns = ["M", "clients", "load", "wall s", "stage s", "clients per stage", "peak RSS MiB"]
         columns += ["client process peak RSS MiB", "error"]
         engine = "LocalGrid (clients in the server's process)" if args.clients_in_process else "WorkerGrid"
         settings = {
-            "dataset": f"synthetic, {TRAIN_PER_CLASS} training images per class (20 classes)",
+            "dataset": f"synthetic, {args.train_per_class} training images per class (20 classes)",
             "num_tasks": 2,
             "beta": 0.5,
             "stage1_rounds": 0,
@@ -309,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"bench_paper_size-{args.part}"
     if args.part == "memory":
         name += f"-M{args.rf_dim}" + ("" if args.ridge == "auto" else f"-ridge{args.ridge}")
+        name += "" if args.train_per_class == TRAIN_PER_CLASS else f"-n{args.train_per_class}"
     path = write_json(name, {"settings": settings, "rows": rows}, args.out)
     print(f"wrote {path}")
     return 0

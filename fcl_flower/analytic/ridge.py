@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .errors import AnalyticInputError, NotPositiveDefiniteError
 from .packing import add_packed_
-from .ridge_krylov import krylov_gcv
+from .ridge_krylov import krylov_gcv, shifted_cholesky
 
 __all__ = [
     "GCVRow",
@@ -93,18 +93,14 @@ def solve_ridge(gram: Tensor, class_sums: Tensor, ridge: float) -> Tensor:
     _check_system(gram, class_sums)
     if not math.isfinite(float(ridge)) or float(ridge) < 0:
         raise AnalyticInputError(f"ridge must be a finite number >= 0, got {ridge!r}")
-    g = gram.to(torch.float64)
     # G + γI in one M × M buffer, factorised in place (the same numbers as g + γ·eye, without the
     # identity and factor temporaries: at M = 8192 each is 512 MiB)
-    factor = g.clone()
-    factor.diagonal().add_(float(ridge))
-    info = torch.zeros((), dtype=torch.int32, device=g.device)
-    torch.linalg.cholesky_ex(factor, out=(factor, info))
-    if int(info) != 0:
+    factor, info = shifted_cholesky(gram, float(ridge))
+    if info != 0:
         raise NotPositiveDefiniteError(
-            f"G + {ridge:g}·I is not positive definite (Cholesky failed at column {int(info)}); increase the ridge"
+            f"G + {ridge:g}·I is not positive definite (Cholesky failed at column {info}); increase the ridge"
         )
-    return torch.cholesky_solve(class_sums.to(device=g.device, dtype=torch.float64), factor)
+    return torch.cholesky_solve(class_sums.to(device=factor.device, dtype=torch.float64), factor)
 
 
 @dataclass(frozen=True)
