@@ -239,6 +239,7 @@ def run_one(
         "stage s": [round(s.seconds, 2) for s in recorder.stages],
         "clients per stage": [len(s.clients) for s in recorder.stages],
         "peak RSS MiB": peak_rss_mib(),
+        "ridge selection per stage": [s.extra.get("gcv", {}) for s in recorder.stages],
     }
     if grid is not None:
         row["client process peak RSS MiB"] = grid.client_peak_mib()

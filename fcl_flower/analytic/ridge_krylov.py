@@ -236,7 +236,7 @@ def krylov_gcv(
     probes: int = 16,
     steps: int = 5,
     tolerance: float = 1e-3,
-    max_centres: int = 3,
+    max_centres: int = 5,
     seed: int = 0,
 ) -> KrylovGCV:
     """GCV's γ on ``grid`` from Cholesky factors at a few centres (module doc). ``centre``: where to
