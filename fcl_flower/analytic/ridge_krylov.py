@@ -288,6 +288,7 @@ def krylov_gcv(
                 result.reason = f"GCV is least at γ_c = {centre:g}, at the edge of its accurate window"
                 return result
             centre = rows[best].gamma  # the minimum lies beyond this window: recentre there
+            del found  # its M × M factor goes before the next centre's is built
             continue
         result.margin = _margin(found, best, range(low, high + 1))
         if result.margin > tolerance:
