@@ -11,6 +11,11 @@ feature undetermined by G and C) and reports how many. With ``secure-aggregation
 leave masked (clients/secure.py), the counts and the withheld count included; owed statistics
 ride inside the same upload (see :func:`masked_stats`).
 
+Factor form (``stats-form factor``, fcl_flower/analytic/factor.py): where it is smaller (fewer
+samples than about M/2), the upload is F = O[Φ Y] instead, one row per kept sample, turned by a
+Haar rotation O drawn from fresh OS randomness: FᵀF is the same statistics, and F reveals nothing
+beyond them. It is never noised or masked (the configuration refuses both).
+
 Noise (``noise-q``/``noise-s`` or ``dp-epsilon``, fcl_flower/privacy/noise.py): the client adds
 i.i.d. Gaussian noise to the packed upper triangle of G (so G stays symmetric), to C and to the
 counts, as the noise setting says, after computing them in float64 and before the wire cast
@@ -30,17 +35,21 @@ from clients.statistics import (
     Statistics,
     backfill_tasks,
     effective_rf_dim,
+    local_task_features,
     projection_for,
     reply_with_backfill,
     task_data,
     upload_noise,
 )
 from fcl_flower.analytic import StatisticsAccumulator, random_features
+from fcl_flower.analytic.factor import factor_is_smaller, rotated_factor
 from fcl_flower.privacy.disclosure import per_class_counts
-from fcl_flower.privacy.noise import secure_share
+from fcl_flower.privacy.noise import noise_generator, secure_share
 from fcl_flower.protocol import WIRE_DTYPES, SecAggRound, StatsIns, StatsRes
-from fcl_flower.protocol.payloads import MaskedStsaStats, StsaStats
+from fcl_flower.protocol.payloads import MaskedStsaStats, StsaFactorStats, StsaStats
 from fcl_flower.runtime import iter_features
+
+ROTATION_STREAM = 2  # the seeded generator key of a factor upload's rotation (0, 1: the noise's streams)
 
 
 def stsa_statistics(job: ClientJob, task: int, wire: torch.dtype = torch.float64) -> Statistics:
@@ -66,6 +75,26 @@ def stsa_statistics(job: ClientJob, task: int, wire: torch.dtype = torch.float64
     return Statistics(StsaStats(gram, stats.class_sums, kept), stats.num_samples, int(counts[~disclosed].sum()))
 
 
+def factor_statistics(job: ClientJob, task: int) -> Statistics:
+    """``stats-form factor``: F = O[Φ Y] of the kept samples, O a Haar rotation from fresh OS
+    randomness (or, with ``noise-seeded``, from (seed, client, task): reproducible, tests only),
+    when it is smaller than the Gram upload (fcl_flower/analytic/factor.py); else the Gram upload."""
+    classes = job.split.tasks[task]
+    data = task_data(job, task)
+    counts = per_class_counts(torch.as_tensor(data.targets - classes.start), len(classes))
+    disclosed = counts >= job.cfg.min_class_count
+    kept = counts * disclosed
+    dim = effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)
+    if not factor_is_smaller(int(kept.sum()), dim, len(classes)):
+        return wire_statistics(job, task)
+    phi, labels = local_task_features(job, task)
+    keep = disclosed[labels]
+    rng = noise_generator(job.cfg.noise_seeded, (job.cfg.seed, job.partition, task, ROTATION_STREAM))
+    factor = rotated_factor(phi[keep], labels[keep], len(classes), rng)
+    payload = StsaFactorStats(factor.to(WIRE_DTYPES[job.cfg.wire_dtype]), kept.to(torch.float64))
+    return Statistics(payload, int(kept.sum()), int(counts[~disclosed].sum()))
+
+
 def wire_statistics(job: ClientJob, task: int) -> Statistics:
     """:func:`stsa_statistics` with G packed in the run's wire dtype (a plain upload)."""
     return stsa_statistics(job, task, WIRE_DTYPES[job.cfg.wire_dtype])
@@ -77,7 +106,7 @@ def noisy_stsa_statistics(job: ClientJob, task: int) -> Statistics:
     in the run's wire dtype (:func:`wire_statistics`)."""
     noise = upload_noise(job, task)
     if noise is None:
-        return wire_statistics(job, task)
+        return factor_statistics(job, task) if job.cfg.stats_form == "factor" else wire_statistics(job, task)
     stats = stsa_statistics(job, task)
     exact = stats.payload
     payload = StsaStats(noise.gram_packed(exact.gram_packed), noise.sums(exact.class_sums), noise.counts(exact.counts))

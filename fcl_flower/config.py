@@ -120,6 +120,14 @@ class RunConfig:
     )
     head: str = _knob("cosine", "Analytic classifier head (cosine reproduces the paper).", ("cosine", "dot"))
     wire_dtype: str = _knob("float32", "Dtype of uploaded statistics.", ("float32", "float64"))
+    stats_form: str = _knob(
+        "gram",
+        "STSA: upload the packed Gram (gram), or, where it is smaller (fewer samples than about M/2), the "
+        "client's [features, labels] turned by a secret random rotation (factor): the same statistics, far fewer "
+        "bytes, checked without a factorisation. Its rotation comes from the OS's randomness (seeded with "
+        "noise-seeded), so W equals the gram form's up to float64 rounding, not bit for bit.",
+        ("gram", "factor"),
+    )
     dummy_clients: int = _knob(1, "STSA-E: dummy clients K_D each client splits its data into.")
     k_mode: str = _knob(
         "global", "STSA-E estimator: paper's global K or unbiased per-class K.", ("global", "per-class")
@@ -393,6 +401,7 @@ class RunConfig:
                 "federated method): it needs a public dataset and evaluation 'central' or 'both'"
             )
         self._validate_noise()
+        self._validate_stats_form()
         self.ridge_value()  # parses or raises
         return self
 
@@ -410,6 +419,17 @@ class RunConfig:
     def upload_noise(self) -> bool:
         """Whether the statistics uploads carry noise (the paper's or differential privacy's)."""
         return self.paper_noise or self.dp
+
+    def _validate_stats_form(self) -> None:
+        if self.stats_form == "gram":
+            return
+        if not self.method.factor_upload:
+            factor = ", ".join(methods.with_capability("factor_upload"))
+            raise ConfigError(f"stats-form factor works with {factor}; {self.strategy} uploads other statistics")
+        if self.secure_aggregation:
+            raise ConfigError("stats-form factor cannot be masked: secure aggregation sums Grams (use stats-form gram)")
+        if self.upload_noise:
+            raise ConfigError("stats-form factor carries no noise: noise goes on the Gram (use stats-form gram)")
 
     def _validate_noise(self) -> None:
         for name in ("noise_q", "noise_s", "dp_epsilon"):

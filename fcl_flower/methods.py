@@ -69,6 +69,7 @@ class MethodSpec:
     backfill: bool = False  # a client that missed a statistics round sends them later
     upload_noise: tuple[str, ...] = ()  # blocks of its upload that noise can cover (fcl_flower/privacy/noise.py)
     pooled_data: bool = False  # the server trains on every client's data (joint bounds): no federated-only run
+    factor_upload: bool = False  # a client may upload its rotated [features, labels] instead of the Gram (stats-form)
     anchor_dim: int = 0  # > 0: the model has an anchor head of this size (LANDER's label-text space)
 
     def phase(self, name: str) -> Phase:
@@ -211,10 +212,11 @@ register(
         summary="STSA: exact Gram G and class sums C per client and stage; ridge in closed form",
         strategy="strategies.stsa:STSAStrategy",
         phases=(FEDAVG, Phase("stsa-stats", Kind.STATS, "clients.stsa:handle_stats")),
-        knobs=_all(DENSE_RIDGE_KNOBS, SECURE_KNOBS, NOISE_KNOBS),
+        knobs=_all(DENSE_RIDGE_KNOBS, SECURE_KNOBS, NOISE_KNOBS, ("stats-form",)),
         secure_aggregation=True,
         backfill=True,
         upload_noise=("gram", "sums", "counts"),
+        factor_upload=True,
     )
 )
 register(

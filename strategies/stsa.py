@@ -8,7 +8,10 @@ on all data seen so far.
 
 Untrusted uploads. Every upload (G, C, class counts) is checked before it is added
 (fcl_flower/analytic/checks.py: the statistics of *some* dataset, magnitudes that cannot overflow,
-the feature norm bound); a failing upload is rejected alone, with its reason.
+the feature norm bound); a failing upload is rejected alone, with its reason. A factor upload
+(``stats-form factor``: F = O[Φ Y], FᵀF = J) is PSD by construction: it is checked without a
+factorisation (:func:`~fcl_flower.analytic.checks.check_factor_statistics`) and then added as the
+packed G and C it stands for.
 
 Components: :class:`~strategies.backfill.Backfill` (statistics of a missed stage arrive later and
 simply add) and, with ``secure-aggregation``, :class:`~strategies.secure.SecureRounds`: uploads are
@@ -37,14 +40,20 @@ from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
 from fcl_flower.analytic import packed_length
-from fcl_flower.analytic.checks import StatisticsRejected, check_counts, check_packed_statistics, wire_epsilon
+from fcl_flower.analytic.checks import (
+    StatisticsRejected,
+    check_counts,
+    check_factor_statistics,
+    check_packed_statistics,
+    wire_epsilon,
+)
 from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.privacy.noise import secure_share
 from fcl_flower.privacy.secagg import unmask_sum
 from fcl_flower.protocol import Instruction, StatsIns, StatsRes, UploadError
-from fcl_flower.protocol.payloads import MaskedStsaStats, StsaStats
+from fcl_flower.protocol.payloads import MaskedStsaStats, StsaFactorStats, StsaStats
 from fcl_flower.results import ResultsRecorder
 from strategies.accounting import client_name
 from strategies.analytic import AnalyticStrategy, noisy_total, rounded_count, solve_dense, upload_checks
@@ -142,7 +151,7 @@ class STSAStrategy(AnalyticStrategy):
     def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
         self.ridge = RidgeState.empty(self.rf_dim, split.num_classes)
-        self.backfill: Backfill[StsaStats] = Backfill(cfg.num_clients)
+        self.backfill: Backfill[StsaStats | StsaFactorStats] = Backfill(cfg.num_clients)
         self.secure = SecureRounds(cfg) if cfg.secure_aggregation else None
         self._request: dict[int, tuple[int, ...]] = {}  # the backfill request of the round in progress
         self._round_sums: dict[int, TaskSum] = {}  # running sums per task of the plain round in progress
@@ -169,9 +178,22 @@ class STSAStrategy(AnalyticStrategy):
         return [task, *self.secure.current.backfill_tasks(self._request, self.cfg.secagg_min_clients)]
 
     # ---------------------------------------------------------------- replies
-    def check(self, stats: StsaStats, num_examples: int) -> None:
-        """The upload is the statistics of some dataset of ``num_examples`` samples (see module doc)."""
+    def check(self, stats: StsaStats | StsaFactorStats, num_examples: int) -> StsaStats:
+        """The upload is the statistics of some dataset of ``num_examples`` samples (see module doc);
+        a factor upload comes back as the Gram statistics it stands for."""
         noise = self.noise_levels()
+        if isinstance(stats, StsaFactorStats):
+            with upload_checks():
+                check_counts(stats.counts, num_examples)
+                gram, sums = check_factor_statistics(
+                    stats.factor,
+                    stats.counts,
+                    num_examples,
+                    dim=self.rf_dim,
+                    relative_tolerance=wire_epsilon(stats.factor.dtype),
+                    **self.feature_bounds,
+                )
+            return StsaStats(gram, sums, stats.counts)
         with upload_checks():
             check_counts(stats.counts, num_examples, noise=noise.counts if noise else 0.0)
             check_packed_statistics(
@@ -182,9 +204,15 @@ class STSAStrategy(AnalyticStrategy):
                 noise=noise,
                 **self.feature_bounds,
             )
+        return stats
 
-    def read_plain(self, task: int, record: ArrayRecord) -> StsaStats:
-        shapes = {"packed": packed_length(self.rf_dim), "dim": self.rf_dim, "classes": len(self.split.tasks[task])}
+    def read_plain(self, task: int, record: ArrayRecord) -> StsaStats | StsaFactorStats:
+        classes = len(self.split.tasks[task])
+        if StsaFactorStats.matches(record):
+            if self.cfg.stats_form != "factor":
+                raise UploadError("a factor upload, but this run takes Gram uploads (stats-form gram)")
+            return StsaFactorStats.read(record, dim=self.rf_dim, classes=classes)
+        shapes = {"packed": packed_length(self.rf_dim), "dim": self.rf_dim, "classes": classes}
         return StsaStats.read(record, **shapes, noisy_counts=self.counts_noised)
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
@@ -200,16 +228,17 @@ class STSAStrategy(AnalyticStrategy):
         with timed("parse"):
             plain = self.read_plain(plan.task, reply.arrays)
         with timed("check"):
-            self.check(plain, reply.num_examples)
+            checked = self.check(plain, reply.num_examples)
         with timed("parse"):
             late = self.backfill.read(client, reply, self.read_plain)
+        checked_late = {}
         for task, (payload, count) in late.items():
             try:
                 with timed("check"):
-                    self.check(payload, count)
+                    checked_late[task] = (self.check(payload, count), count)
             except UploadError as err:
                 raise UploadError(f"record 'backfill-{task}': {err}") from None
-        return {"stats": plain, "late": late}
+        return {"stats": checked, "late": checked_late}
 
     def stats_fold(self, plan: RoundPlan) -> RoundFold:
         """Each accepted upload is added to running sums at once and dropped (client order)."""

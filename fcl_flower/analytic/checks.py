@@ -72,6 +72,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .factor import factor_gram
 from .packing import diagonal_of_packed, pack_upper, packed_blocks, row_offset
 
 MAGNITUDE_LIMIT = 1e150  # entries beyond this could overflow float64 in sums of squares (1e300 < 1.8e308)
@@ -258,16 +259,7 @@ def check_packed_statistics(
     if bool((diag < -(slack_abs + spectral)).any()):
         raise StatisticsRejected("G has a negative diagonal entry (a sum of squares)")
     if norm_bound > 0:
-        bound = norm_bound * norm_bound * (1.0 + slack_rel)
-        total = float(n.sum()) + noise_sum_bound(noise.counts, classes)
-        trace_noise = noise_sum_bound(noise.gram, dim)
-        if float(diag[:dim].sum()) > total * bound + slack_abs * dim + trace_noise:
-            raise StatisticsRejected(f"trace(G) exceeds n·B² for the feature norm bound B = {norm_bound:g}")
-        sums = torch.linalg.vector_norm(c, dim=0)
-        widened = (n + noise_entry_bound(noise.counts, classes)) * norm_bound * (1.0 + slack_rel)
-        widened = widened + noise_column_bound(noise.sums, dim, classes)
-        if bool((sums > widened + math.sqrt(dim) * absolute_tolerance).any()):
-            raise StatisticsRejected(f"a class sum is longer than n_c·B for B = {norm_bound:g}")
+        _check_norm_bound(diag[:dim], c, n, norm_bound, slack_rel, slack_abs, absolute_tolerance, noise)
     # absolute rounding δ per entry: ‖E‖₂ ≤ ‖E‖_F ≤ (M + c) δ; noise: ‖E‖₂ ≤ the spectral bound
     shift = slack_abs + spectral
     scale = (diag + shift).clamp_min(0.0)
@@ -284,6 +276,89 @@ def check_packed_statistics(
         raise StatisticsRejected(
             "[[G, C], [Cᵀ, diag(counts)]] is not positive semidefinite: no dataset has these statistics"
         )
+
+
+def _check_norm_bound(
+    gram_diagonal: Tensor,
+    c: Tensor,
+    n: Tensor,
+    norm_bound: float,
+    slack_rel: float,
+    slack_abs: float,
+    absolute_tolerance: float,
+    noise: NoiseLevels,
+) -> None:
+    """Every ‖φ_i‖ ≤ B: tr G ≤ n B² and ‖C_c‖ ≤ n_c B, widened by the rounding slack and the noise."""
+    dim, classes = int(c.shape[0]), int(c.shape[1])
+    bound = norm_bound * norm_bound * (1.0 + slack_rel)
+    total = float(n.sum()) + noise_sum_bound(noise.counts, classes)
+    trace_noise = noise_sum_bound(noise.gram, dim)
+    if float(gram_diagonal.sum()) > total * bound + slack_abs * dim + trace_noise:
+        raise StatisticsRejected(f"trace(G) exceeds n·B² for the feature norm bound B = {norm_bound:g}")
+    sums = torch.linalg.vector_norm(c, dim=0)
+    widened = (n + noise_entry_bound(noise.counts, classes)) * norm_bound * (1.0 + slack_rel)
+    widened = widened + noise_column_bound(noise.sums, dim, classes)
+    if bool((sums > widened + math.sqrt(dim) * absolute_tolerance).any()):
+        raise StatisticsRejected(f"a class sum is longer than n_c·B for B = {norm_bound:g}")
+
+
+FLOAT64_UNIT = 2.0**-53  # unit roundoff of the server's own float64 products
+
+
+def check_factor_statistics(
+    factor: Tensor,
+    counts: Tensor,
+    num_samples: int,
+    *,
+    dim: int,
+    relative_tolerance: float,
+    norm_bound: float = 0.0,
+    nonnegative: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """A factor upload F = O[Φ Y] (fcl_flower/analytic/factor.py): check it and return the packed
+    G and C it stands for (float64). Raise StatisticsRejected with the violated property.
+
+    FᵀF is positive semidefinite by construction, so no factorisation is needed. Checked:
+
+    * shapes: one row per sample (``num_samples`` rows, at most M + c: a factor never needs more),
+      M + c columns, c counts; the counts themselves are checked by :func:`check_counts`;
+    * magnitude: every |F_ij| ≤ √(MAGNITUDE_LIMIT / rows), so every entry of FᵀF obeys
+      :data:`MAGNITUDE_LIMIT` like a Gram upload's;
+    * labels: the label block F_Yᵀ F_Y equals diag(n_c) entry by entry, within
+      τ √(n_i n_j) with τ = 2ε + 4(rows + 1) u (the wire rounding ε of both factors and the float64
+      products' own, u = 2⁻⁵³). A class without samples must have an exactly zero column. Then
+      [[G, C], [Cᵀ, diag n]] differs from the PSD FᵀF only in that block, by a scaled perturbation
+      of spectral norm ≤ c τ: it passes the Gram upload's PSD test, whose slack is 4 (M + c) ε,
+      whenever c τ is below that (always for float32 uploads);
+    * with random ReLU features (``nonnegative``): G_ij ≥ −τ √(G_ii G_jj) and C_ic ≥ −τ √(G_ii n_c)
+      (a true zero, two features never active together, comes out as ± rounding of that size);
+    * with a feature norm bound B: tr G ≤ n B², ‖C_c‖ ≤ n_c B, as for a Gram upload.
+    """
+    classes = int(counts.shape[0]) if counts.dim() == 1 else -1
+    rows = int(factor.shape[0]) if factor.dim() == 2 else -1
+    if factor.dim() != 2 or classes < 0 or int(factor.shape[1]) != dim + classes:
+        raise StatisticsRejected(
+            f"shapes factor {tuple(factor.shape)}, counts {tuple(counts.shape)} do not fit M = {dim}"
+        )
+    if rows != num_samples:
+        raise StatisticsRejected(f"the factor has {rows} rows, the upload says {num_samples} samples (one row each)")
+    if rows > dim + classes:
+        raise StatisticsRejected(f"the factor has {rows} rows, more than M + c = {dim + classes}: send the Gram")
+    check_magnitude("factor", factor, math.sqrt(MAGNITUDE_LIMIT / max(rows, 1)))
+    n = counts.to(torch.float64)
+    check_magnitude("counts", n)
+    tau = 2.0 * relative_tolerance + 4.0 * (rows + 1) * FLOAT64_UNIT
+    stats = factor_gram(factor, dim)
+    root = torch.sqrt(n.clamp_min(0.0))
+    if bool((torch.abs(stats.label_gram - torch.diag(n)) > tau * torch.outer(root, root)).any()):
+        raise StatisticsRejected("the label block of the factor is not diag(counts): its rows are not [Φ Y] rotated")
+    if nonnegative and min(stats.lowest_gram, stats.lowest_sums) < -tau:
+        raise StatisticsRejected("G or the class sums have negative entries (random ReLU features are >= 0)")
+    if norm_bound > 0:
+        diagonal = diagonal_of_packed(stats.gram_packed, dim)
+        slack = 4.0 * (dim + classes) * relative_tolerance + tau  # the Gram upload's, plus the products' rounding
+        _check_norm_bound(diagonal, stats.class_sums, n, norm_bound, slack, 0.0, 0.0, NoiseLevels())
+    return stats.gram_packed, stats.class_sums
 
 
 FLOAT32_EPSILON = 2.0**-24  # wire_epsilon(torch.float32): uploads this coarse may be tested in float32

@@ -80,6 +80,41 @@ class StsaStats:
 
 
 @dataclass(frozen=True)
+class StsaFactorStats:
+    """STSA in factor form (``stats-form factor``, fcl_flower/analytic/factor.py): F = O[Φ Y], one
+    row per sample (n × (M + c)), turned by the client's secret Haar rotation O, and the class
+    counts n_c; FᵀF is the Gram upload's [[G, C], [Cᵀ, diag n_c]]."""
+
+    factor: Tensor
+    counts: Tensor
+    KEYS = ("gram-factor", "counts")
+
+    def to_record(self, wire_dtype: str) -> ArrayRecord:
+        return to_record(
+            {"gram-factor": cast_for_wire(self.factor, wire_dtype), "counts": cast_for_wire(self.counts, wire_dtype)}
+        )
+
+    @classmethod
+    def read(cls, record: ArrayRecord, *, dim: int, classes: int) -> StsaFactorStats:
+        """F is read in place at wire precision (it is only multiplied, never written to), with
+        M + c columns and at most M + c rows (a factor never needs more; more would only make the
+        server's product dearer); the counts become a float64 copy."""
+        _exact_keys(record, cls.KEYS)
+        counts = read_tensor(record, "counts", shape=(classes,), nonnegative=True).to(torch.float64)
+        factor = read_tensor(record, "gram-factor", ndim=2, floating=True, copy=False)
+        if int(factor.shape[1]) != dim + classes or int(factor.shape[0]) > dim + classes:
+            raise UploadError(
+                f"array 'gram-factor' has shape {tuple(factor.shape)}, expected (rows <= {dim + classes}, {dim + classes})"
+            )
+        return cls(factor, counts)
+
+    @staticmethod
+    def matches(record: ArrayRecord) -> bool:
+        """Whether ``record`` is in factor form (it carries the factor, not the packed Gram)."""
+        return "gram-factor" in record
+
+
+@dataclass(frozen=True)
 class MaskedStsaStats:
     """STSA under secure aggregation: the same arrays as uint64 ring elements, masked. The counts
     carry one more entry, the samples withheld under min-class-count, so nothing travels in clear."""

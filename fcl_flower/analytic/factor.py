@@ -1,0 +1,130 @@
+"""Factor uploads of STSA statistics: the client's [Φ Y] turned by a secret random rotation.
+
+A client with n samples, features Φ (n × M) and one-hot labels Y (n × c) owes the server
+J = [Φ Y]ᵀ[Φ Y] = [[G, C], [Cᵀ, diag(n_c)]]. When n is small against M (few samples per client
+and task, large random-feature dimensions), J has rank at most n, and the n × (M + c) matrix
+
+    F = O [Φ Y],   O Haar-distributed on the orthogonal group O(n), drawn by the client
+
+carries J exactly (FᵀF = J) in n (M + c) numbers instead of M(M + 1)/2 + M c: 40x fewer at
+n = 60, M = 5000. It reveals J and nothing else: every B with BᵀB = J is O'[Φ Y] for some
+orthogonal O' (both have the same singular values and right singular vectors), and O[Φ Y] for a
+Haar O is uniformly distributed over that set whatever [Φ Y] it started from (Haar measure is
+invariant). So the server could draw the upload itself from J: it learns no more than from G, C
+and the counts, provided it cannot know O (the client draws O from fresh operating-system
+randomness; docs/privacy.md).
+
+The server gains a check for free. FᵀF is positive semidefinite by construction, so the (M + c)³/3
+Cholesky factorisation that certifies a Gram upload is replaced by one product of cost n M²: what
+is left to check is that the label block F_Yᵀ F_Y is diag(n_c) (one-hot labels), the signs of
+random ReLU features and the feature norm bound (fcl_flower/analytic/checks.py).
+
+Pure math: no Flower, no I/O. Sampling a Haar rotation follows Mezzadri (2007), "How to generate
+random matrices from the classical compact groups": the Q factor of a Gaussian matrix, with the
+signs of R's diagonal folded into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .errors import AnalyticInputError
+from .packing import packed_blocks, packed_length, row_offset
+
+__all__ = [
+    "FactorGram",
+    "factor_gram",
+    "factor_is_smaller",
+    "factor_length",
+    "haar_rotation",
+    "rotated_factor",
+]
+
+
+def factor_length(rows: int, dim: int, classes: int) -> int:
+    """Numbers in a factor upload: F (rows × (M + c)) plus the c counts."""
+    if rows < 0 or dim < 0 or classes < 0:
+        raise AnalyticInputError(f"rows, dim and classes must be >= 0, got {rows}, {dim}, {classes}")
+    return rows * (dim + classes) + classes
+
+
+def factor_is_smaller(rows: int, dim: int, classes: int) -> bool:
+    """Whether a factor upload of ``rows`` samples has fewer numbers than the Gram upload
+    (packed G, C and the counts): then it is also the cheaper one for the server to check."""
+    return factor_length(rows, dim, classes) < packed_length(dim) + dim * classes + classes
+
+
+def haar_rotation(size: int, rng: np.random.Generator) -> Tensor:
+    """An orthogonal ``size`` × ``size`` matrix (float64) distributed by Haar measure on O(size)."""
+    if size < 0:
+        raise AnalyticInputError(f"size must be >= 0, got {size}")
+    gaussian = torch.from_numpy(rng.standard_normal((size, size)))
+    q, r = torch.linalg.qr(gaussian)
+    signs = torch.sign(torch.diagonal(r))
+    signs[signs == 0] = 1.0  # a zero pivot has probability 0; keep Q orthogonal regardless
+    return q * signs[None, :]
+
+
+def rotated_factor(features: Tensor, labels: Tensor, classes: int, rng: np.random.Generator) -> Tensor:
+    """F = O [Φ Y] (n × (M + c), float64) for features Φ (n × M), labels in 0..classes-1 and a
+    Haar rotation O drawn from ``rng``."""
+    if features.dim() != 2 or labels.dim() != 1 or labels.shape[0] != features.shape[0]:
+        raise AnalyticInputError(
+            f"features must be n x M and labels n, got {tuple(features.shape)} and {tuple(labels.shape)}"
+        )
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+        raise AnalyticInputError(f"labels must lie in 0..{classes - 1}")
+    rows = int(features.shape[0])
+    joint = torch.zeros(rows, int(features.shape[1]) + classes, dtype=torch.float64)
+    joint[:, : features.shape[1]] = features
+    joint[torch.arange(rows), int(features.shape[1]) + labels.to(torch.long)] = 1.0
+    return haar_rotation(rows, rng) @ joint
+
+
+@dataclass(frozen=True)
+class FactorGram:
+    """What a factor F = [F_Φ F_Y] stands for: G = F_Φᵀ F_Φ as its packed upper triangle,
+    C = F_Φᵀ F_Y, the label block F_Yᵀ F_Y (diag(n_c) for one-hot labels), all float64, and the
+    most negative entry of G and of C relative to its Cauchy-Schwarz bound: min G_ij / √(G_ii G_jj)
+    and min C_ic / √(G_ii (F_YᵀF_Y)_cc) (0 where a diagonal is 0, whose row is then exactly 0)."""
+
+    gram_packed: Tensor
+    class_sums: Tensor
+    label_gram: Tensor
+    lowest_gram: float
+    lowest_sums: float
+
+
+def factor_gram(factor: Tensor, dim: int) -> FactorGram:
+    """The statistics of ``factor`` (rows × (M + c)), M = ``dim``, in float64.
+
+    G is built straight into its packed upper triangle, one block of rows at a time (a product of
+    the factor's columns a..b-1 with columns a..M-1), so no M × M matrix is formed: n M² flops
+    for n rows, against (M + c)³/3 for a Cholesky factorisation of J.
+    """
+    if factor.dim() != 2 or not 0 <= dim <= int(factor.shape[1]):
+        raise AnalyticInputError(f"factor must be rows x (M + c) with M = {dim}, got shape {tuple(factor.shape)}")
+    f = factor.to(torch.float64)
+    phi, y = f[:, :dim], f[:, dim:]
+    norms = torch.linalg.vector_norm(phi, dim=0)
+    inv = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0).numpy()
+    packed = torch.empty(packed_length(dim), dtype=torch.float64)
+    out, lowest = packed.numpy(), 0.0
+    for a, b, mask in packed_blocks(dim):
+        block = (phi[:, a:b].T @ phi[:, a:]).numpy()
+        out[row_offset(a, dim) : row_offset(b, dim)] = block[mask]
+        if block.size and float(block.min()) < 0:  # scaled only where some entry is negative
+            scaled = block * inv[a:b, None]
+            scaled *= inv[None, a:]
+            lowest = min(lowest, float(scaled.min()))
+    sums = phi.T @ y
+    label_gram = y.T @ y
+    label_norms = torch.sqrt(torch.diagonal(label_gram).clamp_min(0.0))
+    label_inv = torch.where(label_norms > 0, 1.0 / torch.where(label_norms > 0, label_norms, 1.0), 0.0)
+    scaled_sums = sums * torch.from_numpy(inv)[:, None] * label_inv[None, :]
+    lowest_sums = min(0.0, float(scaled_sums.min())) if scaled_sums.numel() else 0.0
+    return FactorGram(packed, sums, label_gram, lowest, lowest_sums)

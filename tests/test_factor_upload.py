@@ -1,0 +1,348 @@
+"""STSA's factor uploads (``stats-form factor``): F = O[Φ Y] with a secret Haar rotation O.
+
+The math (fcl_flower/analytic/factor.py) against direct dense computations, the server's checks
+(fcl_flower/analytic/checks.py: every attack written as a test, each rejected with its reason; an
+accepted factor always passes the Gram upload's own PSD test), and whole runs through the Flower
+glue: the classifier equals the Gram form's, the uploads are the factor's size, a Gram-form run
+refuses a factor, and a seeded rotation makes runs reproducible.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Message
+
+from fcl_flower.analytic import bytes_for, pack_upper, packed_length, stsa_upload_numbers
+from fcl_flower.analytic.checks import (
+    MAGNITUDE_LIMIT,
+    StatisticsRejected,
+    check_factor_statistics,
+    check_packed_statistics,
+    wire_epsilon,
+)
+from fcl_flower.analytic.errors import AnalyticInputError
+from fcl_flower.analytic.factor import (
+    factor_gram,
+    factor_is_smaller,
+    factor_length,
+    haar_rotation,
+    rotated_factor,
+)
+from fcl_flower.config import ConfigError
+from fcl_flower.protocol import UploadError
+from fcl_flower.protocol.payloads import StsaFactorStats
+from tests.conftest import reply_partition, run_in_process, small_config
+
+F64 = torch.float64
+
+
+def joint(phi: torch.Tensor, labels: torch.Tensor, classes: int) -> torch.Tensor:
+    """[Φ Y] with one-hot Y, built directly."""
+    y = torch.nn.functional.one_hot(labels, classes).to(F64)
+    return torch.cat([phi, y], dim=1)
+
+
+def honest(rows: int = 30, dim: int = 50, classes: int = 3, seed: int = 0, relu: bool = True):
+    gen = torch.Generator().manual_seed(seed)
+    phi = torch.randn(rows, dim, generator=gen, dtype=F64)
+    phi = torch.relu(phi) if relu else phi
+    labels = torch.arange(rows) % classes
+    factor = rotated_factor(phi, labels, classes, np.random.default_rng(seed))
+    counts = torch.bincount(labels, minlength=classes).to(F64)
+    return phi, labels, factor, counts
+
+
+def check(factor: torch.Tensor, counts: torch.Tensor, dim: int, rows: int | None = None, **kw):
+    kw.setdefault("relative_tolerance", wire_epsilon(factor.dtype))
+    return check_factor_statistics(factor, counts, factor.shape[0] if rows is None else rows, dim=dim, **kw)
+
+
+# --------------------------------------------------------------------------- the math
+def test_haar_rotation_is_orthogonal_seeded_and_unbiased() -> None:
+    """O is orthogonal; the same generator state gives the same O; and E[O] = 0, which the bare Q
+    factor of a Gaussian matrix (LAPACK's signs, no sign correction) does not have."""
+    o = haar_rotation(7, np.random.default_rng(3))
+    assert torch.allclose(o.T @ o, torch.eye(7, dtype=F64), atol=1e-13)
+    assert torch.equal(o, haar_rotation(7, np.random.default_rng(3)))
+    rng = np.random.default_rng(0)
+    mean = torch.stack([haar_rotation(3, rng) for _ in range(4000)]).mean(dim=0)
+    assert float(mean.abs().max()) < 0.05  # each entry has std 1/sqrt(3): the mean's std is 0.009
+    raw = torch.stack([torch.linalg.qr(torch.from_numpy(rng.standard_normal((3, 3))))[0] for _ in range(4000)])
+    assert float(raw.mean(dim=0).diagonal().abs().min()) > 0.2  # without the correction: biased
+    assert haar_rotation(0, rng).shape == (0, 0)
+    with pytest.raises(AnalyticInputError, match="size"):
+        haar_rotation(-1, rng)
+
+
+def test_rotated_factor_carries_exactly_the_joint_gram() -> None:
+    phi, labels, factor, _ = honest()
+    a = joint(phi, labels, 3)
+    assert factor.shape == a.shape and factor.dtype == F64
+    assert torch.allclose(factor.T @ factor, a.T @ a, rtol=0, atol=1e-12 * float((a.T @ a).abs().max()))
+    assert not torch.allclose(factor, a)  # the rows themselves are not sent
+    with pytest.raises(AnalyticInputError, match="labels must lie"):
+        rotated_factor(phi, labels + 1, 3, np.random.default_rng(0))
+    with pytest.raises(AnalyticInputError, match="labels must lie"):
+        rotated_factor(phi, labels - 1, 3, np.random.default_rng(0))
+    with pytest.raises(AnalyticInputError, match="n x M"):
+        rotated_factor(phi, labels[:-1], 3, np.random.default_rng(0))
+
+
+def test_factor_gram_equals_the_direct_products() -> None:
+    phi, _labels, factor, counts = honest(rows=40, dim=1100, relu=False)  # > one block of rows at M = 1100
+    dim = phi.shape[1]
+    stats = factor_gram(factor, dim)
+    gram = factor[:, :dim].T @ factor[:, :dim]
+    scale = float(gram.abs().max())
+    assert torch.allclose(stats.gram_packed, pack_upper(gram), rtol=0, atol=1e-13 * scale)
+    assert torch.allclose(stats.class_sums, factor[:, :dim].T @ factor[:, dim:], rtol=0, atol=1e-12 * scale)
+    assert torch.allclose(stats.label_gram, torch.diag(counts), rtol=0, atol=1e-12 * float(counts.max()))
+    d = gram.diagonal().sqrt()
+    assert stats.lowest_gram == pytest.approx(float((gram / torch.outer(d, d)).min()), abs=1e-12)
+    sums = stats.class_sums / torch.outer(d, counts.sqrt())
+    assert stats.lowest_sums == pytest.approx(float(sums.min()), abs=1e-12)
+    assert stats.lowest_gram < -0.1 and stats.lowest_sums < -0.1  # Gaussian features: far from >= 0
+
+
+def test_factor_gram_of_nonnegative_features_reports_no_negative_entry() -> None:
+    phi, labels, _, _ = honest(rows=12, dim=20)
+    stats = factor_gram(joint(phi, labels, 3), 20)  # unrotated: the products are exact sums of >= 0 terms
+    assert stats.lowest_gram == 0.0 and stats.lowest_sums == 0.0
+    with pytest.raises(AnalyticInputError, match="M = 30"):
+        factor_gram(joint(phi, labels, 3), 30)
+
+
+def test_factor_sizes() -> None:
+    """n(M + c) + c numbers; smaller than the Gram upload M(M+1)/2 + Mc + c exactly below the crossing."""
+    assert factor_length(60, 5000, 10) == 60 * 5010 + 10
+    gram = stsa_upload_numbers(100, 2, packed=True, counts=True)
+    assert gram == packed_length(100) + 100 * 2 + 2
+    crossing = [rows for rows in range(200) if factor_is_smaller(rows, 100, 2)]
+    assert crossing == list(range(max(crossing) + 1))
+    assert factor_length(max(crossing), 100, 2) < gram <= factor_length(max(crossing) + 1, 100, 2)
+    with pytest.raises(AnalyticInputError, match=">= 0"):
+        factor_length(-1, 5, 2)
+
+
+# --------------------------------------------------------------------------- the checks
+@pytest.mark.parametrize("wire", [torch.float32, torch.float64])
+def test_honest_factor_passes_and_stands_for_the_gram_upload(wire: torch.dtype) -> None:
+    """An honest factor (any wire dtype, ReLU signs, a norm bound) passes, and the G and C it stands
+    for are the true ones within the wire's rounding; they also pass the Gram upload's checks."""
+    phi, labels, factor, counts = honest(rows=45, dim=80)
+    bound = float(phi.norm(dim=1).max())
+    gram, sums = check(factor.to(wire), counts, 80, nonnegative=True, norm_bound=bound)
+    eps = wire_epsilon(wire)
+    true_gram = phi.T @ phi
+    assert float((gram - pack_upper(true_gram)).abs().max()) <= 8 * eps * float(true_gram.abs().max())
+    onehot = torch.nn.functional.one_hot(labels, 3).to(F64)
+    assert float((sums - phi.T @ onehot).abs().max()) <= 8 * eps * float((phi.T @ onehot).abs().max())
+    check_packed_statistics(gram, sums, counts, relative_tolerance=eps, nonnegative=True, norm_bound=bound)
+
+
+def test_empty_class_needs_a_zero_column() -> None:
+    _phi, _labels, factor, counts = honest(classes=3)
+    wide = torch.cat([factor, torch.zeros(factor.shape[0], 1, dtype=F64)], dim=1)  # a 4th class, no sample
+    check(wide, torch.cat([counts, torch.zeros(1, dtype=F64)]), 50)
+    wide[0, -1] = 1e-9
+    with pytest.raises(StatisticsRejected, match="label block"):
+        check(wide, torch.cat([counts, torch.zeros(1, dtype=F64)]), 50)
+
+
+def _attack(name: str):
+    phi, labels, factor, counts = honest()
+    f, n, rows = factor.clone(), counts.clone(), None
+    if name == "rows-not-samples":
+        rows = f.shape[0] + 1
+    elif name == "too-many-rows":
+        f = torch.cat([f, torch.zeros(60, f.shape[1], dtype=F64)])  # 90 rows > M + c = 53
+        rows = f.shape[0]
+    elif name == "wrong-width":
+        f = f[:, 1:]
+    elif name == "counts-lie":  # counts that do not match the label block (total unchanged)
+        n[0], n[1] = n[0] + 1, n[1] - 1
+    elif name == "soft-labels":  # label columns that are not one-hot: off-diagonal label Gram
+        f[:, 50:] = rotated_factor(phi, labels, 3, np.random.default_rng(1))[:, 50:] @ torch.tensor(
+            [[0.9, 0.1, 0.0], [0.1, 0.9, 0.0], [0.0, 0.0, 1.0]], dtype=F64
+        )
+    elif name == "negative-features":
+        f[:, :50] = rotated_factor(-phi, labels, 3, np.random.default_rng(0))[:, :50]
+    elif name == "too-long":
+        f[:, :50] *= 10.0
+    elif name == "huge":
+        f[0, 0] = 1e75
+    elif name == "nan":
+        f[0, 0] = float("nan")
+    return f, n, rows, float(phi.norm(dim=1).max())
+
+
+ATTACKS = {
+    "rows-not-samples": "31 samples",
+    "too-many-rows": "more than M \\+ c",
+    "wrong-width": "do not fit",
+    "counts-lie": "label block",
+    "soft-labels": "label block",
+    "negative-features": "negative entries",
+    "too-long": "n·B²",
+    "huge": "magnitude",
+    "nan": "NaN",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_bad_factor_is_rejected_with_its_reason(name: str) -> None:
+    factor, counts, rows, bound = _attack(name)
+    with pytest.raises(StatisticsRejected, match=ATTACKS[name]):
+        check(factor, counts, 50, rows=rows, nonnegative=True, norm_bound=bound)
+
+
+def test_magnitude_limit_keeps_every_product_under_the_gram_limit() -> None:
+    """|F_ij| <= sqrt(limit / rows): FᵀF's entries then stay under the Gram upload's limit."""
+    rows = 4
+    edge = float(np.sqrt(MAGNITUDE_LIMIT / rows))
+    factor = torch.zeros(rows, 7, dtype=F64)
+    factor[:, 0] = edge * 0.999
+    gram, _ = check(factor, torch.zeros(2, dtype=F64), 5)
+    assert float(gram[0]) <= MAGNITUDE_LIMIT
+    factor[0, 0] = edge * 1.001
+    with pytest.raises(StatisticsRejected, match="magnitude"):
+        check(factor, torch.zeros(2, dtype=F64), 5)
+
+
+def test_an_accepted_factor_always_passes_the_gram_check() -> None:
+    """Whatever the feature block (signed, any scale), a factor whose label block is diag(counts)
+    passes, and the statistics it stands for pass the Gram upload's PSD test: the factor form
+    accepts nothing the Gram form would reject."""
+    rng = np.random.default_rng(5)
+    for _trial in range(20):
+        rows, dim, classes = int(rng.integers(1, 40)), int(rng.integers(1, 60)), int(rng.integers(1, 5))
+        labels = torch.from_numpy(rng.integers(0, classes, rows))
+        phi = torch.from_numpy(rng.standard_normal((rows, dim)) * 10.0 ** rng.uniform(-3, 3))
+        factor = rotated_factor(phi, labels, classes, rng)
+        counts = torch.bincount(labels, minlength=classes).to(F64)
+        for wire in (torch.float32, torch.float64):
+            if rows > dim + classes:
+                continue
+            gram, sums = check(factor.to(wire), counts, dim)
+            check_packed_statistics(gram, sums, counts, relative_tolerance=wire_epsilon(wire))
+
+
+# --------------------------------------------------------------------------- the payload
+def test_payload_reads_what_it_writes_and_refuses_bad_shapes() -> None:
+    _, _, factor, counts = honest()
+    record = StsaFactorStats(factor, counts).to_record("float32")
+    assert StsaFactorStats.matches(record)
+    back = StsaFactorStats.read(record, dim=50, classes=3)
+    assert back.factor.dtype == torch.float32 and torch.equal(back.factor, factor.to(torch.float32))
+    assert torch.equal(back.counts, counts)
+    with pytest.raises(UploadError, match="expected"):
+        StsaFactorStats.read(record, dim=49, classes=3)
+    tall = ArrayRecord({"gram-factor": Array(np.zeros((60, 53))), "counts": Array(counts.numpy())})
+    with pytest.raises(UploadError, match="rows <= 53"):
+        StsaFactorStats.read(tall, dim=50, classes=3)
+    extra = ArrayRecord({"gram-factor": Array(factor.numpy()), "counts": Array(counts.numpy()), "x": Array(np.ones(1))})
+    with pytest.raises(UploadError, match="unexpected"):
+        StsaFactorStats.read(extra, dim=50, classes=3)
+
+
+# --------------------------------------------------------------------------- whole runs
+FACTOR_DIM = 400  # digits, 3 clients: every client has fewer than ~M/2 samples of a task
+
+
+def test_factor_run_equals_the_gram_run(out_dir: Path) -> None:
+    """Same classifier (float64 wire: to rounding), same accuracies; each upload is the factor's
+    n(M + c) + c numbers, below the Gram's."""
+    gram_cfg = small_config(out_dir, rf_dim=FACTOR_DIM, run_name="gram")
+    gram = run_in_process(gram_cfg)
+    factor = run_in_process(gram_cfg.replace(stats_form="factor", run_name="factor"))
+    for w_gram, w_factor in zip(gram.stage_weights, factor.stage_weights):
+        assert float((w_gram - w_factor).norm() / w_gram.norm()) <= 1e-10
+    assert [s.accuracy for s in factor.recorder.stages] == [s.accuracy for s in gram.recorder.stages]
+    assert factor.ridge.num_samples == gram.ridge.num_samples
+    split = factor.split
+    for task, record in enumerate(factor.recorder.stages):
+        classes = len(record.classes)
+        full = bytes_for(stsa_upload_numbers(FACTOR_DIM, classes, packed=True, counts=True), "float64")
+        for k in range(3):
+            rows = len(split.client_train(task, k))
+            assert factor_is_smaller(rows, FACTOR_DIM, classes)
+            expected = bytes_for(factor_length(rows, FACTOR_DIM, classes), "float64")
+            assert record.upload_bytes_per_client[f"client-{k}"] == expected < full
+        assert gram.recorder.stages[task].upload_bytes_per_client == {f"client-{k}": full for k in range(3)}
+
+
+def test_client_falls_back_to_the_gram_where_it_is_smaller(out_dir: Path) -> None:
+    """At M = 40 every client has more samples than a factor is worth: Gram uploads, same numbers."""
+    cfg = small_config(out_dir, rf_dim=40, num_tasks=2, stats_form="factor", run_name="small")
+    strategy = run_in_process(cfg)
+    reference = run_in_process(cfg.replace(stats_form="gram", run_name="small-gram"))
+    for record in strategy.recorder.stages:
+        full = bytes_for(stsa_upload_numbers(40, len(record.classes), packed=True, counts=True), "float64")
+        assert set(record.upload_bytes_per_client.values()) == {full}
+    assert torch.equal(strategy.weights, reference.weights)
+
+
+def test_seeded_rotation_makes_factor_runs_reproducible(out_dir: Path) -> None:
+    cfg = small_config(out_dir, rf_dim=FACTOR_DIM, num_tasks=2, stats_form="factor", noise_seeded=True)
+    first = run_in_process(cfg.replace(run_name="a"))
+    second = run_in_process(cfg.replace(run_name="b"))
+    assert torch.equal(first.weights, second.weights)
+    assert torch.equal(first.ridge.gram, second.ridge.gram)
+
+
+def _to_factor_form(reply: Message) -> None:
+    arrays = reply.content.array_records["arrays"]
+    counts = arrays["counts"].numpy()
+    width = FACTOR_DIM + counts.shape[0]
+    reply.content.array_records["arrays"] = ArrayRecord(
+        {"gram-factor": Array(np.zeros((int(counts.sum()), width))), "counts": Array(counts.copy())}
+    )
+
+
+def test_gram_run_refuses_a_factor_upload(out_dir: Path) -> None:
+    """A factor in a run that takes Gram uploads is rejected with its reason; the others aggregate."""
+
+    def tamper(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        for reply in replies:
+            if task == 0 and phase == "stsa-stats" and not reply.has_error() and reply_partition(reply) == 1:
+                _to_factor_form(reply)
+        return replies
+
+    cfg = small_config(out_dir, rf_dim=FACTOR_DIM, num_tasks=2, run_name="refuse")
+    strategy = run_in_process(cfg, tamper)
+    stage = strategy.recorder.stages[0]
+    assert "stats-form gram" in stage.left_out["client-1"]
+    assert stage.clients == ["client-0", "client-2"]
+
+
+def test_factor_run_rejects_a_forged_label_block(out_dir: Path) -> None:
+    """A factor whose label block does not match its counts is rejected by name and reason."""
+
+    def tamper(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        for reply in replies:
+            if task == 0 and phase == "stsa-stats" and not reply.has_error() and reply_partition(reply) == 1:
+                _to_factor_form(reply)  # all-zero rows: the label block is 0, the counts are not
+        return replies
+
+    cfg = small_config(out_dir, rf_dim=FACTOR_DIM, num_tasks=2, stats_form="factor", run_name="forged")
+    strategy = run_in_process(cfg, tamper)
+    stage = strategy.recorder.stages[0]
+    assert "label block" in stage.left_out["client-1"]
+    assert stage.clients == ["client-0", "client-2"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"strategy": "stsa-e"}, "works with stsa"),
+        ({"secure_aggregation": True}, "cannot be masked"),
+        ({"noise_q": 1.0, "noise_s": 0.1}, "carries no noise"),
+    ],
+)
+def test_factor_form_config_errors(out_dir: Path, changes: dict, reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason):
+        small_config(out_dir, stats_form="factor", **changes).validated()
