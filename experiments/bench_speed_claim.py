@@ -48,7 +48,7 @@ from typing import Any
 from experiments.benchlib import format_table, write_json
 from fcl_flower.config import RunConfig
 
-ANALYTIC = ("stsa", "stsa-e", "fedran")
+ANALYTIC = ("stsa", "stsa-factor", "stsa-e", "fedran")
 GRADIENT = ("target", "lander", "lga", "stamp", "finetune")
 MEMORY = round(2000 * 1347 / 50000)  # the papers' 2,000 exemplars of CIFAR-100, scaled to digits
 
@@ -73,6 +73,14 @@ SCHEDULES: dict[str, dict[str, Any]] = {
     # STSA Table 5 (ResNet-18): M = 5000, gamma = 1e4, K_D = 50; one statistics round per stage
     "stsa": {"rf-dim": 5000, "ridge": "10000", "head": "cosine", "wire-dtype": "float32"},
     "stsa-e": {"rf-dim": 5000, "ridge": "10000", "head": "cosine", "dummy-clients": 50},
+    # the same STSA, each client's statistics uploaded as its rotated [Φ Y] where that is smaller
+    "stsa-factor": {
+        "rf-dim": 5000,
+        "ridge": "10000",
+        "head": "cosine",
+        "wire-dtype": "float32",
+        "stats-form": "factor",
+    },
     # FedRAN Tables 3-5 (ResNet-18): M = 8192, r = 2048, lambda = 1e-3, fp64 uploads
     "fedran": {"rf-dim": 8192, "rank": 2048, "ridge": "0.001", "head": "dot", "wire-dtype": "float64"},
     # the STSA/FedRAN baselines' code: 100 rounds x 2 local epochs per task
@@ -149,8 +157,14 @@ class _Enough(Exception):
     """Raised after a stage is recorded once the run has measured what it was asked to."""
 
 
+#: Rows that run another method's strategy with other settings: row name -> strategy.
+VARIANTS = {"stsa-factor": "stsa"}
+
+
 def config_for(strategy: str, out: Path, *, quick: bool, common: dict[str, Any] | None = None) -> RunConfig:
-    values = {**(common or COMMON), **SCHEDULES[strategy], "strategy": strategy, "out": str(out), "run-name": strategy}
+    """The run of row ``strategy`` (a method, or a variant of one: :data:`VARIANTS`)."""
+    method = VARIANTS.get(strategy, strategy)
+    values = {**(common or COMMON), **SCHEDULES[strategy], "strategy": method, "out": str(out), "run-name": strategy}
     if quick:
         values.update(QUICK)
     return RunConfig.from_mapping(values)
