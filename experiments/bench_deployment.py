@@ -42,7 +42,8 @@ each process's VmHWM (its own peak RSS, from /proc/<pid>/status), by role: ``sup
 per message), ``superexec``. A process's VmHWM is read while it lives, so a growth in its last
 ``--sample-interval`` seconds can be missed. Writes experiments/results/
 bench_deployment-uploads-M<rf-dim>.json. Target: the server's handling of a reply costs less than
-the solve.
+the solve. ``--stats-form factor`` runs the same with factor uploads (a client's rotated [Φ Y]
+where smaller than the Gram; -factor is added to the JSON's name).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
         rf_dim=args.rf_dim,
         ridge=args.ridge,
         **({"wire_dtype": args.wire} if getattr(args, "wire", None) else {}),
+        stats_form=getattr(args, "stats_form", "gram"),
         device="cpu",
         out=str(out),
         run_name="bench-deployment",
@@ -307,7 +309,7 @@ def run_all(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for wire in args.wire_dtype:
             print(f"wire dtype {wire}:", flush=True)
             runs[wire] = bench(argparse.Namespace(**{**vars(args), "wire": wire}), workdir / wire)
-        return {"rf_dim": args.rf_dim, "num_nodes": args.num_nodes, "runs": runs}
+        return {"rf_dim": args.rf_dim, "num_nodes": args.num_nodes, "stats_form": args.stats_form, "runs": runs}
     result = bench(args, workdir)
     if args.cold_repeats > 0:
         cfg = run_config(args, workdir / "out")
@@ -411,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
         help="paper-size uploads: one run per wire dtype, with peak memory and the server's reply handling",
     )
     parser.add_argument(
+        "--stats-form",
+        choices=("gram", "factor"),
+        default="gram",
+        help="STSA uploads: the packed Gram (default), or the rotated factor where smaller (stats-form factor)",
+    )
+    parser.add_argument(
         "--sample-interval", type=float, default=0.1, help="seconds between memory samples (0: no sampling)"
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the run")
@@ -434,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_all(args, Path(tmp))
     if args.wire_dtype:
         print(uploads_table(result))
-        out = args.out or RESULTS_DIR / f"bench_deployment-uploads-M{args.rf_dim}.json"
+        form = "" if args.stats_form == "gram" else f"-{args.stats_form}"
+        out = args.out or RESULTS_DIR / f"bench_deployment-uploads-M{args.rf_dim}{form}.json"
         print(f"wrote {write_json('bench_deployment_uploads', result, out)}")
         return 0
     rows = []
