@@ -14,6 +14,7 @@ from fcl_flower.analytic.ridge import (
     select_ridge_gcv,
     solve_ridge,
     solve_ridge_psd,
+    symmetric_eigh,
     symmetric_part,
 )
 
@@ -68,10 +69,30 @@ def test_solve_ridge_float32_input_and_failure_reason() -> None:
         solve_ridge(indefinite, torch.ones(5, 1, dtype=torch.float64), 0.5)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_symmetric_eigh_is_the_eigendecomposition_of_the_symmetric_part(symmetric: bool) -> None:
+    """LAPACK's MRRR driver (one working copy, O(M) workspace): G's input untouched, eigenvalues
+    ascending and equal to torch.linalg.eigh's, Q orthonormal, ½(G + Gᵀ) = Q diag(λ) Qᵀ."""
+    gram = _server_gram(70, 30, seed=7)
+    if not symmetric:
+        gram[3, 5] += 1e-3
+    before = gram.clone()
+    eigvals, eigvecs = symmetric_eigh(gram)
+    sym = 0.5 * (gram + gram.T)
+    scale = float(sym.abs().max())
+    assert torch.equal(gram, before)
+    assert eigvals.dtype == eigvecs.dtype == torch.float64 and bool((eigvals[1:] >= eigvals[:-1]).all())
+    assert torch.allclose(eigvals, torch.linalg.eigvalsh(sym), rtol=0, atol=1e-12 * scale)
+    assert torch.allclose(eigvecs.T @ eigvecs, torch.eye(70, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert torch.allclose(eigvecs @ torch.diag(eigvals) @ eigvecs.T, sym, rtol=0, atol=1e-11 * scale)
+    empty = symmetric_eigh(torch.zeros(0, 0, dtype=torch.float64))
+    assert empty[0].shape == (0,) and empty[1].shape == (0, 0)
+
+
 def test_gcv_and_psd_solve_equal_the_symmetrised_formulas() -> None:
     gram = _server_gram(60, 20, seed=4)
     sums = torch.rand(60, 5, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    eigvals, eigvecs = torch.linalg.eigh(0.5 * (gram + gram.T))
+    eigvals, eigvecs = symmetric_eigh(0.5 * (gram + gram.T))
     projected = eigvecs.T @ sums
     gamma, table = select_ridge_gcv(gram, sums, 60, 60.0)
     want_gamma, want_table = gcv_from_spectrum(

@@ -28,6 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import scipy.linalg
 import torch
 from torch import Tensor
 
@@ -45,6 +46,7 @@ __all__ = [
     "select_ridge_gcv",
     "solve_ridge",
     "solve_ridge_psd",
+    "symmetric_eigh",
     "symmetric_part",
     "uses_krylov",
 ]
@@ -82,6 +84,22 @@ def symmetric_part(gram: Tensor, tile: int = 512) -> Tensor:
         if not torch.equal(gram[a:b, a:], gram[a:, a:b].T):
             return 0.5 * (gram + gram.T)
     return gram
+
+
+def symmetric_eigh(gram: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (ascending) and orthonormal eigenvectors of ½(G + Gᵀ), float64.
+
+    On the CPU with one M × M working copy and O(M) workspace: LAPACK's MRRR driver (dsyevr,
+    through SciPy) overwrites the copy and writes the eigenvectors into one more matrix, where
+    torch.linalg.eigh's divide and conquer (dsyevd) also needs 2 M² numbers of workspace
+    (1 GiB at M = 8192), the server's peak memory with ``ridge auto``.
+    """
+    g = symmetric_part(gram.to(torch.float64))
+    if g.device.type != "cpu" or g.shape[0] == 0:
+        return torch.linalg.eigh(g)
+    work = g.numpy().copy()  # C order; its transpose, the same symmetric matrix, is Fortran order
+    eigvals, eigvecs = scipy.linalg.eigh(work.T, overwrite_a=True, check_finite=False, driver="evr")
+    return torch.from_numpy(eigvals), torch.from_numpy(eigvecs)
 
 
 def solve_ridge(gram: Tensor, class_sums: Tensor, ridge: float) -> Tensor:
@@ -128,7 +146,7 @@ def solve_ridge_psd(
     to max(q_j − sums_noise, 0): otherwise GCV takes the noise in C for signal."""
     _check_system(gram, class_sums)
     g = gram.to(torch.float64)
-    eigvals, eigvecs = torch.linalg.eigh(symmetric_part(g))
+    eigvals, eigvecs = symmetric_eigh(g)
     negative = eigvals < 0
     projection = PSDProjection(int(negative.sum()), float(-eigvals[negative].sum()), float(torch.diagonal(g).sum()))
     projected = eigvecs.T @ class_sums.to(device=g.device, dtype=torch.float64)
@@ -203,10 +221,9 @@ def select_ridge_gcv(
     gammas = default_ridge_grid() if grid is None else torch.as_tensor(grid, dtype=torch.float64)
     if gammas.dim() != 1 or gammas.numel() == 0 or bool((gammas <= 0).any()):
         raise AnalyticInputError("grid must be a non-empty 1-D sequence of positive values")
-    g = symmetric_part(gram.to(torch.float64))
-    eigvals, eigvecs = torch.linalg.eigh(g)
+    eigvals, eigvecs = symmetric_eigh(gram)
     eigvals = eigvals.clamp_min(0.0)  # G = ΦᵀΦ is PSD; negatives are rounding noise
-    projected = eigvecs.T @ class_sums.to(device=g.device, dtype=torch.float64)
+    projected = eigvecs.T @ class_sums.to(device=eigvecs.device, dtype=torch.float64)
     return gcv_from_spectrum(eigvals, (projected * projected).sum(dim=1), n, yty, gammas)
 
 
