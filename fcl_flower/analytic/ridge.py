@@ -28,7 +28,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import scipy.linalg
 import torch
 from torch import Tensor
 
@@ -97,6 +96,8 @@ def symmetric_eigh(gram: Tensor) -> tuple[Tensor, Tensor]:
     g = symmetric_part(gram.to(torch.float64))
     if g.device.type != "cpu" or g.shape[0] == 0:
         return torch.linalg.eigh(g)
+    import scipy.linalg  # lazily: the server's ridge selection only; clients never load SciPy
+
     work = g.numpy().copy()  # C order; its transpose, the same symmetric matrix, is Fortran order
     eigvals, eigvecs = scipy.linalg.eigh(work.T, overwrite_a=True, check_finite=False, driver="evr")
     return torch.from_numpy(eigvals), torch.from_numpy(eigvecs)
