@@ -47,6 +47,7 @@ from fcl_flower.analytic.checks import (
     check_packed_statistics,
     wire_epsilon,
 )
+from fcl_flower.analytic.kernel import FactorStack
 from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
@@ -56,7 +57,14 @@ from fcl_flower.protocol import Instruction, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaFactorStats, StsaStats
 from fcl_flower.results import ResultsRecorder
 from strategies.accounting import client_name
-from strategies.analytic import AnalyticStrategy, noisy_total, rounded_count, solve_dense, upload_checks
+from strategies.analytic import (
+    AnalyticStrategy,
+    noisy_total,
+    ridge_extras,
+    rounded_count,
+    solve_dense,
+    upload_checks,
+)
 from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundFold, RoundPlan, StageFailed
 from strategies.secure import SecureRounds
@@ -65,23 +73,38 @@ from strategies.stream import InOrder
 MASKED_NAMES = ("gram-packed", "class-sums", "counts")
 
 
+def factor_of(stats: StsaStats | StsaFactorStats) -> torch.Tensor | None:
+    """The factor an upload carries (None for a Gram upload)."""
+    return stats.factor if isinstance(stats, StsaFactorStats) else None
+
+
 class TaskSum:
     """Running Σ_k of one task's uploads: packed G and class sums in float64, n, and (for noisy
-    counts) the running sum of the counts and the number of uploads whose noise went in."""
+    counts) the running sum of the counts and the number of uploads whose noise went in; with
+    factor uploads also the factors themselves (for the kernel solve), up to ``max_rows`` rows
+    (None once one upload came without a factor or the cap is passed)."""
 
-    def __init__(self, dim: int, classes: int) -> None:
+    def __init__(self, dim: int, classes: int, max_rows: int = 0) -> None:
         self.gram = torch.zeros(packed_length(dim), dtype=torch.float64)
         self.sums = torch.zeros(dim, classes, dtype=torch.float64)
         self.count = 0
         self.noisy_count = 0.0  # Σ of the (noisy) counts, in the order noisy_total adds them
         self.uploads = 0
+        self.max_rows = max_rows
+        self.factors: list[torch.Tensor] | None = [] if max_rows > 0 else None
 
-    def add(self, stats: StsaStats, num_examples: int) -> None:
+    def add(self, stats: StsaStats, num_examples: int, factor: torch.Tensor | None = None) -> None:
         self.gram += stats.gram_packed  # summed in float64
         self.sums += stats.class_sums
         self.count += num_examples
         self.noisy_count += float(stats.counts.to(torch.float64).sum())
         self.uploads += 1
+        if self.factors is not None:
+            rows = sum(int(f.shape[0]) for f in self.factors)
+            if factor is None or rows + int(factor.shape[0]) > self.max_rows:
+                self.factors = None  # this round's sums can no longer be stacked: G solves
+            else:
+                self.factors.append(factor.to(torch.float64, copy=True))
 
     def into(self, strategy: STSAStrategy, classes: range) -> None:
         """Add the sums to the ridge state; with noisy counts the number of samples is their rounded
@@ -89,6 +112,7 @@ class TaskSum:
         samples = rounded_count(self.noisy_count) if strategy.counts_noised else self.count
         strategy.ridge.add_packed(classes, self.gram, self.sums, samples)
         strategy.note_sums_noise(classes, self.uploads)
+        strategy.stack_factors(classes, self.factors)
 
 
 class PlainFold:
@@ -106,9 +130,11 @@ class PlainFold:
 
     def add(self, item: Accepted[Any]) -> None:
         strategy = self.strategy
-        strategy.add_statistics(self.plan.task, [Accepted(item.client, item.num_examples, item.payload["stats"])])
+        stats, factor = item.payload["stats"]
+        strategy.add_statistics(self.plan.task, [Accepted(item.client, item.num_examples, stats)], factor)
         for task, (payload, count) in item.payload["late"].items():
-            strategy.add_statistics(task, [Accepted(item.client, count, payload)])
+            late, late_factor = payload
+            strategy.add_statistics(task, [Accepted(item.client, count, late)], late_factor)
             self.late.setdefault(task, []).append(item.client)
         self.clients.add(item.client)
 
@@ -155,6 +181,10 @@ class STSAStrategy(AnalyticStrategy):
         self.secure = SecureRounds(cfg) if cfg.secure_aggregation else None
         self._request: dict[int, tuple[int, ...]] = {}  # the backfill request of the round in progress
         self._round_sums: dict[int, TaskSum] = {}  # running sums per task of the plain round in progress
+        # every factor upload's rows, for the N x N kernel solve while N <= M / 2 (None: G solves)
+        self.stack = (
+            FactorStack.empty(self.rf_dim, split.num_classes, self.rf_dim // 2) if cfg.stats_form == "factor" else None
+        )
 
     # ---------------------------------------------------------------- rounds
     def customise(self, plan: RoundPlan, ins: Instruction) -> Instruction:
@@ -228,14 +258,14 @@ class STSAStrategy(AnalyticStrategy):
         with timed("parse"):
             plain = self.read_plain(plan.task, reply.arrays)
         with timed("check"):
-            checked = self.check(plain, reply.num_examples)
+            checked = (self.check(plain, reply.num_examples), factor_of(plain))
         with timed("parse"):
             late = self.backfill.read(client, reply, self.read_plain)
         checked_late = {}
         for task, (payload, count) in late.items():
             try:
                 with timed("check"):
-                    checked_late[task] = (self.check(payload, count), count)
+                    checked_late[task] = ((self.check(payload, count), factor_of(payload)), count)
             except UploadError as err:
                 raise UploadError(f"record 'backfill-{task}': {err}") from None
         return {"stats": checked, "late": checked_late}
@@ -251,19 +281,36 @@ class STSAStrategy(AnalyticStrategy):
             fold.add(r)
         fold.finish()
 
+    def task_sum(self, task: int) -> TaskSum:
+        """Empty running sums of ``task``'s statistics (keeping factors while the stack takes them)."""
+        room = self.stack.max_rows - self.stack.rows if self.stack is not None else 0
+        return TaskSum(self.rf_dim, len(self.split.tasks[task]), room)
+
     def open_sums(self, task: int) -> None:
         """Start a round's running sums (those of a failed round are dropped): ``task``'s at once."""
-        self._round_sums = {task: TaskSum(self.rf_dim, len(self.split.tasks[task]))}
+        self._round_sums = {task: self.task_sum(task)}
 
-    def add_statistics(self, task: int, replies: list[Accepted[StsaStats]]) -> None:
+    def add_statistics(self, task: int, replies: list[Accepted[StsaStats]], factor: torch.Tensor | None = None) -> None:
         """Spatial aggregation (Eq. 2): add ``replies`` (uploads of ``task``'s statistics, current or
-        late) to the round's running sums of ``task``; :meth:`close_sums` adds those to the ridge
-        state (temporal, Eq. 4: late ones simply add)."""
+        late; ``factor``: the factor one upload stands for) to the round's running sums of ``task``;
+        :meth:`close_sums` adds those to the ridge state (temporal, Eq. 4: late ones simply add)."""
         total = self._round_sums.get(task)
         if total is None:
-            total = self._round_sums[task] = TaskSum(self.rf_dim, len(self.split.tasks[task]))
+            total = self._round_sums[task] = self.task_sum(task)
         for r in replies:
-            total.add(r.payload, r.num_examples)
+            total.add(r.payload, r.num_examples, factor)
+
+    def stack_factors(self, classes: range, factors: list[torch.Tensor] | None) -> None:
+        """Stack a round's factors of ``classes`` for the kernel solve; without them (an upload
+        in Gram form, the cap passed) G holds more than the stack: the stack is dropped for good."""
+        if self.stack is None:
+            return
+        rows = sum(int(f.shape[0]) for f in factors) if factors is not None else 0
+        if factors is None or not self.stack.fits(rows):
+            self.stack = None
+            return
+        for factor in factors:
+            self.stack.add(factor, classes)
 
     def close_sums(self, task: int) -> None:
         """Add the round's running sums of ``task`` to the ridge state and drop them."""
@@ -339,13 +386,27 @@ class STSAStrategy(AnalyticStrategy):
 
     # ---------------------------------------------------------------- solve
     def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        if self.noise is not None:
+        kernel = self.kernel_solve(task)
+        if kernel is not None:
+            weights, extra = kernel
+        elif self.noise is not None:
             weights, extra = self.solve_noisy(self.ridge, task)
         else:
             weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
         if self.cfg.secure_aggregation:
             extra["secure_aggregation"] = True
         return weights, {**extra, **self.backfill.extras()}
+
+    def kernel_solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]] | None:
+        """W through the stacked factors (fcl_flower/analytic/kernel.py: equal to the G solve, N × N
+        instead of M × M) where every upload so far was a factor and γ is fixed; else None."""
+        ridge = self.cfg.ridge_value()
+        if self.noise is not None or self.stack is None or not self.stack.rows or ridge is None or ridge <= 0:
+            return None
+        weights = self.stack.solve(self.num_seen(task), ridge)
+        if weights is None:
+            return None
+        return weights, {**ridge_extras(self.ridge.num_samples, ridge, []), "kernel_rows": self.stack.rows}
 
     def stage_failed(self, task: int, reason: str) -> dict[str, Any]:
         """Nobody's statistics of the stage are in: every client owes them (backfill, later)."""
@@ -362,4 +423,6 @@ class STSAStrategy(AnalyticStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.ridge = RidgeState.from_state(state["ridge"])
+        if self.ridge.num_samples:
+            self.stack = None  # the checkpoint holds G, not the factors: solve from G from now on
         self.backfill.load_state_dict(state.get("missing", {}))

@@ -40,10 +40,10 @@ def uploads(monkeypatch) -> dict[str, list]:
     seen: dict[str, list] = {}
     original = STSAStrategy.add_statistics
 
-    def spy(self, task, replies):
+    def spy(self, task, replies, *factor):
         for r in replies:
             seen.setdefault(r.client, []).append(r.payload)
-        return original(self, task, replies)
+        return original(self, task, replies, *factor)
 
     monkeypatch.setattr(STSAStrategy, "add_statistics", spy)
     return seen
