@@ -1091,7 +1091,30 @@ def test_ridge_state_over_stages_equals_one_direct_solve() -> None:
     restored = RidgeState.from_state(state.state_dict())
     assert torch.equal(restored.gram, state.gram) and torch.equal(restored.class_sums, state.class_sums)
     assert restored.num_samples == 30
-    assert set(state.state_dict()) == {"gram", "class_sums", "num_samples"}
+    symmetric = torch.equal(state.gram, state.gram.T)
+    assert set(state.state_dict()) == {"gram_packed" if symmetric else "gram", "class_sums", "num_samples"}
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_ridge_state_checkpoints_a_symmetric_gram_packed(symmetric: bool) -> None:
+    """A symmetric G (every sum of packed uploads) is stored as its upper triangle, half the bytes,
+    and comes back bit for bit; any other G is stored whole, also bit for bit."""
+    gen = seeded_generator(3)
+    x = torch.randn(7, 5, generator=gen, dtype=F64)
+    state = RidgeState.empty(5, 2)
+    state.add_packed(range(2), pack_upper(x.T @ x), torch.randn(5, 2, generator=gen, dtype=F64), 7)
+    if not symmetric:
+        state.gram[0, 1] += 1.0
+    saved = state.state_dict()
+    assert ("gram_packed" in saved) is symmetric and ("gram" in saved) is not symmetric
+    if symmetric:
+        assert saved["gram_packed"].numel() == 15
+    restored = RidgeState.from_state(saved)
+    assert torch.equal(restored.gram, state.gram) and torch.equal(restored.class_sums, state.class_sums)
+    with pytest.raises(AnalyticInputError):
+        RidgeState.from_state(
+            {**saved, "gram_packed": torch.zeros(14, dtype=F64)} if symmetric else {**saved, "gram": None}
+        )
 
 
 def test_ridge_state_add_packed_equals_add_of_the_unpacked_gram() -> None:

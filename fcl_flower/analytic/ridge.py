@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .errors import AnalyticInputError, NotPositiveDefiniteError
-from .packing import add_packed_
+from .packing import add_packed_, pack_upper, unpack_upper
 from .ridge_krylov import krylov_gcv, shifted_cholesky
 
 __all__ = [
@@ -300,11 +300,24 @@ class RidgeState:
             add_packed_(self.gram, gram_packed)
 
     def state_dict(self) -> dict[str, Tensor | int]:
-        return {"gram": self.gram, "class_sums": self.class_sums, "num_samples": self.num_samples}
+        """G as its packed upper triangle where it is exactly symmetric (as sums of packed uploads
+        always are): half the bytes to write, hash and sync at every checkpoint."""
+        state: dict[str, Tensor | int] = {"class_sums": self.class_sums, "num_samples": self.num_samples}
+        if torch.equal(self.gram, self.gram.T):
+            state["gram_packed"] = pack_upper(self.gram)
+        else:
+            state["gram"] = self.gram
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, Tensor | int]) -> RidgeState:
-        gram, sums = state["gram"], state["class_sums"]
+        sums = state.get("class_sums")
+        packed = state.get("gram_packed")
+        gram = (
+            unpack_upper(packed, int(sums.shape[0]))
+            if isinstance(packed, Tensor) and isinstance(sums, Tensor)
+            else state.get("gram")
+        )
         if not isinstance(gram, Tensor) or not isinstance(sums, Tensor):
             raise AnalyticInputError("ridge state needs the gram and class_sums tensors")
         return cls(gram, sums, int(state["num_samples"]))
