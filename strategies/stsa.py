@@ -11,7 +11,9 @@ Untrusted uploads. Every upload (G, C, class counts) is checked before it is add
 the feature norm bound); a failing upload is rejected alone, with its reason. A factor upload
 (``stats-form factor``: F = O[Φ Y], FᵀF = J) is PSD by construction: it is checked without a
 factorisation (:func:`~fcl_flower.analytic.checks.check_factor_statistics`) and then added as the
-packed G and C it stands for.
+packed G and C it stands for. While every upload of the run is a factor and their rows number at
+most M/2, the server also keeps those rows in memory (never in a checkpoint) and solves with a
+fixed γ through the N × N kernel (:mod:`fcl_flower.analytic.kernel`: the same W, N³ instead of M³).
 
 Components: :class:`~strategies.backfill.Backfill` (statistics of a missed stage arrive later and
 simply add) and, with ``secure-aggregation``, :class:`~strategies.secure.SecureRounds`: uploads are
