@@ -47,6 +47,50 @@ def test_kernel_ridge_refuses_bad_input(phi, labels, ridge, reason: str) -> None
         kernel_ridge(phi, labels, ridge)
 
 
+def test_kernel_ridge_uses_the_kernel_it_is_given() -> None:
+    """With K given, W = Φᵀ(K + γI)⁻¹Y for that K (the stack passes its cached one); float32
+    labels are solved in Φ's float64."""
+    gen = torch.Generator().manual_seed(5)
+    phi = torch.randn(6, 9, generator=gen, dtype=F64)
+    labels = torch.randn(6, 2, generator=gen, dtype=F64)
+    other = 2.0 * (phi @ phi.T)  # not Φ Φᵀ: the result must follow it
+    weights = kernel_ridge(phi, labels.float(), 0.5, other)
+    assert weights is not None and weights.dtype == F64
+    direct = phi.T @ torch.linalg.solve(other + 0.5 * torch.eye(6, dtype=F64), labels.float().to(F64))
+    assert relative(weights, direct) <= 1e-12
+    with pytest.raises(AnalyticInputError, match="kernel must be 6 x 6"):
+        kernel_ridge(phi, labels, 0.5, torch.zeros(6, 5, dtype=F64))
+    indefinite = -torch.eye(6, dtype=F64)  # K + γI = −0.5 I has no Cholesky factor
+    assert kernel_ridge(phi, labels, 0.5, indefinite) is None
+
+
+def test_stack_solves_with_its_cached_kernel() -> None:
+    stack = FactorStack.empty(9, 2, max_rows=9)
+    gen = torch.Generator().manual_seed(6)
+    stack.add(torch.randn(5, 11, generator=gen, dtype=F64), range(2))
+    stack.kernel = stack.kernel * 3.0  # the solve reads the cached kernel, not Φ Φᵀ again
+    weights = stack.solve(1, 1.0)
+    assert weights is not None and weights.shape == (9, 1)
+    assert relative(weights, kernel_ridge(stack.phi, stack.labels[:, :1], 1.0, stack.kernel)) <= 1e-14
+    assert relative(weights, kernel_ridge(stack.phi, stack.labels[:, :1], 1.0)) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("dim", "classes", "cap", "ok"),
+    [(1, 1, 0, True), (0, 1, 1, False), (1, 0, 1, False), (1, 1, -1, False), (-1, 1, 1, False)],
+)
+def test_empty_stack_shapes_and_bad_sizes(dim: int, classes: int, cap: int, ok: bool) -> None:
+    if not ok:
+        with pytest.raises(AnalyticInputError, match=f"must be > 0 and max_rows >= 0, got {dim}, {classes}, {cap}"):
+            FactorStack.empty(dim, classes, cap)
+        return
+    stack = FactorStack.empty(dim, classes, cap)
+    assert stack.rows == 0 and not stack.fits(1) and stack.fits(0)
+    assert tuple(stack.phi.shape) == (0, dim) and tuple(stack.labels.shape) == (0, classes)
+    assert tuple(stack.kernel.shape) == (0, 0)
+    assert {stack.phi.dtype, stack.labels.dtype, stack.kernel.dtype} == {F64}
+
+
 def uploads(dim: int = 70, classes_per_task: int = 3, tasks: int = 3, clients: int = 2):
     """Honest factor uploads (ReLU features, one-hot labels) of ``clients`` per task."""
     gen = torch.Generator().manual_seed(1)
@@ -88,14 +132,19 @@ def test_stack_keeps_its_row_cap_and_refuses_bad_uploads() -> None:
     good = torch.zeros(5, 12, dtype=F64)
     stack.add(good, range(2))
     assert stack.rows == 5 and stack.fits(3) and not stack.fits(4)
-    with pytest.raises(AnalyticInputError, match="cap of 8"):
+    with pytest.raises(AnalyticInputError, match=r"^5 more rows pass the stack's cap of 8$"):
         stack.add(good, range(2, 4))
     with pytest.raises(AnalyticInputError, match="rows x 12"):
         stack.add(torch.zeros(2, 13, dtype=F64), range(2))
-    with pytest.raises(AnalyticInputError, match="do not lie"):
+    with pytest.raises(AnalyticInputError, match=r"^classes range\(3, 5\) do not lie in 0\.\.3$"):
         stack.add(torch.zeros(2, 12, dtype=F64), range(3, 5))
-    with pytest.raises(AnalyticInputError, match="num_seen"):
-        stack.solve(5, 1.0)
+    with pytest.raises(AnalyticInputError, match="do not lie"):
+        stack.add(torch.zeros(2, 12, dtype=F64), range(0, 4, 2))  # not a contiguous block of columns
+    for seen in (0, 5):
+        with pytest.raises(AnalyticInputError, match=f"num_seen must lie in 1..4, got {seen}"):
+            stack.solve(seen, 1.0)
+    one = stack.solve(1, 1.0)
+    assert one is not None and one.shape == (10, 1)
     assert stack.rows == 5  # a refused upload leaves the stack as it was
 
 
@@ -106,6 +155,8 @@ def test_stack_copies_the_upload() -> None:
     stack.add(factor, range(1))
     factor.fill_(7.0)
     assert float(stack.phi.max()) == 1.0 and float(stack.kernel.max()) == 3.0
+    stack.add(torch.ones(1, 4, dtype=torch.float32), range(1))  # a float32 wire factor: float64 rows
+    assert stack.phi.dtype == F64 and stack.rows == 3
 
 
 # --------------------------------------------------------------------------- whole runs

@@ -38,8 +38,11 @@ def kernel_ridge(phi: Tensor, labels: Tensor, ridge: float, kernel: Tensor | Non
         )
     if not ridge > 0:
         raise AnalyticInputError(f"the kernel form needs a positive ridge, got {ridge}")
+    rows = int(phi.shape[0])
+    if kernel is not None and tuple(kernel.shape) != (rows, rows):
+        raise AnalyticInputError(f"kernel must be {rows} x {rows}, got {tuple(kernel.shape)}")
     gram = phi @ phi.T if kernel is None else kernel
-    shifted = gram + ridge * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    shifted = gram + ridge * torch.eye(rows, dtype=gram.dtype, device=gram.device)
     factor, info = torch.linalg.cholesky_ex(shifted)
     if int(info) != 0:
         return None
@@ -88,13 +91,13 @@ class FactorStack:
             raise AnalyticInputError(f"classes {classes} do not lie in 0..{total - 1}")
         if not self.fits(int(factor.shape[0])):
             raise AnalyticInputError(f"{factor.shape[0]} more rows pass the stack's cap of {self.max_rows}")
-        new = factor.to(torch.float64, copy=True)
+        new = factor.to(torch.float64)  # torch.cat below copies: the stack never shares the reply's buffer
         new_phi = new[:, :dim]
         new_labels = torch.zeros(new.shape[0], total, dtype=torch.float64)
         new_labels[:, classes.start : classes.stop] = new[:, dim:]
         cross = self.phi @ new_phi.T
         self.kernel = torch.cat(
-            [torch.cat([self.kernel, cross], dim=1), torch.cat([cross.T, new_phi @ new_phi.T], dim=1)], dim=0
+            [torch.cat([self.kernel, cross], dim=1), torch.cat([cross.T, new_phi @ new_phi.T], dim=1)]
         )
         self.phi = torch.cat([self.phi, new_phi])
         self.labels = torch.cat([self.labels, new_labels])
