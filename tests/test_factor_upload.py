@@ -16,7 +16,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Message
 
-from fcl_flower.analytic import bytes_for, pack_upper, packed_length, stsa_upload_numbers
+from fcl_flower.analytic import bytes_for, checks, pack_upper, packed_length, stsa_upload_numbers
 from fcl_flower.analytic.checks import (
     MAGNITUDE_LIMIT,
     StatisticsRejected,
@@ -29,6 +29,7 @@ from fcl_flower.analytic.factor import (
     factor_gram,
     factor_is_smaller,
     factor_length,
+    factor_max_rows,
     haar_rotation,
     rotated_factor,
 )
@@ -46,7 +47,7 @@ def joint(phi: torch.Tensor, labels: torch.Tensor, classes: int) -> torch.Tensor
     return torch.cat([phi, y], dim=1)
 
 
-def honest(rows: int = 30, dim: int = 50, classes: int = 3, seed: int = 0, relu: bool = True):
+def honest(rows: int = 20, dim: int = 50, classes: int = 3, seed: int = 0, relu: bool = True):
     gen = torch.Generator().manual_seed(seed)
     phi = torch.randn(rows, dim, generator=gen, dtype=F64)
     phi = torch.relu(phi) if relu else phi
@@ -123,6 +124,9 @@ def test_factor_sizes() -> None:
     assert gram == packed_length(100) + 100 * 2 + 2
     crossing = [rows for rows in range(200) if factor_is_smaller(rows, 100, 2)]
     assert crossing == list(range(max(crossing) + 1))
+    for dim, classes in ((100, 2), (50, 3), (1, 1), (7, 0), (0, 4), (0, 0)):
+        smaller = [rows for rows in range(300) if factor_is_smaller(rows, dim, classes)]
+        assert factor_max_rows(dim, classes) == (max(smaller) if smaller else -1)
     assert factor_length(max(crossing), 100, 2) < gram <= factor_length(max(crossing) + 1, 100, 2)
     with pytest.raises(AnalyticInputError, match=">= 0"):
         factor_length(-1, 5, 2)
@@ -133,7 +137,7 @@ def test_factor_sizes() -> None:
 def test_honest_factor_passes_and_stands_for_the_gram_upload(wire: torch.dtype) -> None:
     """An honest factor (any wire dtype, ReLU signs, a norm bound) passes, and the G and C it stands
     for are the true ones within the wire's rounding; they also pass the Gram upload's checks."""
-    phi, labels, factor, counts = honest(rows=45, dim=80)
+    phi, labels, factor, counts = honest(rows=40, dim=80)
     bound = float(phi.norm(dim=1).max())
     gram, sums = check(factor.to(wire), counts, 80, nonnegative=True, norm_bound=bound)
     eps = wire_epsilon(wire)
@@ -159,7 +163,10 @@ def _attack(name: str):
     if name == "rows-not-samples":
         rows = f.shape[0] + 1
     elif name == "too-many-rows":
-        f = torch.cat([f, torch.zeros(60, f.shape[1], dtype=F64)])  # 90 rows > M + c = 53
+        f = torch.cat([f, torch.zeros(60, f.shape[1], dtype=F64)])  # 80 rows > M + c = 53
+        rows = f.shape[0]
+    elif name == "not-smaller":  # rows <= M + c, but more numbers than the Gram: dearer to check
+        f = torch.cat([f, torch.zeros(factor_max_rows(50, 3) + 1 - f.shape[0], f.shape[1], dtype=F64)])
         rows = f.shape[0]
     elif name == "wrong-width":
         f = f[:, 1:]
@@ -181,8 +188,9 @@ def _attack(name: str):
 
 
 ATTACKS = {
-    "rows-not-samples": "31 samples",
-    "too-many-rows": "more than M \\+ c",
+    "rows-not-samples": "21 samples",
+    "too-many-rows": "send the Gram",
+    "not-smaller": "send the Gram",
     "wrong-width": "do not fit",
     "counts-lie": "label block",
     "soft-labels": "label block",
@@ -204,13 +212,34 @@ def test_magnitude_limit_keeps_every_product_under_the_gram_limit() -> None:
     """|F_ij| <= sqrt(limit / rows): FᵀF's entries then stay under the Gram upload's limit."""
     rows = 4
     edge = float(np.sqrt(MAGNITUDE_LIMIT / rows))
-    factor = torch.zeros(rows, 7, dtype=F64)
+    factor = torch.zeros(rows, 11, dtype=F64)
     factor[:, 0] = edge * 0.999
-    gram, _ = check(factor, torch.zeros(2, dtype=F64), 5)
+    gram, _ = check(factor, torch.zeros(2, dtype=F64), 9)
     assert float(gram[0]) <= MAGNITUDE_LIMIT
     factor[0, 0] = edge * 1.001
     with pytest.raises(StatisticsRejected, match="magnitude"):
-        check(factor, torch.zeros(2, dtype=F64), 5)
+        check(factor, torch.zeros(2, dtype=F64), 9)
+
+
+def test_forged_label_block_is_refused_before_the_feature_gram(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The label block (r c² work) is checked before the r M² product of the feature block, so a
+    forged label block costs the server next to nothing."""
+    calls: list[int] = []
+    real = checks.factor_gram
+
+    def counted(factor: torch.Tensor, dim: int):
+        calls.append(dim)
+        return real(factor, dim)
+
+    monkeypatch.setattr(checks, "factor_gram", counted)
+    _, _, factor, counts = honest()
+    check(factor, counts, 50)
+    assert calls == [50]  # an honest factor: one product
+    forged = factor.clone()
+    forged[:, 50:] *= 1.5
+    with pytest.raises(StatisticsRejected, match="label block"):
+        check(forged, counts, 50)
+    assert calls == [50]  # refused without it
 
 
 def test_an_accepted_factor_always_passes_the_gram_check() -> None:
@@ -225,7 +254,7 @@ def test_an_accepted_factor_always_passes_the_gram_check() -> None:
         factor = rotated_factor(phi, labels, classes, rng)
         counts = torch.bincount(labels, minlength=classes).to(F64)
         for wire in (torch.float32, torch.float64):
-            if rows > dim + classes:
+            if not factor_is_smaller(rows, dim, classes):
                 continue
             gram, sums = check(factor.to(wire), counts, dim)
             check_packed_statistics(gram, sums, counts, relative_tolerance=wire_epsilon(wire))
@@ -241,9 +270,13 @@ def test_payload_reads_what_it_writes_and_refuses_bad_shapes() -> None:
     assert torch.equal(back.counts, counts)
     with pytest.raises(UploadError, match="expected"):
         StsaFactorStats.read(record, dim=49, classes=3)
-    tall = ArrayRecord({"gram-factor": Array(np.zeros((60, 53))), "counts": Array(counts.numpy())})
-    with pytest.raises(UploadError, match="rows <= 53"):
-        StsaFactorStats.read(tall, dim=50, classes=3)
+    most = factor_max_rows(50, 3)
+    for rows in (most + 1, 53, 60):  # no smaller than the Gram (53 = M + c was accepted before)
+        tall = ArrayRecord({"gram-factor": Array(np.zeros((rows, 53))), "counts": Array(counts.numpy())})
+        with pytest.raises(UploadError, match=f"rows <= {most}, 53"):
+            StsaFactorStats.read(tall, dim=50, classes=3)
+    edge = ArrayRecord({"gram-factor": Array(np.zeros((most, 53))), "counts": Array(counts.numpy())})
+    assert StsaFactorStats.read(edge, dim=50, classes=3).factor.shape == (most, 53)
     extra = ArrayRecord({"gram-factor": Array(factor.numpy()), "counts": Array(counts.numpy()), "x": Array(np.ones(1))})
     with pytest.raises(UploadError, match="unexpected"):
         StsaFactorStats.read(extra, dim=50, classes=3)
@@ -328,7 +361,7 @@ def test_factor_run_rejects_a_forged_label_block(out_dir: Path) -> None:
                 _to_factor_form(reply)  # all-zero rows: the label block is 0, the counts are not
         return replies
 
-    cfg = small_config(out_dir, rf_dim=FACTOR_DIM, num_tasks=2, stats_form="factor", run_name="forged")
+    cfg = small_config(out_dir, rf_dim=FACTOR_DIM, stats_form="factor", run_name="forged")  # every upload a factor
     strategy = run_in_process(cfg, tamper)
     stage = strategy.recorder.stages[0]
     assert "label block" in stage.left_out["client-1"]

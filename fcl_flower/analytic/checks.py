@@ -72,7 +72,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .factor import factor_gram
+from .factor import factor_gram, factor_max_rows
 from .packing import diagonal_of_packed, pack_upper, packed_blocks, row_offset
 
 MAGNITUDE_LIMIT = 1e150  # entries beyond this could overflow float64 in sums of squares (1e300 < 1.8e308)
@@ -320,11 +320,13 @@ def check_factor_statistics(
 
     FᵀF is positive semidefinite by construction, so no factorisation is needed. Checked:
 
-    * shapes: one row per sample (``num_samples`` rows, at most M + c: a factor never needs more),
-      M + c columns, c counts; the counts themselves are checked by :func:`check_counts`;
+    * shapes: one row per sample (``num_samples`` rows, at most
+      :func:`~fcl_flower.analytic.factor.factor_max_rows`: a factor with more numbers than the Gram
+      upload is refused, it would make this check dearer than the Gram's), M + c columns, c counts;
+      the counts themselves are checked by :func:`check_counts`;
     * magnitude: every |F_ij| ≤ √(MAGNITUDE_LIMIT / rows), so every entry of FᵀF obeys
       :data:`MAGNITUDE_LIMIT` like a Gram upload's;
-    * labels: the label block F_Yᵀ F_Y equals diag(n_c) entry by entry, within
+    * labels, before the r M² product of the features (r c² work): F_Yᵀ F_Y equals diag(n_c) entry by entry, within
       τ √(n_i n_j) with τ = 2ε + 4(rows + 1) u (the wire rounding ε of both factors and the float64
       products' own, u = 2⁻⁵³). A class without samples must have an exactly zero column. Then
       [[G, C], [Cᵀ, diag n]] differs from the PSD FᵀF only in that block, by a scaled perturbation
@@ -342,16 +344,20 @@ def check_factor_statistics(
         )
     if rows != num_samples:
         raise StatisticsRejected(f"the factor has {rows} rows, the upload says {num_samples} samples (one row each)")
-    if rows > dim + classes:
-        raise StatisticsRejected(f"the factor has {rows} rows, more than M + c = {dim + classes}: send the Gram")
+    most = factor_max_rows(dim, classes)
+    if rows > most:
+        raise StatisticsRejected(
+            f"the factor has {rows} rows, more than the {most} that keep it smaller than the Gram upload: send the Gram"
+        )
     check_magnitude("factor", factor, math.sqrt(MAGNITUDE_LIMIT / max(rows, 1)))
     n = counts.to(torch.float64)
     check_magnitude("counts", n)
     tau = 2.0 * relative_tolerance + 4.0 * (rows + 1) * FLOAT64_UNIT
-    stats = factor_gram(factor, dim)
+    y = factor[:, dim:].to(torch.float64)  # the label block first: r c² work, before the r M² product
     root = torch.sqrt(n.clamp_min(0.0))
-    if bool((torch.abs(stats.label_gram - torch.diag(n)) > tau * torch.outer(root, root)).any()):
+    if bool((torch.abs(y.T @ y - torch.diag(n)) > tau * torch.outer(root, root)).any()):
         raise StatisticsRejected("the label block of the factor is not diag(counts): its rows are not [Φ Y] rotated")
+    stats = factor_gram(factor, dim)
     if nonnegative and min(stats.lowest_gram, stats.lowest_sums) < -tau:
         raise StatisticsRejected("G or the class sums have negative entries (random ReLU features are >= 0)")
     if norm_bound > 0:

@@ -40,6 +40,7 @@ __all__ = [
     "factor_gram",
     "factor_is_smaller",
     "factor_length",
+    "factor_max_rows",
     "haar_rotation",
     "rotated_factor",
 ]
@@ -56,6 +57,17 @@ def factor_is_smaller(rows: int, dim: int, classes: int) -> bool:
     """Whether a factor upload of ``rows`` samples has fewer numbers than the Gram upload
     (packed G, C and the counts): then it is also the cheaper one for the server to check."""
     return factor_length(rows, dim, classes) < packed_length(dim) + dim * classes + classes
+
+
+def factor_max_rows(dim: int, classes: int) -> int:
+    """The most rows a factor upload may have: the largest r with ``factor_is_smaller(r, dim,
+    classes)`` (-1 when not even an empty factor is smaller). A taller factor is refused: the
+    client sends the Gram then, and the server's product (r M² multiply-adds) never costs more
+    than the Gram check it replaces."""
+    if dim < 0 or classes < 0:
+        raise AnalyticInputError(f"dim and classes must be >= 0, got {dim}, {classes}")
+    limit, width = packed_length(dim) + dim * classes, dim + classes
+    return (limit - 1) // width if width and limit > 0 else -1
 
 
 def haar_rotation(size: int, rng: np.random.Generator) -> Tensor:
