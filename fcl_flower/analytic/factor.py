@@ -102,13 +102,16 @@ class FactorGram:
     """What a factor F = [F_Φ F_Y] stands for: G = F_Φᵀ F_Φ as its packed upper triangle,
     C = F_Φᵀ F_Y, the label block F_Yᵀ F_Y (diag(n_c) for one-hot labels), all float64, and the
     most negative entry of G and of C relative to its Cauchy-Schwarz bound: min G_ij / √(G_ii G_jj)
-    and min C_ic / √(G_ii (F_YᵀF_Y)_cc) (0 where a diagonal is 0, whose row is then exactly 0)."""
+    and min C_ic / √(G_ii (F_YᵀF_Y)_cc) (0 where a diagonal is 0). ``negative_gram_energy``: the
+    squared Frobenius norm of the negative part of the scaled G, Σ_{i≠j} min(G_ij, 0)² / (G_ii G_jj)
+    over both triangles (what clamping G's negative entries to 0 moves the scaled matrix by)."""
 
     gram_packed: Tensor
     class_sums: Tensor
     label_gram: Tensor
     lowest_gram: float
     lowest_sums: float
+    negative_gram_energy: float = 0.0
 
 
 def factor_gram(factor: Tensor, dim: int) -> FactorGram:
@@ -125,7 +128,7 @@ def factor_gram(factor: Tensor, dim: int) -> FactorGram:
     norms = torch.linalg.vector_norm(phi, dim=0)
     inv = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0).numpy()
     packed = torch.empty(packed_length(dim), dtype=torch.float64)
-    out, lowest = packed.numpy(), 0.0
+    out, lowest, energy = packed.numpy(), 0.0, 0.0
     for a, b, mask in packed_blocks(dim):
         block = (phi[:, a:b].T @ phi[:, a:]).numpy()
         out[row_offset(a, dim) : row_offset(b, dim)] = block[mask]
@@ -133,10 +136,12 @@ def factor_gram(factor: Tensor, dim: int) -> FactorGram:
             scaled = block * inv[a:b, None]
             scaled *= inv[None, a:]
             lowest = min(lowest, float(scaled.min()))
+            upper = np.minimum(scaled[mask], 0.0)  # each entry once (the diagonal is never negative)
+            energy += 2.0 * float(upper @ upper)
     sums = phi.T @ y
     label_gram = y.T @ y
     label_norms = torch.sqrt(torch.diagonal(label_gram).clamp_min(0.0))
     label_inv = torch.where(label_norms > 0, 1.0 / torch.where(label_norms > 0, label_norms, 1.0), 0.0)
     scaled_sums = sums * torch.from_numpy(inv)[:, None] * label_inv[None, :]
     lowest_sums = min(0.0, float(scaled_sums.min())) if scaled_sums.numel() else 0.0
-    return FactorGram(packed, sums, label_gram, lowest, lowest_sums)
+    return FactorGram(packed, sums, label_gram, lowest, lowest_sums, energy)
