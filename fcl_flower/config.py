@@ -179,8 +179,10 @@ class RunConfig:
     )
     noise_seeded: bool = _knob(
         False,
-        "Draw the noise from a generator seeded by (seed, client, task): reproducible, but the server can "
-        "recompute and subtract it; for experiments and tests only (default: the OS's randomness).",
+        "Draw the noise, and the rotation of a stats-form factor upload, from a generator seeded by (seed, "
+        "client, task): reproducible, but the server can recompute and subtract the noise, and undo the "
+        "rotation to read every sample's raw random features; for experiments and tests only (default: "
+        "NumPy's PCG64 seeded with 128 bits of OS entropy).",
     )
     secagg_signed_keys: bool = _knob(
         False,

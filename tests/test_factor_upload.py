@@ -16,6 +16,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Message
 
+from clients.stsa import ROTATION_STREAM
 from fcl_flower.analytic import bytes_for, checks, pack_upper, packed_length, stsa_upload_numbers
 from fcl_flower.analytic.checks import (
     MAGNITUDE_LIMIT,
@@ -35,6 +36,7 @@ from fcl_flower.analytic.factor import (
 )
 from fcl_flower.analytic.packing import diagonal_of_packed
 from fcl_flower.config import ConfigError
+from fcl_flower.privacy.noise import noise_generator
 from fcl_flower.protocol import UploadError
 from fcl_flower.protocol.payloads import StsaFactorStats
 from tests.conftest import reply_partition, run_in_process, small_config
@@ -475,6 +477,35 @@ def test_seeded_rotation_makes_factor_runs_reproducible(out_dir: Path) -> None:
     second = run_in_process(cfg.replace(run_name="b"))
     assert torch.equal(first.weights, second.weights)
     assert torch.equal(first.ridge.gram, second.ridge.gram)
+
+
+def test_seeded_rotation_can_be_undone_by_a_server_that_knows_the_seed(out_dir: Path) -> None:
+    """Why ``noise-seeded`` is for tests only with factor uploads (its help says so): it also seeds
+    the rotation, so a server that knows (seed, client, task) redraws O and reads every sample's raw
+    one-hot label and ReLU features off Oᵀ F; the rotation of another key leaves them hidden."""
+    seen: dict[int, np.ndarray] = {}
+
+    def tamper(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        for reply in replies:
+            if task == 0 and phase == "stsa-stats" and not reply.has_error():
+                arrays = reply.content.array_records["arrays"]
+                if StsaFactorStats.matches(arrays):
+                    seen[reply_partition(reply)] = arrays["gram-factor"].numpy().copy()
+        return replies
+
+    cfg = small_config(out_dir, rf_dim=FACTOR_DIM, stats_form="factor", noise_seeded=True, run_name="undo")
+    run_in_process(cfg, tamper)
+    assert seen
+    for partition, upload in seen.items():
+        factor = torch.from_numpy(upload).to(F64)
+        rows = factor.shape[0]
+        for task, undone in ((0, True), (1, False)):
+            rotation = haar_rotation(rows, noise_generator(True, (cfg.seed, partition, task, ROTATION_STREAM)))
+            raw = rotation.T @ factor
+            labels, features = raw[:, FACTOR_DIM:], raw[:, :FACTOR_DIM]
+            one_hot = torch.allclose(labels, labels.round(), atol=1e-9) and bool((labels.round().sum(dim=1) == 1).all())
+            assert one_hot == undone
+            assert (float(features.min()) > -1e-9) == undone  # ReLU features: >= 0
 
 
 def _to_factor_form(reply: Message) -> None:
