@@ -11,8 +11,10 @@ n = 60, M = 5000. It reveals J and nothing else: every B with BᵀB = J is O'[Φ
 orthogonal O' (both have the same singular values and right singular vectors), and O[Φ Y] for a
 Haar O is uniformly distributed over that set whatever [Φ Y] it started from (Haar measure is
 invariant). So the server could draw the upload itself from J: it learns no more than from G, C
-and the counts, provided it cannot know O (the client draws O from fresh operating-system
-randomness; docs/privacy.md).
+and the counts, provided it cannot know O (the client draws O with NumPy's PCG64 seeded with 128
+bits of operating-system entropy, a statistical generator, not a cryptographic one; with
+``noise-seeded`` from (seed, client, task), which a server knowing the seed can undo;
+docs/privacy.md).
 
 The server gains a check for free. FᵀF is positive semidefinite by construction, so the (M + c)³/3
 Cholesky factorisation that certifies a Gram upload is replaced by one product of cost n M²: what
