@@ -338,6 +338,26 @@ def test_underflow_forgeries_are_refused() -> None:
     check(quiet, counts, 50, nonnegative=True)
 
 
+def test_subnormal_entries_are_refused() -> None:
+    """Float64: a feature column of entries ~1e-162, whose squares are subnormal (G_ii computed 7 %
+    low), beside a column along it: the derived G breaks Cauchy-Schwarz by the lost precision and
+    the Gram check refuses it; the factor check refuses any non-zero entry whose square would
+    underflow. Exact zeros (a feature never active) pass."""
+    _, _, factor, counts = honest(rows=20, classes=3)
+    forged = factor.clone()
+    forged[:, :2] = 0.0
+    forged[:2, 0] = 2.3e-162
+    forged[:2, 1] = 0.23  # column 1 = 1e161 x column 0
+    stats = factor_gram(forged, 50)
+    with pytest.raises(StatisticsRejected, match="Cauchy-Schwarz"):  # the attack is real
+        check_packed_statistics(stats.gram_packed, stats.class_sums, counts, relative_tolerance=wire_epsilon(F64))
+    with pytest.raises(StatisticsRejected, match="underflow"):
+        check(forged, counts, 50)
+    forged[:2, 0] = 2.0**-500  # the smallest magnitude allowed: squares stay normal
+    gram, sums = check(forged, counts, 50)
+    check_packed_statistics(gram, sums, counts, relative_tolerance=wire_epsilon(F64))
+
+
 @pytest.mark.parametrize("wire", [torch.float32, torch.float64])
 def test_norm_bound_is_the_gram_checks(wire: torch.dtype) -> None:
     """tr G ≤ n B² with exactly the Gram check's slack: a bound that the Gram check refuses on the

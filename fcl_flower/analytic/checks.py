@@ -340,6 +340,9 @@ def check_factor_statistics(
       are exactly zero: squares that underflow cannot hide it);
     * zero energy: a feature whose G_ii is 0 has an exactly zero row in G and C, as the Gram check
       demands (entries whose squares underflow cannot hide a non-zero row);
+    * no underflow: every non-zero |F_ij| ≥ :data:`FACTOR_FLOOR` = 2⁻⁵⁰⁰, so every product of two
+      entries is a normal float64 (a subnormal G_ii loses precision, and the Gram check's
+      Cauchy–Schwarz test would then refuse what this one accepted);
     * with random ReLU features (``nonnegative``): G_ij ≥ −τ √(G_ii G_jj) and C_ic ≥ −τ √(G_ii n_c)
       (a true zero, two features never active together, comes out as ± rounding of that size), the
       scaled negative part has Frobenius norm K with L + K ≤ 2 (M + c) ε, and is then clamped to 0;
@@ -370,6 +373,7 @@ def check_factor_statistics(
     empty = diagonal <= 0
     if bool(empty.any()):
         _check_zero_energy(gram, sums, torch.cat([empty, torch.zeros(classes, dtype=torch.bool)]))
+    _check_no_underflow(factor)
     if nonnegative:
         if min(stats.lowest_gram, stats.lowest_sums) < -tau:
             raise StatisticsRejected("G or the class sums have negative entries (random ReLU features are >= 0)")
@@ -389,6 +393,22 @@ def check_factor_statistics(
         slack = 4.0 * (dim + classes) * relative_tolerance  # the Gram upload's, exactly
         _check_norm_bound(diagonal, sums, n, norm_bound, slack, 0.0, 0.0, NoiseLevels())
     return gram, sums
+
+
+FACTOR_FLOOR = 2.0**-500  # smallest non-zero |F_ij|: products of two entries stay normal (>= 2^-1000)
+
+
+def _check_no_underflow(factor: Tensor) -> None:
+    """No non-zero entry below :data:`FACTOR_FLOOR` in magnitude: its square would be subnormal,
+    G_ii would lose relative precision and the derived G could break Cauchy-Schwarz by it (only a
+    float64 factor can hold such entries; a float32 one is skipped)."""
+    info = torch.finfo(factor.dtype)
+    if info.tiny * info.eps >= FACTOR_FLOOR:  # the dtype's smallest subnormal is above the floor
+        return
+    if bool(torch.logical_and(factor != 0, factor.abs() < FACTOR_FLOOR).any()):
+        raise StatisticsRejected(
+            f"the factor has a non-zero entry below {FACTOR_FLOOR:.3g} in magnitude: its square would underflow"
+        )
 
 
 def _check_label_block(labels: Tensor, n: Tensor, tau: float, budget: float) -> float:
