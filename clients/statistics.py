@@ -112,9 +112,11 @@ def task_data(job: ClientJob, task: int) -> LabelledDataset:
 
 def local_task_features(job: ClientJob, task: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Φ of the local samples (n × M) of ``task`` (default: the current one) and their labels
-    relative to the task's first class.
+    relative to the task's first class, one row per sample, in float64.
 
-    Only for STSA-E, whose upload needs per-sample grouping; STSA streams instead.
+    For the uploads that need the samples themselves: STSA-E (per-sample grouping into dummy
+    clients) and STSA's factor form (F = O[Φ Y], clients/stsa.py ``factor_statistics``). STSA's
+    Gram upload streams instead (no n × M matrix).
     """
     task = job.task if task is None else task
     projection = projection_for(job)

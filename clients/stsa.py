@@ -13,8 +13,9 @@ ride inside the same upload (see :func:`masked_stats`).
 
 Factor form (``stats-form factor``, fcl_flower/analytic/factor.py): where it is smaller (fewer
 samples than about M/2), the upload is F = O[Φ Y] instead, one row per kept sample, turned by a
-Haar rotation O drawn from fresh OS randomness: FᵀF is the same statistics, and F reveals nothing
-beyond them. It is never noised or masked (the configuration refuses both).
+Haar rotation O drawn with NumPy's PCG64 seeded with 128 bits of OS entropy (not a cryptographic
+generator): FᵀF is the same statistics, and F reveals nothing beyond them while O stays secret.
+It is never noised or masked (the configuration refuses both).
 
 Noise (``noise-q``/``noise-s`` or ``dp-epsilon``, fcl_flower/privacy/noise.py): the client adds
 i.i.d. Gaussian noise to the packed upper triangle of G (so G stays symmetric), to C and to the
@@ -76,9 +77,10 @@ def stsa_statistics(job: ClientJob, task: int, wire: torch.dtype = torch.float64
 
 
 def factor_statistics(job: ClientJob, task: int) -> Statistics:
-    """``stats-form factor``: F = O[Φ Y] of the kept samples, O a Haar rotation from fresh OS
-    randomness (or, with ``noise-seeded``, from (seed, client, task): reproducible, tests only),
-    when it is smaller than the Gram upload (fcl_flower/analytic/factor.py); else the Gram upload."""
+    """``stats-form factor``: F = O[Φ Y] of the kept samples, O a Haar rotation drawn with NumPy's
+    PCG64 seeded with 128 bits of OS entropy (or, with ``noise-seeded``, from (seed, client, task):
+    reproducible, and a server that knows the seed can undo it; tests only), when it is smaller
+    than the Gram upload (fcl_flower/analytic/factor.py); else the Gram upload."""
     classes = job.split.tasks[task]
     data = task_data(job, task)
     counts = per_class_counts(torch.as_tensor(data.targets - classes.start), len(classes))

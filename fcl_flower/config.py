@@ -124,8 +124,10 @@ class RunConfig:
         "gram",
         "STSA: upload the packed Gram (gram), or, where it is smaller (fewer samples than about M/2), the "
         "client's [features, labels] turned by a secret random rotation (factor): the same statistics, far fewer "
-        "bytes, checked without a factorisation. Its rotation comes from the OS's randomness (seeded with "
-        "noise-seeded), so W equals the gram form's up to float64 rounding, not bit for bit.",
+        "bytes, checked without a factorisation. Its rotation is drawn from NumPy's PCG64 seeded with 128 bits "
+        "of OS entropy (not a cryptographic generator; from (seed, client, task) with noise-seeded, which lets "
+        "the server undo it), so W equals the gram form's up to the wire dtype's rounding (float32 uploads "
+        "differ by ~0.3 % at tiny ridge), not bit for bit.",
         ("gram", "factor"),
     )
     dummy_clients: int = _knob(1, "STSA-E: dummy clients K_D each client splits its data into.")
@@ -179,8 +181,10 @@ class RunConfig:
     )
     noise_seeded: bool = _knob(
         False,
-        "Draw the noise from a generator seeded by (seed, client, task): reproducible, but the server can "
-        "recompute and subtract it; for experiments and tests only (default: the OS's randomness).",
+        "Draw the noise, and the rotation of a stats-form factor upload, from a generator seeded by (seed, "
+        "client, task): reproducible, but the server can recompute and subtract the noise, and undo the "
+        "rotation to read every sample's raw random features; for experiments and tests only (default: "
+        "NumPy's PCG64 seeded with 128 bits of OS entropy).",
     )
     secagg_signed_keys: bool = _knob(
         False,

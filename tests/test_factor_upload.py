@@ -16,7 +16,8 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Message
 
-from fcl_flower.analytic import bytes_for, pack_upper, packed_length, stsa_upload_numbers
+from clients.stsa import ROTATION_STREAM
+from fcl_flower.analytic import bytes_for, checks, pack_upper, packed_length, stsa_upload_numbers
 from fcl_flower.analytic.checks import (
     MAGNITUDE_LIMIT,
     StatisticsRejected,
@@ -29,10 +30,13 @@ from fcl_flower.analytic.factor import (
     factor_gram,
     factor_is_smaller,
     factor_length,
+    factor_max_rows,
     haar_rotation,
     rotated_factor,
 )
+from fcl_flower.analytic.packing import diagonal_of_packed
 from fcl_flower.config import ConfigError
+from fcl_flower.privacy.noise import noise_generator
 from fcl_flower.protocol import UploadError
 from fcl_flower.protocol.payloads import StsaFactorStats
 from tests.conftest import reply_partition, run_in_process, small_config
@@ -46,7 +50,7 @@ def joint(phi: torch.Tensor, labels: torch.Tensor, classes: int) -> torch.Tensor
     return torch.cat([phi, y], dim=1)
 
 
-def honest(rows: int = 30, dim: int = 50, classes: int = 3, seed: int = 0, relu: bool = True):
+def honest(rows: int = 20, dim: int = 50, classes: int = 3, seed: int = 0, relu: bool = True):
     gen = torch.Generator().manual_seed(seed)
     phi = torch.randn(rows, dim, generator=gen, dtype=F64)
     phi = torch.relu(phi) if relu else phi
@@ -105,13 +109,15 @@ def test_factor_gram_equals_the_direct_products() -> None:
     assert stats.lowest_gram == pytest.approx(float((gram / torch.outer(d, d)).min()), abs=1e-12)
     sums = stats.class_sums / torch.outer(d, counts.sqrt())
     assert stats.lowest_sums == pytest.approx(float(sums.min()), abs=1e-12)
+    negative = (gram / torch.outer(d, d)).clamp_max(0.0)
+    assert stats.negative_gram_energy == pytest.approx(float((negative * negative).sum()), rel=1e-10)
     assert stats.lowest_gram < -0.1 and stats.lowest_sums < -0.1  # Gaussian features: far from >= 0
 
 
 def test_factor_gram_of_nonnegative_features_reports_no_negative_entry() -> None:
     phi, labels, _, _ = honest(rows=12, dim=20)
     stats = factor_gram(joint(phi, labels, 3), 20)  # unrotated: the products are exact sums of >= 0 terms
-    assert stats.lowest_gram == 0.0 and stats.lowest_sums == 0.0
+    assert stats.lowest_gram == 0.0 and stats.lowest_sums == 0.0 and stats.negative_gram_energy == 0.0
     with pytest.raises(AnalyticInputError, match="M = 30"):
         factor_gram(joint(phi, labels, 3), 30)
 
@@ -123,6 +129,9 @@ def test_factor_sizes() -> None:
     assert gram == packed_length(100) + 100 * 2 + 2
     crossing = [rows for rows in range(200) if factor_is_smaller(rows, 100, 2)]
     assert crossing == list(range(max(crossing) + 1))
+    for dim, classes in ((100, 2), (50, 3), (1, 1), (7, 0), (0, 4), (0, 0)):
+        smaller = [rows for rows in range(300) if factor_is_smaller(rows, dim, classes)]
+        assert factor_max_rows(dim, classes) == (max(smaller) if smaller else -1)
     assert factor_length(max(crossing), 100, 2) < gram <= factor_length(max(crossing) + 1, 100, 2)
     with pytest.raises(AnalyticInputError, match=">= 0"):
         factor_length(-1, 5, 2)
@@ -133,7 +142,7 @@ def test_factor_sizes() -> None:
 def test_honest_factor_passes_and_stands_for_the_gram_upload(wire: torch.dtype) -> None:
     """An honest factor (any wire dtype, ReLU signs, a norm bound) passes, and the G and C it stands
     for are the true ones within the wire's rounding; they also pass the Gram upload's checks."""
-    phi, labels, factor, counts = honest(rows=45, dim=80)
+    phi, labels, factor, counts = honest(rows=40, dim=80)
     bound = float(phi.norm(dim=1).max())
     gram, sums = check(factor.to(wire), counts, 80, nonnegative=True, norm_bound=bound)
     eps = wire_epsilon(wire)
@@ -159,7 +168,10 @@ def _attack(name: str):
     if name == "rows-not-samples":
         rows = f.shape[0] + 1
     elif name == "too-many-rows":
-        f = torch.cat([f, torch.zeros(60, f.shape[1], dtype=F64)])  # 90 rows > M + c = 53
+        f = torch.cat([f, torch.zeros(60, f.shape[1], dtype=F64)])  # 80 rows > M + c = 53
+        rows = f.shape[0]
+    elif name == "not-smaller":  # rows <= M + c, but more numbers than the Gram: dearer to check
+        f = torch.cat([f, torch.zeros(factor_max_rows(50, 3) + 1 - f.shape[0], f.shape[1], dtype=F64)])
         rows = f.shape[0]
     elif name == "wrong-width":
         f = f[:, 1:]
@@ -181,8 +193,9 @@ def _attack(name: str):
 
 
 ATTACKS = {
-    "rows-not-samples": "31 samples",
-    "too-many-rows": "more than M \\+ c",
+    "rows-not-samples": "21 samples",
+    "too-many-rows": "send the Gram",
+    "not-smaller": "send the Gram",
     "wrong-width": "do not fit",
     "counts-lie": "label block",
     "soft-labels": "label block",
@@ -204,31 +217,219 @@ def test_magnitude_limit_keeps_every_product_under_the_gram_limit() -> None:
     """|F_ij| <= sqrt(limit / rows): FᵀF's entries then stay under the Gram upload's limit."""
     rows = 4
     edge = float(np.sqrt(MAGNITUDE_LIMIT / rows))
-    factor = torch.zeros(rows, 7, dtype=F64)
+    factor = torch.zeros(rows, 11, dtype=F64)
     factor[:, 0] = edge * 0.999
-    gram, _ = check(factor, torch.zeros(2, dtype=F64), 5)
+    gram, _ = check(factor, torch.zeros(2, dtype=F64), 9)
     assert float(gram[0]) <= MAGNITUDE_LIMIT
     factor[0, 0] = edge * 1.001
     with pytest.raises(StatisticsRejected, match="magnitude"):
-        check(factor, torch.zeros(2, dtype=F64), 5)
+        check(factor, torch.zeros(2, dtype=F64), 9)
+
+
+def test_forged_label_block_is_refused_before_the_feature_gram(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The label block (r c² work) is checked before the r M² product of the feature block, so a
+    forged label block costs the server next to nothing."""
+    calls: list[int] = []
+    real = checks.factor_gram
+
+    def counted(factor: torch.Tensor, dim: int):
+        calls.append(dim)
+        return real(factor, dim)
+
+    monkeypatch.setattr(checks, "factor_gram", counted)
+    _, _, factor, counts = honest()
+    check(factor, counts, 50)
+    assert calls == [50]  # an honest factor: one product
+    forged = factor.clone()
+    forged[:, 50:] *= 1.5
+    with pytest.raises(StatisticsRejected, match="label block"):
+        check(forged, counts, 50)
+    assert calls == [50]  # refused without it
+
+
+def sparse_relu(rows: int, dim: int, density: float, rng: np.random.Generator) -> torch.Tensor:
+    """ReLU features of which most pairs are never active together: G_ij = 0 exactly, which a
+    rotation turns into ± rounding."""
+    return torch.from_numpy(np.abs(rng.standard_normal((rows, dim))) * (rng.random((rows, dim)) < density))
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.float64])
+def test_sparse_relu_factor_stands_for_nonnegative_statistics(wire: torch.dtype) -> None:
+    """An honest factor of sparse ReLU features passes, and the G and C it stands for have no
+    negative entry (rounding of true zeros is clamped to 0), so they pass the Gram upload's sign
+    test (floor exactly 0) and PSD test; an entry beyond the rounding is still refused."""
+    rng = np.random.default_rng(11)
+    rows, dim, classes = 60, 300, 4
+    phi = sparse_relu(rows, dim, 0.05, rng)
+    labels = torch.from_numpy(rng.integers(0, classes, rows))
+    counts = torch.bincount(labels, minlength=classes).to(F64)
+    factor = rotated_factor(phi, labels, classes, rng).to(wire)
+    raw = factor_gram(factor, dim)
+    assert float(raw.gram_packed.min()) < 0  # the rounding the clamp is for
+    eps = wire_epsilon(wire)
+    gram, sums = check(factor, counts, dim, nonnegative=True)
+    assert float(gram.min()) >= 0 and float(sums.min()) >= 0
+    true_gram = pack_upper(phi.T @ phi)
+    assert float((gram - true_gram).abs().max()) <= 8 * eps * float(true_gram.abs().max())
+    check_packed_statistics(gram, sums, counts, relative_tolerance=eps, nonnegative=True)
+    forged = factor.clone()
+    forged[:, 0] -= 1e-3 * forged[:, 1]  # G_01 pushed to -1e-3 G_11: far beyond rounding
+    with pytest.raises(StatisticsRejected, match="negative entries"):
+        check(forged, counts, dim, nonnegative=True)
+
+
+def test_label_block_forged_within_each_entrys_tolerance_is_refused() -> None:
+    """Float64: every entry of the label block within its rounding tolerance τ√(n_i n_j), yet
+    together (c entries on a direction where J is singular) enough to push J below the Gram
+    check's slack. The Gram check refuses the statistics; so must the factor check."""
+    u = wire_epsilon(F64)
+    rows, dim, classes = 20, 40, 10
+    assert factor_is_smaller(rows, dim, classes)
+    rng = np.random.default_rng(2)
+    labels = torch.arange(rows) % classes
+    counts = torch.bincount(labels, minlength=classes).to(F64)
+    phi = torch.from_numpy(rng.standard_normal((rows, dim)))
+    phi[:, 0] = 1.0  # φ_0 = Σ_c y_c: [e_0; -1] is a null direction of J
+    factor = rotated_factor(phi, labels, classes, rng)
+    tau = 2 * u + 4 * (rows + 1) * u  # the per-entry tolerance of the label block
+    root = counts.sqrt()
+    target = torch.diag(counts) + 0.9 * tau * torch.outer(root, root)
+    values, vectors = torch.linalg.eigh(target)
+    forged = factor.clone()
+    forged[:, dim:] = factor[:, dim:] @ (torch.diag(1 / root) @ vectors @ torch.diag(values.sqrt()) @ vectors.T)
+    stats = factor_gram(forged, dim)
+    deviation = (stats.label_gram - torch.diag(counts)).abs()
+    assert bool((deviation <= tau * torch.outer(root, root)).all())  # each entry within τ
+    with pytest.raises(StatisticsRejected, match="not positive semidefinite"):  # the attack is real
+        check_packed_statistics(stats.gram_packed, stats.class_sums, counts, relative_tolerance=u)
+    with pytest.raises(StatisticsRejected, match="label block"):
+        check(forged, counts, dim)
+    check(factor, counts, dim)  # the honest one passes
+
+
+def test_underflow_forgeries_are_refused() -> None:
+    """Entries whose squares underflow to 0: a label column of a class without samples, or a
+    feature column, has a zero diagonal in FᵀF but non-zero products with the rest. The Gram check
+    refuses such statistics (a zero diagonal needs a zero row); so must the factor check."""
+    phi, labels, _, counts = honest(rows=20, classes=3)
+    wide = joint(phi, labels, 4)  # a 4th class without samples; O = I is a rotation too
+    four = torch.cat([counts, torch.zeros(1, dtype=F64)])
+    first, second = (int(i) for i in torch.nonzero(labels == 0)[:2])
+    wide[first, -1], wide[second, -1] = 1e-170, -1e-170  # orthogonal to every label column, square 0
+    stats = factor_gram(wide, 50)
+    assert float(stats.label_gram[-1].abs().max()) == 0 and float(stats.class_sums[:, -1].abs().max()) > 0
+    with pytest.raises(StatisticsRejected, match="zero energy"):
+        check_packed_statistics(stats.gram_packed, stats.class_sums, four, relative_tolerance=wire_epsilon(F64))
+    with pytest.raises(StatisticsRejected, match="without samples"):
+        check(wide, four, 50)
+
+    _, _, factor, counts = honest(rows=20, classes=3)
+    feature = factor.clone()
+    feature[:, 0] = 0.0
+    feature[:2, 0] = 1e-170  # G_00 underflows to 0, G_0j and C_0c do not
+    stats = factor_gram(feature, 50)
+    assert float(stats.gram_packed[0]) == 0 and float(stats.class_sums[0].abs().max()) > 0
+    with pytest.raises(StatisticsRejected, match="zero energy"):
+        check_packed_statistics(stats.gram_packed, stats.class_sums, counts, relative_tolerance=wire_epsilon(F64))
+    with pytest.raises(StatisticsRejected, match="zero energy"):
+        check(feature, counts, 50)
+    quiet = factor.clone()
+    quiet[:, 0] = 0.0  # a feature never active: a zero column is honest
+    check(quiet, counts, 50, nonnegative=True)
+
+
+def test_subnormal_entries_are_refused() -> None:
+    """Float64: a feature column of entries ~1e-162, whose squares are subnormal (G_ii computed 7 %
+    low), beside a column along it: the derived G breaks Cauchy-Schwarz by the lost precision and
+    the Gram check refuses it; the factor check refuses any non-zero entry whose square would
+    underflow. Exact zeros (a feature never active) pass."""
+    _, _, factor, counts = honest(rows=20, classes=3)
+    forged = factor.clone()
+    forged[:, :2] = 0.0
+    forged[:2, 0] = 2.3e-162
+    forged[:2, 1] = 0.23  # column 1 = 1e161 x column 0
+    stats = factor_gram(forged, 50)
+    with pytest.raises(StatisticsRejected, match="Cauchy-Schwarz"):  # the attack is real
+        check_packed_statistics(stats.gram_packed, stats.class_sums, counts, relative_tolerance=wire_epsilon(F64))
+    with pytest.raises(StatisticsRejected, match="underflow"):
+        check(forged, counts, 50)
+    forged[:2, 0] = 2.0**-500  # the smallest magnitude allowed: squares stay normal
+    gram, sums = check(forged, counts, 50)
+    check_packed_statistics(gram, sums, counts, relative_tolerance=wire_epsilon(F64))
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.float64])
+def test_norm_bound_is_the_gram_checks(wire: torch.dtype) -> None:
+    """tr G ≤ n B² with exactly the Gram check's slack: a bound that the Gram check refuses on the
+    derived statistics is refused on the factor, a bound just above them passes both."""
+    phi, _labels, factor, counts = honest(rows=20, dim=50)
+    factor = factor.to(wire)
+    eps, rows = wire_epsilon(wire), int(factor.shape[0])
+    stats = factor_gram(factor, 50)
+    trace = float(diagonal_of_packed(stats.gram_packed, 50).sum())
+    gram_slack = 4 * (50 + 3) * eps
+    tau = 2 * eps + 4 * (rows + 1) * wire_epsilon(F64)
+    loose = np.sqrt(trace / (rows * (1 + gram_slack + tau / 2)))  # within the old slack, beyond the Gram's
+    with pytest.raises(StatisticsRejected, match="n·B²"):
+        check_packed_statistics(stats.gram_packed, stats.class_sums, counts, relative_tolerance=eps, norm_bound=loose)
+    with pytest.raises(StatisticsRejected, match="n·B²"):
+        check(factor, counts, 50, norm_bound=loose)
+    fits = np.sqrt(trace / (rows * (1 + gram_slack / 2)))
+    gram, sums = check(factor, counts, 50, norm_bound=fits)
+    check_packed_statistics(gram, sums, counts, relative_tolerance=eps, norm_bound=fits)
+    assert fits < float(phi.norm(dim=1).max())  # tighter than any honest bound: the edge is tested
+
+
+def _perturbed(factor: torch.Tensor, dim: int, rng: np.random.Generator, scale: float) -> torch.Tensor:
+    """A factor pushed off honesty by about ``scale`` (relative) in one random way."""
+    f = factor.clone()
+    kind = int(rng.integers(0, 3))
+    if kind == 0:  # the label block: a random symmetric stretch
+        sym = rng.standard_normal((f.shape[1] - dim,) * 2)
+        f[:, dim:] = f[:, dim:] @ (torch.eye(f.shape[1] - dim, dtype=F64) + scale * torch.from_numpy(sym + sym.T))
+    elif kind == 1:  # the feature block: every column mixed with another (negative entries in G and C)
+        f[:, :dim] -= scale * f[:, :dim][:, torch.from_numpy(rng.permutation(dim))]
+    else:  # the label columns leaking into the features
+        f[:, :dim] -= scale * f[:, dim:][:, torch.from_numpy(rng.integers(0, f.shape[1] - dim, dim))]
+    return f
 
 
 def test_an_accepted_factor_always_passes_the_gram_check() -> None:
-    """Whatever the feature block (signed, any scale), a factor whose label block is diag(counts)
-    passes, and the statistics it stands for pass the Gram upload's PSD test: the factor form
-    accepts nothing the Gram form would reject."""
+    """Whatever the feature block (signed or ReLU, dense or sparse, any scale), with or without a
+    norm bound and ReLU signs, honest or pushed off honesty by about the rounding tolerance: a
+    factor the check accepts stands for statistics that pass the Gram upload's own check with the
+    same options (signs, norm bound, PSD): the factor form accepts nothing the Gram form would
+    reject. Honest factors are always accepted."""
     rng = np.random.default_rng(5)
-    for _trial in range(20):
-        rows, dim, classes = int(rng.integers(1, 40)), int(rng.integers(1, 60)), int(rng.integers(1, 5))
+    accepted = refused = 0
+    for trial in range(40):
+        dim, classes = int(rng.integers(2, 60)), int(rng.integers(1, 6))
+        rows = int(rng.integers(1, factor_max_rows(dim, classes) + 1))
         labels = torch.from_numpy(rng.integers(0, classes, rows))
-        phi = torch.from_numpy(rng.standard_normal((rows, dim)) * 10.0 ** rng.uniform(-3, 3))
+        relu = trial % 2 == 0
+        if relu:
+            phi = sparse_relu(rows, dim, float(rng.uniform(0.02, 1.0)), rng)
+        else:
+            phi = torch.from_numpy(rng.standard_normal((rows, dim)))
+        phi = phi * 10.0 ** rng.uniform(-3, 3)
         factor = rotated_factor(phi, labels, classes, rng)
         counts = torch.bincount(labels, minlength=classes).to(F64)
+        bound = float(phi.norm(dim=1).max()) if trial % 3 else 0.0
+        options = {"nonnegative": relu, "norm_bound": bound}
         for wire in (torch.float32, torch.float64):
-            if rows > dim + classes:
-                continue
-            gram, sums = check(factor.to(wire), counts, dim)
-            check_packed_statistics(gram, sums, counts, relative_tolerance=wire_epsilon(wire))
+            eps = wire_epsilon(wire)
+            gram, sums = check(factor.to(wire), counts, dim, **options)  # honest: accepted
+            check_packed_statistics(gram, sums, counts, relative_tolerance=eps, **options)
+            for scale in 10.0 ** rng.uniform(-2, 1.5, size=3) * (4 * (rows + dim + classes) * eps):
+                forged = _perturbed(factor, dim, rng, float(scale)).to(wire)
+                try:
+                    gram, sums = check(forged, counts, dim, **options)
+                except StatisticsRejected:
+                    refused += 1
+                    continue
+                accepted += 1
+                check_packed_statistics(gram, sums, counts, relative_tolerance=eps, **options)
+    assert accepted > 20 and refused > 20  # both sides of the line were exercised
 
 
 # --------------------------------------------------------------------------- the payload
@@ -241,9 +442,13 @@ def test_payload_reads_what_it_writes_and_refuses_bad_shapes() -> None:
     assert torch.equal(back.counts, counts)
     with pytest.raises(UploadError, match="expected"):
         StsaFactorStats.read(record, dim=49, classes=3)
-    tall = ArrayRecord({"gram-factor": Array(np.zeros((60, 53))), "counts": Array(counts.numpy())})
-    with pytest.raises(UploadError, match="rows <= 53"):
-        StsaFactorStats.read(tall, dim=50, classes=3)
+    most = factor_max_rows(50, 3)
+    for rows in (most + 1, 53, 60):  # no smaller than the Gram (53 = M + c was accepted before)
+        tall = ArrayRecord({"gram-factor": Array(np.zeros((rows, 53))), "counts": Array(counts.numpy())})
+        with pytest.raises(UploadError, match=f"rows <= {most}, 53"):
+            StsaFactorStats.read(tall, dim=50, classes=3)
+    edge = ArrayRecord({"gram-factor": Array(np.zeros((most, 53))), "counts": Array(counts.numpy())})
+    assert StsaFactorStats.read(edge, dim=50, classes=3).factor.shape == (most, 53)
     extra = ArrayRecord({"gram-factor": Array(factor.numpy()), "counts": Array(counts.numpy()), "x": Array(np.ones(1))})
     with pytest.raises(UploadError, match="unexpected"):
         StsaFactorStats.read(extra, dim=50, classes=3)
@@ -294,6 +499,35 @@ def test_seeded_rotation_makes_factor_runs_reproducible(out_dir: Path) -> None:
     assert torch.equal(first.ridge.gram, second.ridge.gram)
 
 
+def test_seeded_rotation_can_be_undone_by_a_server_that_knows_the_seed(out_dir: Path) -> None:
+    """Why ``noise-seeded`` is for tests only with factor uploads (its help says so): it also seeds
+    the rotation, so a server that knows (seed, client, task) redraws O and reads every sample's raw
+    one-hot label and ReLU features off Oᵀ F; the rotation of another key leaves them hidden."""
+    seen: dict[int, np.ndarray] = {}
+
+    def tamper(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        for reply in replies:
+            if task == 0 and phase == "stsa-stats" and not reply.has_error():
+                arrays = reply.content.array_records["arrays"]
+                if StsaFactorStats.matches(arrays):
+                    seen[reply_partition(reply)] = arrays["gram-factor"].numpy().copy()
+        return replies
+
+    cfg = small_config(out_dir, rf_dim=FACTOR_DIM, stats_form="factor", noise_seeded=True, run_name="undo")
+    run_in_process(cfg, tamper)
+    assert seen
+    for partition, upload in seen.items():
+        factor = torch.from_numpy(upload).to(F64)
+        rows = factor.shape[0]
+        for task, undone in ((0, True), (1, False)):
+            rotation = haar_rotation(rows, noise_generator(True, (cfg.seed, partition, task, ROTATION_STREAM)))
+            raw = rotation.T @ factor
+            labels, features = raw[:, FACTOR_DIM:], raw[:, :FACTOR_DIM]
+            one_hot = torch.allclose(labels, labels.round(), atol=1e-9) and bool((labels.round().sum(dim=1) == 1).all())
+            assert one_hot == undone
+            assert (float(features.min()) > -1e-9) == undone  # ReLU features: >= 0
+
+
 def _to_factor_form(reply: Message) -> None:
     arrays = reply.content.array_records["arrays"]
     counts = arrays["counts"].numpy()
@@ -328,7 +562,7 @@ def test_factor_run_rejects_a_forged_label_block(out_dir: Path) -> None:
                 _to_factor_form(reply)  # all-zero rows: the label block is 0, the counts are not
         return replies
 
-    cfg = small_config(out_dir, rf_dim=FACTOR_DIM, num_tasks=2, stats_form="factor", run_name="forged")
+    cfg = small_config(out_dir, rf_dim=FACTOR_DIM, stats_form="factor", run_name="forged")  # every upload a factor
     strategy = run_in_process(cfg, tamper)
     stage = strategy.recorder.stages[0]
     assert "label block" in stage.left_out["client-1"]

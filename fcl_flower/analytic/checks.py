@@ -72,7 +72,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .factor import factor_gram
+from .factor import factor_gram, factor_max_rows
 from .packing import diagonal_of_packed, pack_upper, packed_blocks, row_offset
 
 MAGNITUDE_LIMIT = 1e150  # entries beyond this could overflow float64 in sums of squares (1e300 < 1.8e308)
@@ -318,21 +318,35 @@ def check_factor_statistics(
     """A factor upload F = O[Φ Y] (fcl_flower/analytic/factor.py): check it and return the packed
     G and C it stands for (float64). Raise StatisticsRejected with the violated property.
 
-    FᵀF is positive semidefinite by construction, so no factorisation is needed. Checked:
+    FᵀF is positive semidefinite by construction, so no factorisation is needed. What the server
+    keeps differs from FᵀF in two places only: the label block is replaced by diag(n_c), and with
+    ReLU features the negative rounding of G and C is clamped to 0. Both changes are bounded, in the
+    diagonally scaled J of the Gram check, by a Frobenius norm of at most half that check's slack
+    2 (M + c) ε (the other half covers the rounding of the float64 products), so the statistics
+    returned pass :func:`check_packed_statistics` with the same options: the factor form accepts
+    nothing the Gram form would reject. Checked, cheapest first:
 
-    * shapes: one row per sample (``num_samples`` rows, at most M + c: a factor never needs more),
-      M + c columns, c counts; the counts themselves are checked by :func:`check_counts`;
+    * shapes: one row per sample (``num_samples`` rows, at most
+      :func:`~fcl_flower.analytic.factor.factor_max_rows`: a factor with more numbers than the Gram
+      upload is refused, it would make this check dearer than the Gram's), M + c columns, c counts;
+      the counts themselves are checked by :func:`check_counts`;
     * magnitude: every |F_ij| ≤ √(MAGNITUDE_LIMIT / rows), so every entry of FᵀF obeys
       :data:`MAGNITUDE_LIMIT` like a Gram upload's;
-    * labels: the label block F_Yᵀ F_Y equals diag(n_c) entry by entry, within
-      τ √(n_i n_j) with τ = 2ε + 4(rows + 1) u (the wire rounding ε of both factors and the float64
-      products' own, u = 2⁻⁵³). A class without samples must have an exactly zero column. Then
-      [[G, C], [Cᵀ, diag n]] differs from the PSD FᵀF only in that block, by a scaled perturbation
-      of spectral norm ≤ c τ: it passes the Gram upload's PSD test, whose slack is 4 (M + c) ε,
-      whenever c τ is below that (always for float32 uploads);
+    * labels, before the r M² product of the features (r c² work): F_Yᵀ F_Y equals diag(n_c) entry
+      by entry within τ √(n_i n_j), τ = 2ε + 4(rows + 1) u (the wire rounding ε of both factors and
+      the float64 products' own, u = 2⁻⁵³), and the scaled deviation has Frobenius norm L at most
+      2 (M + c) ε (entry by entry, c entries of τ could add up to more than the Gram check allows in
+      float64); a class without samples must have an exactly zero label column (so its class sums
+      are exactly zero: squares that underflow cannot hide it);
+    * zero energy: a feature whose G_ii is 0 has an exactly zero row in G and C, as the Gram check
+      demands (entries whose squares underflow cannot hide a non-zero row);
+    * no underflow: every non-zero |F_ij| ≥ :data:`FACTOR_FLOOR` = 2⁻⁵⁰⁰, so every product of two
+      entries is a normal float64 (a subnormal G_ii loses precision, and the Gram check's
+      Cauchy–Schwarz test would then refuse what this one accepted);
     * with random ReLU features (``nonnegative``): G_ij ≥ −τ √(G_ii G_jj) and C_ic ≥ −τ √(G_ii n_c)
-      (a true zero, two features never active together, comes out as ± rounding of that size);
-    * with a feature norm bound B: tr G ≤ n B², ‖C_c‖ ≤ n_c B, as for a Gram upload.
+      (a true zero, two features never active together, comes out as ± rounding of that size), the
+      scaled negative part has Frobenius norm K with L + K ≤ 2 (M + c) ε, and is then clamped to 0;
+    * with a feature norm bound B: tr G ≤ n B², ‖C_c‖ ≤ n_c B, with exactly the Gram upload's slack.
     """
     classes = int(counts.shape[0]) if counts.dim() == 1 else -1
     rows = int(factor.shape[0]) if factor.dim() == 2 else -1
@@ -342,23 +356,80 @@ def check_factor_statistics(
         )
     if rows != num_samples:
         raise StatisticsRejected(f"the factor has {rows} rows, the upload says {num_samples} samples (one row each)")
-    if rows > dim + classes:
-        raise StatisticsRejected(f"the factor has {rows} rows, more than M + c = {dim + classes}: send the Gram")
+    most = factor_max_rows(dim, classes)
+    if rows > most:
+        raise StatisticsRejected(
+            f"the factor has {rows} rows, more than the {most} that keep it smaller than the Gram upload: send the Gram"
+        )
     check_magnitude("factor", factor, math.sqrt(MAGNITUDE_LIMIT / max(rows, 1)))
     n = counts.to(torch.float64)
     check_magnitude("counts", n)
     tau = 2.0 * relative_tolerance + 4.0 * (rows + 1) * FLOAT64_UNIT
+    budget = 2.0 * (dim + classes) * relative_tolerance  # half the Gram check's PSD slack
+    label_shift = _check_label_block(factor[:, dim:], n, tau, budget)
     stats = factor_gram(factor, dim)
-    root = torch.sqrt(n.clamp_min(0.0))
-    if bool((torch.abs(stats.label_gram - torch.diag(n)) > tau * torch.outer(root, root)).any()):
-        raise StatisticsRejected("the label block of the factor is not diag(counts): its rows are not [Φ Y] rotated")
-    if nonnegative and min(stats.lowest_gram, stats.lowest_sums) < -tau:
-        raise StatisticsRejected("G or the class sums have negative entries (random ReLU features are >= 0)")
+    gram, sums = stats.gram_packed, stats.class_sums
+    diagonal = diagonal_of_packed(gram, dim)
+    empty = diagonal <= 0
+    if bool(empty.any()):
+        _check_zero_energy(gram, sums, torch.cat([empty, torch.zeros(classes, dtype=torch.bool)]))
+    _check_no_underflow(factor)
+    if nonnegative:
+        if min(stats.lowest_gram, stats.lowest_sums) < -tau:
+            raise StatisticsRejected("G or the class sums have negative entries (random ReLU features are >= 0)")
+        inv_g = torch.where(empty, 0.0, diagonal.clamp_min(0.0).rsqrt())
+        root = n.clamp_min(0.0).sqrt()
+        inv_n = torch.where(root > 0, 1.0 / torch.where(root > 0, root, 1.0), 0.0)
+        scaled_sums = (sums * inv_g[:, None] * inv_n[None, :]).clamp_max(0.0)
+        energy = stats.negative_gram_energy + 2.0 * float((scaled_sums * scaled_sums).sum())
+        if label_shift + math.sqrt(energy) > budget:
+            raise StatisticsRejected(
+                f"G or the class sums have negative entries beyond a rotation's rounding (scaled norm "
+                f"{math.sqrt(energy):.3g} > {budget - label_shift:.3g}; random ReLU features are >= 0)"
+            )
+        gram.clamp_min_(0.0)  # what is left is rounding of true zeros: the Gram form's sign test holds
+        sums.clamp_min_(0.0)
     if norm_bound > 0:
-        diagonal = diagonal_of_packed(stats.gram_packed, dim)
-        slack = 4.0 * (dim + classes) * relative_tolerance + tau  # the Gram upload's, plus the products' rounding
-        _check_norm_bound(diagonal, stats.class_sums, n, norm_bound, slack, 0.0, 0.0, NoiseLevels())
-    return stats.gram_packed, stats.class_sums
+        slack = 4.0 * (dim + classes) * relative_tolerance  # the Gram upload's, exactly
+        _check_norm_bound(diagonal, sums, n, norm_bound, slack, 0.0, 0.0, NoiseLevels())
+    return gram, sums
+
+
+FACTOR_FLOOR = 2.0**-500  # smallest non-zero |F_ij|: products of two entries stay normal (>= 2^-1000)
+
+
+def _check_no_underflow(factor: Tensor) -> None:
+    """No non-zero entry below :data:`FACTOR_FLOOR` in magnitude: its square would be subnormal,
+    G_ii would lose relative precision and the derived G could break Cauchy-Schwarz by it (only a
+    float64 factor can hold such entries; a float32 one is skipped)."""
+    info = torch.finfo(factor.dtype)
+    if info.tiny * info.eps >= FACTOR_FLOOR:  # the dtype's smallest subnormal is above the floor
+        return
+    if bool(torch.logical_and(factor != 0, factor.abs() < FACTOR_FLOOR).any()):
+        raise StatisticsRejected(
+            f"the factor has a non-zero entry below {FACTOR_FLOOR:.3g} in magnitude: its square would underflow"
+        )
+
+
+def _check_label_block(labels: Tensor, n: Tensor, tau: float, budget: float) -> float:
+    """F_Y (rows × c) against the counts (see :func:`check_factor_statistics`); returns the
+    Frobenius norm of the scaled deviation D^{-1/2}(F_YᵀF_Y − diag n)D^{-1/2}, D = diag n."""
+    y = labels.to(torch.float64)
+    deviation = y.T @ y - torch.diag(n)
+    root = torch.sqrt(n.clamp_min(0.0))
+    if bool((torch.abs(deviation) > tau * torch.outer(root, root)).any()):
+        raise StatisticsRejected("the label block of the factor is not diag(counts): its rows are not [Φ Y] rotated")
+    empty = n == 0
+    if bool(empty.any()) and bool((y[:, empty] != 0).any()):
+        raise StatisticsRejected("the label block of the factor has a non-zero column for a class without samples")
+    inv = torch.where(root > 0, 1.0 / torch.where(root > 0, root, 1.0), 0.0)
+    shift = float(torch.linalg.matrix_norm(deviation * inv[:, None] * inv[None, :]))
+    if shift > budget:
+        raise StatisticsRejected(
+            f"the label block of the factor is off diag(counts) by {shift:.3g} (scaled Frobenius norm), "
+            f"more than the Gram check's slack allows ({budget:.3g})"
+        )
+    return shift
 
 
 FLOAT32_EPSILON = 2.0**-24  # wire_epsilon(torch.float32): uploads this coarse may be tested in float32

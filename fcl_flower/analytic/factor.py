@@ -11,8 +11,10 @@ n = 60, M = 5000. It reveals J and nothing else: every B with BᵀB = J is O'[Φ
 orthogonal O' (both have the same singular values and right singular vectors), and O[Φ Y] for a
 Haar O is uniformly distributed over that set whatever [Φ Y] it started from (Haar measure is
 invariant). So the server could draw the upload itself from J: it learns no more than from G, C
-and the counts, provided it cannot know O (the client draws O from fresh operating-system
-randomness; docs/privacy.md).
+and the counts, provided it cannot know O (the client draws O with NumPy's PCG64 seeded with 128
+bits of operating-system entropy, a statistical generator, not a cryptographic one; with
+``noise-seeded`` from (seed, client, task), which a server knowing the seed can undo;
+docs/privacy.md).
 
 The server gains a check for free. FᵀF is positive semidefinite by construction, so the (M + c)³/3
 Cholesky factorisation that certifies a Gram upload is replaced by one product of cost n M²: what
@@ -40,6 +42,7 @@ __all__ = [
     "factor_gram",
     "factor_is_smaller",
     "factor_length",
+    "factor_max_rows",
     "haar_rotation",
     "rotated_factor",
 ]
@@ -56,6 +59,17 @@ def factor_is_smaller(rows: int, dim: int, classes: int) -> bool:
     """Whether a factor upload of ``rows`` samples has fewer numbers than the Gram upload
     (packed G, C and the counts): then it is also the cheaper one for the server to check."""
     return factor_length(rows, dim, classes) < packed_length(dim) + dim * classes + classes
+
+
+def factor_max_rows(dim: int, classes: int) -> int:
+    """The most rows a factor upload may have: the largest r with ``factor_is_smaller(r, dim,
+    classes)`` (-1 when not even an empty factor is smaller). A taller factor is refused: the
+    client sends the Gram then, and the server's product (r M² multiply-adds) never costs more
+    than the Gram check it replaces."""
+    if dim < 0 or classes < 0:
+        raise AnalyticInputError(f"dim and classes must be >= 0, got {dim}, {classes}")
+    limit, width = packed_length(dim) + dim * classes, dim + classes
+    return (limit - 1) // width if width and limit > 0 else -1
 
 
 def haar_rotation(size: int, rng: np.random.Generator) -> Tensor:
@@ -90,13 +104,16 @@ class FactorGram:
     """What a factor F = [F_Φ F_Y] stands for: G = F_Φᵀ F_Φ as its packed upper triangle,
     C = F_Φᵀ F_Y, the label block F_Yᵀ F_Y (diag(n_c) for one-hot labels), all float64, and the
     most negative entry of G and of C relative to its Cauchy-Schwarz bound: min G_ij / √(G_ii G_jj)
-    and min C_ic / √(G_ii (F_YᵀF_Y)_cc) (0 where a diagonal is 0, whose row is then exactly 0)."""
+    and min C_ic / √(G_ii (F_YᵀF_Y)_cc) (0 where a diagonal is 0). ``negative_gram_energy``: the
+    squared Frobenius norm of the negative part of the scaled G, Σ_{i≠j} min(G_ij, 0)² / (G_ii G_jj)
+    over both triangles (what clamping G's negative entries to 0 moves the scaled matrix by)."""
 
     gram_packed: Tensor
     class_sums: Tensor
     label_gram: Tensor
     lowest_gram: float
     lowest_sums: float
+    negative_gram_energy: float = 0.0
 
 
 def factor_gram(factor: Tensor, dim: int) -> FactorGram:
@@ -113,7 +130,7 @@ def factor_gram(factor: Tensor, dim: int) -> FactorGram:
     norms = torch.linalg.vector_norm(phi, dim=0)
     inv = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0).numpy()
     packed = torch.empty(packed_length(dim), dtype=torch.float64)
-    out, lowest = packed.numpy(), 0.0
+    out, lowest, energy = packed.numpy(), 0.0, 0.0
     for a, b, mask in packed_blocks(dim):
         block = (phi[:, a:b].T @ phi[:, a:]).numpy()
         out[row_offset(a, dim) : row_offset(b, dim)] = block[mask]
@@ -121,10 +138,12 @@ def factor_gram(factor: Tensor, dim: int) -> FactorGram:
             scaled = block * inv[a:b, None]
             scaled *= inv[None, a:]
             lowest = min(lowest, float(scaled.min()))
+            upper = np.minimum(scaled[mask], 0.0)  # each entry once (the diagonal is never negative)
+            energy += 2.0 * float(upper @ upper)
     sums = phi.T @ y
     label_gram = y.T @ y
     label_norms = torch.sqrt(torch.diagonal(label_gram).clamp_min(0.0))
     label_inv = torch.where(label_norms > 0, 1.0 / torch.where(label_norms > 0, label_norms, 1.0), 0.0)
     scaled_sums = sums * torch.from_numpy(inv)[:, None] * label_inv[None, :]
     lowest_sums = min(0.0, float(scaled_sums.min())) if scaled_sums.numel() else 0.0
-    return FactorGram(packed, sums, label_gram, lowest, lowest_sums)
+    return FactorGram(packed, sums, label_gram, lowest, lowest_sums, energy)

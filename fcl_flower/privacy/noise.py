@@ -24,8 +24,9 @@ Two ways to choose the standard deviations (:class:`NoiseScale`), docs/privacy.m
   √(Σ_j Δ_j² / (z Δ_j √J)²) = 1/z: one Gaussian mechanism with noise multiplier z
   (:mod:`fcl_flower.privacy.accountant` calibrates z and composes the releases).
 
-Randomness: :func:`noise_generator` draws 128 fresh bits from the operating system per upload
-(the server cannot predict or subtract the noise), unless ``noise-seeded`` asks for the
+Randomness: :func:`noise_generator` seeds NumPy's PCG64 with 128 fresh bits from the operating
+system per upload (the server does not know the seed, so it cannot recompute and subtract the
+noise; PCG64 is a statistical generator, not a cryptographic one), unless ``noise-seeded`` asks for the
 reproducible generator of (seed, client, task, block) -- for experiments and tests only, since
 the server knows the seed.
 """
@@ -128,8 +129,9 @@ def noise_generator(seeded: bool, key: Sequence[int] = ()) -> np.random.Generato
     """A Generator for one upload's noise.
 
     ``seeded``: the reproducible generator of ``key`` (e.g. seed, client, task): the same upload
-    gets the same noise on every machine. Otherwise 128 bits of fresh entropy from the operating
-    system (NumPy's ``SeedSequence()``), which nobody else can reproduce.
+    gets the same noise on every machine. Otherwise NumPy's PCG64 seeded with 128 bits of fresh
+    entropy from the operating system (``SeedSequence()``), which nobody else can reproduce (PCG64
+    is a statistical generator, not a cryptographically secure one).
     """
     if not seeded:
         return np.random.default_rng()

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
+from fcl_flower.analytic.factor import factor_max_rows
 from fcl_flower.protocol.arrays import cast_for_wire, read_ring, read_tensor, to_record
 from fcl_flower.protocol.errors import UploadError
 
@@ -97,14 +98,18 @@ class StsaFactorStats:
     @classmethod
     def read(cls, record: ArrayRecord, *, dim: int, classes: int) -> StsaFactorStats:
         """F is read in place at wire precision (it is only multiplied, never written to), with
-        M + c columns and at most M + c rows (a factor never needs more; more would only make the
-        server's product dearer); the counts become a float64 copy."""
+        M + c columns and only as many rows as keep it smaller than the Gram upload
+        (:func:`~fcl_flower.analytic.factor.factor_max_rows`: an honest client sends the Gram
+        otherwise, and a taller factor would make the server's check dearer than the Gram's); the
+        counts become a float64 copy."""
         _exact_keys(record, cls.KEYS)
         counts = read_tensor(record, "counts", shape=(classes,), nonnegative=True).to(torch.float64)
         factor = read_tensor(record, "gram-factor", ndim=2, floating=True, copy=False)
-        if int(factor.shape[1]) != dim + classes or int(factor.shape[0]) > dim + classes:
+        most = factor_max_rows(dim, classes)
+        if int(factor.shape[1]) != dim + classes or int(factor.shape[0]) > most:
             raise UploadError(
-                f"array 'gram-factor' has shape {tuple(factor.shape)}, expected (rows <= {dim + classes}, {dim + classes})"
+                f"array 'gram-factor' has shape {tuple(factor.shape)}, expected (rows <= {most}, {dim + classes}): "
+                "a taller factor is no smaller than the Gram upload"
             )
         return cls(factor, counts)
 
