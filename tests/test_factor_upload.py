@@ -122,6 +122,79 @@ def test_factor_gram_of_nonnegative_features_reports_no_negative_entry() -> None
         factor_gram(joint(phi, labels, 3), 30)
 
 
+def scaled_reference(factor: torch.Tensor, dim: int) -> tuple[float, float, float]:
+    """lowest_gram, lowest_sums and negative_gram_energy computed directly from the full matrices."""
+    f = factor.to(F64)
+    phi, y = f[:, :dim], f[:, dim:]
+    gram, sums, labels = phi.T @ phi, phi.T @ y, y.T @ y
+
+    def inverse(d: torch.Tensor) -> torch.Tensor:
+        root = d.sqrt()
+        return torch.where(root > 0, 1.0 / root, torch.zeros_like(root))
+
+    g_inv, y_inv = inverse(torch.diagonal(gram)), inverse(torch.diagonal(labels))
+    scaled = gram * g_inv[:, None] * g_inv[None, :]
+    scaled_sums = sums * g_inv[:, None] * y_inv[None, :]
+    off = scaled.clone()
+    off.fill_diagonal_(0.0)
+    energy = float((off.clamp_max(0.0) ** 2).sum())
+    lowest = min(0.0, float(scaled.min())) if scaled.numel() else 0.0
+    lowest_sums = min(0.0, float(scaled_sums.min())) if scaled_sums.numel() else 0.0
+    return lowest, lowest_sums, energy
+
+
+@pytest.mark.parametrize(("dim", "scale"), [(20, 0.05), (20, 3.0), (2100, 0.05)])
+def test_factor_gram_scaled_minima_and_energy_equal_the_direct_ones(dim: int, scale: float) -> None:
+    """Features of any sign and size (norms below and above 1), a zero feature, a class with one
+    sample (label norm exactly 1), an empty class; at M = 2100 G spans two packed blocks."""
+    gen = torch.Generator().manual_seed(dim)
+    rows = 3 if dim > 1000 else 9
+    phi = scale * torch.randn(rows, dim, generator=gen, dtype=F64)
+    phi[:, 1] = 0.0
+    labels = torch.tensor([0] * (rows - 1) + [1])
+    factor = joint(phi, labels, 3)  # class 2 is empty
+    stats = factor_gram(factor, dim)
+    lowest, lowest_sums, energy = scaled_reference(factor, dim)
+    assert stats.lowest_gram < 0 and stats.lowest_sums < 0 and stats.negative_gram_energy > 0
+    assert stats.lowest_gram == pytest.approx(lowest, rel=1e-12)
+    assert stats.lowest_sums == pytest.approx(lowest_sums, rel=1e-12)
+    assert stats.negative_gram_energy == pytest.approx(energy, rel=1e-10)
+    assert torch.equal(stats.label_gram, factor[:, dim:].T @ factor[:, dim:])
+
+
+def test_factor_gram_edge_shapes_and_dtypes() -> None:
+    phi = torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=torch.float32)
+    as32 = factor_gram(phi, 2)  # M = all columns: no label block
+    assert as32.gram_packed.dtype == F64 and as32.class_sums.shape == (2, 0) and as32.lowest_sums == 0.0
+    assert torch.equal(as32.gram_packed, pack_upper(phi.to(F64).T @ phi.to(F64)))
+    none = factor_gram(phi, 0)  # M = 0: every column is a label
+    assert none.gram_packed.numel() == 0 and none.lowest_gram == 0.0 and none.class_sums.shape == (0, 2)
+    for bad in (-1, 3):
+        with pytest.raises(AnalyticInputError, match=f"with M = {bad}, got shape"):
+            factor_gram(phi, bad)
+    with pytest.raises(AnalyticInputError, match="with M = 1"):
+        factor_gram(phi[0], 1)
+
+
+def test_rotated_factor_refuses_bad_input_and_takes_any_integer_labels() -> None:
+    rng = np.random.default_rng(0)
+    phi = torch.ones(4, 2, dtype=F64)
+    with pytest.raises(AnalyticInputError, match="features must be n x M"):
+        rotated_factor(torch.ones(4, 2, 2, dtype=F64), torch.zeros(4, dtype=torch.long), 2, rng)
+    with pytest.raises(AnalyticInputError, match="features must be n x M"):
+        rotated_factor(phi, torch.zeros(4, 1, dtype=torch.long), 2, rng)
+    with pytest.raises(AnalyticInputError, match="features must be n x M"):
+        rotated_factor(phi, torch.zeros(3, dtype=torch.long), 2, rng)
+    for bad in ([0, 1, 3, 0], [0, -1, 1, 0]):
+        with pytest.raises(AnalyticInputError, match=r"^labels must lie in 0\.\.2$"):
+            rotated_factor(phi, torch.tensor(bad), 3, rng)
+    small = torch.tensor([0, 1, 1, 2], dtype=torch.uint8)  # a uint8 index would be a mask
+    factor = rotated_factor(phi, small, 3, np.random.default_rng(1))
+    assert torch.allclose(
+        factor[:, 2:].T @ factor[:, 2:], torch.diag(torch.tensor([1.0, 2.0, 1.0], dtype=F64)), atol=1e-12
+    )
+
+
 def test_factor_sizes() -> None:
     """n(M + c) + c numbers; smaller than the Gram upload M(M+1)/2 + Mc + c exactly below the crossing."""
     assert factor_length(60, 5000, 10) == 60 * 5010 + 10
@@ -133,8 +206,16 @@ def test_factor_sizes() -> None:
         smaller = [rows for rows in range(300) if factor_is_smaller(rows, dim, classes)]
         assert factor_max_rows(dim, classes) == (max(smaller) if smaller else -1)
     assert factor_length(max(crossing), 100, 2) < gram <= factor_length(max(crossing) + 1, 100, 2)
-    with pytest.raises(AnalyticInputError, match=">= 0"):
-        factor_length(-1, 5, 2)
+    for bad in ((-1, 5, 2), (1, -5, 2), (1, 5, -2)):
+        with pytest.raises(AnalyticInputError, match=r"^rows, dim and classes must be >= 0, got "):
+            factor_length(*bad)
+    for dim in range(30):
+        for classes in range(5):
+            smaller = [rows for rows in range(dim * dim + 2) if factor_is_smaller(rows, dim, classes)]
+            assert factor_max_rows(dim, classes) == (max(smaller) if smaller else -1), (dim, classes)
+    for bad in ((-1, 2), (3, -1)):
+        with pytest.raises(AnalyticInputError, match=rf"^dim and classes must be >= 0, got {bad[0]}, {bad[1]}$"):
+            factor_max_rows(*bad)
 
 
 # --------------------------------------------------------------------------- the checks
@@ -452,6 +533,20 @@ def test_payload_reads_what_it_writes_and_refuses_bad_shapes() -> None:
     extra = ArrayRecord({"gram-factor": Array(factor.numpy()), "counts": Array(counts.numpy()), "x": Array(np.ones(1))})
     with pytest.raises(UploadError, match="unexpected"):
         StsaFactorStats.read(extra, dim=50, classes=3)
+    assert not StsaFactorStats.matches(
+        ArrayRecord({"gram-packed": Array(np.zeros(3)), "counts": Array(counts.numpy())})
+    )
+    good = {"gram-factor": Array(factor.numpy()), "counts": Array(counts.numpy())}
+    for changes, reason in (
+        ({"counts": Array(-counts.numpy())}, "'counts'"),
+        ({"counts": Array(counts.numpy()[:2])}, "'counts'"),
+        ({"gram-factor": Array(factor.numpy()[0])}, "'gram-factor'"),
+        ({"gram-factor": Array(factor.numpy().astype(np.int64))}, "'gram-factor'"),
+    ):
+        with pytest.raises(UploadError, match=reason):
+            StsaFactorStats.read(ArrayRecord({**good, **changes}), dim=50, classes=3)
+    with pytest.raises(UploadError, match="counts"):
+        StsaFactorStats.read(ArrayRecord({"gram-factor": good["gram-factor"]}), dim=50, classes=3)
 
 
 # --------------------------------------------------------------------------- whole runs

@@ -127,14 +127,13 @@ def factor_gram(factor: Tensor, dim: int) -> FactorGram:
         raise AnalyticInputError(f"factor must be rows x (M + c) with M = {dim}, got shape {tuple(factor.shape)}")
     f = factor.to(torch.float64)
     phi, y = f[:, :dim], f[:, dim:]
-    norms = torch.linalg.vector_norm(phi, dim=0)
-    inv = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0).numpy()
+    inv = _inverse_or_zero(torch.linalg.vector_norm(phi, dim=0)).numpy()
     packed = torch.empty(packed_length(dim), dtype=torch.float64)
     out, lowest, energy = packed.numpy(), 0.0, 0.0
     for a, b, mask in packed_blocks(dim):
         block = (phi[:, a:b].T @ phi[:, a:]).numpy()
         out[row_offset(a, dim) : row_offset(b, dim)] = block[mask]
-        if block.size and float(block.min()) < 0:  # scaled only where some entry is negative
+        if float(block.min()) < 0:  # scaled only where some entry is negative (a block is never empty)
             scaled = block * inv[a:b, None]
             scaled *= inv[None, a:]
             lowest = min(lowest, float(scaled.min()))
@@ -142,8 +141,12 @@ def factor_gram(factor: Tensor, dim: int) -> FactorGram:
             energy += 2.0 * float(upper @ upper)
     sums = phi.T @ y
     label_gram = y.T @ y
-    label_norms = torch.sqrt(torch.diagonal(label_gram).clamp_min(0.0))
-    label_inv = torch.where(label_norms > 0, 1.0 / torch.where(label_norms > 0, label_norms, 1.0), 0.0)
+    label_inv = _inverse_or_zero(torch.sqrt(torch.diagonal(label_gram)))  # a diagonal of squares: >= 0
     scaled_sums = sums * torch.from_numpy(inv)[:, None] * label_inv[None, :]
     lowest_sums = min(0.0, float(scaled_sums.min())) if scaled_sums.numel() else 0.0
     return FactorGram(packed, sums, label_gram, lowest, lowest_sums, energy)
+
+
+def _inverse_or_zero(norms: Tensor) -> Tensor:
+    """1 / x where x > 0, else 0 (a zero column scales to zero)."""
+    return torch.where(norms > 0, norms.reciprocal(), 0.0)
