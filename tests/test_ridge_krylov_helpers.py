@@ -23,6 +23,7 @@ from fcl_flower.analytic.ridge_krylov import (
     _one_centre,
     _orthonormal,
     krylov_gcv,
+    shifted_cholesky,
 )
 
 F64 = torch.float64
@@ -66,6 +67,22 @@ def unit(dim: int, *indices: int) -> torch.Tensor:
     v = torch.zeros(dim, 1, dtype=F64)
     v[list(indices)] = 1.0
     return v
+
+
+# --- shifted_cholesky -----------------------------------------------------------------------------
+
+
+def test_shifted_cholesky_is_float64_and_reports_lapacks_failing_minor() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 5, generator=gen)
+    gram = x.T @ x
+    gram = (0.5 * (gram + gram.T)).float()  # float32 in, float64 factor out
+    factor, info = shifted_cholesky(gram, 0.5)
+    assert info == 0 and factor.dtype == F64
+    assert torch.allclose(factor @ factor.T, gram.double() + 0.5 * torch.eye(5, dtype=F64), rtol=1e-10, atol=1e-10)
+    assert torch.equal(factor, torch.tril(factor))
+    _, info = shifted_cholesky(torch.diag(torch.tensor([1.0, 2.0, -4.0, 3.0], dtype=F64)), 1.0)
+    assert info == 3  # the leading minor of order 3 is the first that is not positive definite
 
 
 # --- _orthonormal ---------------------------------------------------------------------------------
@@ -122,6 +139,16 @@ def test_krylov_from_a_single_column() -> None:
     basis, _, coords, prev, done = _krylov(apply, unit(6, 0, 1), 2)  # type: ignore[arg-type]
     assert (basis.shape[1], prev, done) == (2, 1, 2)
     assert torch.allclose(basis @ coords, unit(6, 0, 1), atol=1e-12)
+
+
+def test_krylov_stops_at_an_exactly_invariant_space() -> None:
+    """A symmetric swap of e1 and e2 in R^3: from e1 the space {e1, e2} is invariant in exact
+    arithmetic (every number here is exact), so the third block is empty and the loop stops."""
+    swap = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 5.0]], dtype=F64)
+    basis, compressed, coords, prev, done = _krylov(lambda b: swap @ b, unit(3, 0), 6)
+    assert (basis.shape[1], prev, done) == (2, 1, 2)
+    assert torch.equal(compressed.abs(), torch.tensor([[0.0, 1.0], [1.0, 0.0]], dtype=F64))
+    assert torch.equal(coords.abs(), torch.tensor([[1.0], [0.0]], dtype=F64))
 
 
 def test_krylov_stops_when_the_basis_fills_the_space() -> None:
@@ -383,6 +410,27 @@ def test_the_window_is_the_run_of_accurate_points_around_the_centre_and_the_marg
     )
 
 
+def test_a_least_gcv_at_the_centre_on_the_window_edge_gives_up_with_that_reason() -> None:
+    dim, samples, classes, probes, steps = 64, 500, 4, 4, 3
+    gram, sums = random_features(dim, samples, classes, seed=1)
+    found = krylov_gcv(gram, sums, samples, float(samples), GRID, centre=1e-4, probes=probes, steps=steps)
+    centre = found.centres[-1]
+    start = torch.cat([sums, rademacher(dim, probes, seed=0)], dim=1)
+    last = _one_centre(gram, start, classes, samples, float(samples), GRID, centre, steps)
+    usable = [float(q) <= 1e-3 for q in last.quadrature]
+    here = GRID.tolist().index(centre)
+    low = high = here
+    while low - 1 >= 0 and usable[low - 1]:
+        low -= 1
+    while high + 1 < len(usable) and usable[high + 1]:
+        high += 1
+    best = min(range(low, high + 1), key=lambda i: last.rows[i].gcv)
+    assert best == here and (low == here or high == here) and low > 0 and high < len(usable) - 1
+    assert found.gamma is None and found.rows == last.rows
+    assert found.reason == f"GCV is least at γ_c = {centre:g}, at the edge of its accurate window"
+    assert found.block_solves == len(found.centres) * (classes + probes) * steps
+
+
 def test_a_search_that_keeps_moving_stops_after_max_centres() -> None:
     dim, samples, classes, probes, steps = 64, 500, 4, 4, 3
     gram, sums = random_features(dim, samples, classes, seed=2)
@@ -459,3 +507,35 @@ def test_exact_quadrature_is_usable_at_zero_tolerance_and_a_margin_equal_to_the_
     assert exact_window.reason.startswith("the probes cannot tell")
     tight = krylov_gcv(gram, sums, n, yty, grid, probes=6, tolerance=loose.margin)
     assert tight.gamma == loose.gamma and tight.margin == loose.margin
+
+
+def dense_gcv(gram: torch.Tensor, sums: torch.Tensor, yty: float, n: int, probes: torch.Tensor, gamma: float) -> float:
+    """GCV with df by Hutchinson's estimator over ``probes`` and the exact RSS."""
+    return n * dense_rss(gram, sums, yty, gamma) / (n - float(dense_df(gram, probes, gamma).mean())) ** 2
+
+
+@pytest.mark.parametrize("offset", [-1, 0, 1, 3])
+def test_in_the_whole_space_a_short_grid_gives_its_least_gcv_point_even_at_its_ends(offset: int) -> None:
+    """With quadrature exact every point is usable: the window is the whole grid, and its least-GCV
+    point is chosen even at the grid's first or last point (there is nothing beyond to move to)."""
+    gram, sums, yty = whole_space_problem()
+    n, probes = 400, 6
+    fine = torch.logspace(-3, 4, 57, dtype=F64).tolist()
+    z = rademacher(8, probes, seed=0)
+    curve = [dense_gcv(gram, sums, yty, n, z, g) for g in fine]
+    k = min(range(len(curve)), key=curve.__getitem__)
+    assert 3 < k < len(fine) - 4
+    grid = fine[k + offset - 1 : k + offset + 2]  # three points: around, above or below the minimum
+    values = curve[k + offset - 1 : k + offset + 2]
+    expected = grid[min(range(3), key=values.__getitem__)]
+    for centre in grid:
+        found = krylov_gcv(gram, sums, n, yty, grid, centre=centre, probes=probes, tolerance=1.0)
+        assert found.gamma == expected, found.reason
+        assert found.centres == [centre]
+        assert (found.factor is not None) == (expected == centre)  # the factor is kept for γ = γ_c only
+
+
+def test_no_centres_no_rows() -> None:
+    gram, sums, yty = whole_space_problem()
+    found = krylov_gcv(gram, sums, 400, yty, [1.0, 10.0], centre=1.0, max_centres=0)
+    assert found.rows == [] and found.centres == [] and found.reason == "no interior minimum after 0 centres []"
