@@ -383,6 +383,19 @@ def test_block_solves_add_up_over_the_centres() -> None:
         assert torch.allclose(found.factor @ found.factor.T, gram + found.gamma * torch.eye(dim, dtype=F64))
 
 
+def accurate_window(quadrature: list[float], centre: float) -> tuple[int, int, int, list[bool]]:
+    """(index of the centre, first and last index of the run of grid points around it whose
+    quadrature error is <= 1e-3, which points are accurate), computed directly from the rows."""
+    usable = [float(q) <= 1e-3 for q in quadrature]
+    here = GRID.tolist().index(centre)
+    low = high = here
+    while low - 1 >= 0 and usable[low - 1]:
+        low -= 1
+    while high + 1 < len(usable) and usable[high + 1]:
+        high += 1
+    return here, low, high, usable
+
+
 def test_the_window_is_the_run_of_accurate_points_around_the_centre_and_the_margin_is_over_it() -> None:
     dim, samples, classes, probes, steps = 64, 500, 4, 4, 4
     gram, sums = random_features(dim, samples, classes, seed=3)
@@ -391,13 +404,7 @@ def test_the_window_is_the_run_of_accurate_points_around_the_centre_and_the_marg
     centre = found.centres[-1]
     last = _one_centre(gram, start, classes, samples, float(samples), GRID, centre, steps)
     assert last.rows == found.rows
-    usable = [float(q) <= 1e-3 for q in last.quadrature]
-    here = GRID.tolist().index(centre)
-    low = high = here
-    while low - 1 >= 0 and usable[low - 1]:
-        low -= 1
-    while high + 1 < len(usable) and usable[high + 1]:
-        high += 1
+    here, low, high, usable = accurate_window(last.quadrature, centre)
     assert 0 < low < here < high < len(usable) - 1  # a window strictly inside the grid
     best = min(range(low, high + 1), key=lambda i: found.rows[i].gcv)
     assert low < best < high
@@ -417,13 +424,7 @@ def test_a_least_gcv_at_the_centre_on_the_window_edge_gives_up_with_that_reason(
     centre = found.centres[-1]
     start = torch.cat([sums, rademacher(dim, probes, seed=0)], dim=1)
     last = _one_centre(gram, start, classes, samples, float(samples), GRID, centre, steps)
-    usable = [float(q) <= 1e-3 for q in last.quadrature]
-    here = GRID.tolist().index(centre)
-    low = high = here
-    while low - 1 >= 0 and usable[low - 1]:
-        low -= 1
-    while high + 1 < len(usable) and usable[high + 1]:
-        high += 1
+    here, low, high, usable = accurate_window(last.quadrature, centre)
     best = min(range(low, high + 1), key=lambda i: last.rows[i].gcv)
     assert best == here and (low == here or high == here) and low > 0 and high < len(usable) - 1
     assert found.gamma is None and found.rows == last.rows
