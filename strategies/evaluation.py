@@ -29,6 +29,7 @@ from fcl_flower.metrics import accuracy_from_counts, task_pool_rows_from_counts
 from fcl_flower.protocol import EvaluateIns, EvaluateRes, Header, ProtocolError, UploadError, parse_reply
 from fcl_flower.protocol.payloads import read_counts
 from strategies.accounting import client_name, client_order
+from strategies.stream import exchange
 
 if TYPE_CHECKING:
     from strategies.base import StagedStrategy
@@ -65,7 +66,8 @@ def collect(host: StagedStrategy, grid: Grid, task: int) -> Scores:
     mapped = host.nodes.client_of
     targets = [n for n in host.nodes.connected(grid) if n in mapped]
     scores = Scores()
-    for message in grid.send_and_receive([ins.to_message(n) for n in targets], timeout=host.cfg.round_timeout):
+    # pulled as they arrive (Flower's send_and_receive would poll a real SuperLink every 3 s)
+    for message in exchange(grid, [ins.to_message(n) for n in targets], host.cfg.round_timeout):
         node = message.metadata.src_node_id
         name = client_name(mapped[node]) if node in mapped else f"node-{node}"
         try:

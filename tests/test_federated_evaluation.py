@@ -177,3 +177,18 @@ def test_custom_data_needs_federated_evaluation_and_pooled_bounds_need_a_server_
         small_config(tmp_path, strategy="joint", evaluation="federated")
     with pytest.raises(ConfigError, match="class-names and task-plan describe dataset 'custom'"):
         small_config(tmp_path, class_names="a,b")
+
+
+def test_federated_evaluation_pulls_replies_as_they_arrive(tmp_path, monkeypatch) -> None:
+    """The evaluation round goes through the grid's push/pull like every other round, never
+    through ``send_and_receive`` (on a real SuperLink that polls every 3 s)."""
+    from fcl_flower.local_grid import LocalGrid
+
+    def refuse(self, messages, *, timeout=None):
+        raise AssertionError("send_and_receive was called")
+
+    monkeypatch.setattr(LocalGrid, "send_and_receive", refuse)
+    strategy_run = run_in_process(config(tmp_path, "stsa", evaluation="both"))
+    for stage in strategy_run.recorder.stages:
+        assert stage.extra["federated_evaluation"]["accuracy"] == stage.accuracy
+        assert stage.extra["federated_evaluation"]["left_out"] == {}
