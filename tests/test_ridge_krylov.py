@@ -10,15 +10,17 @@ import torch
 
 from fcl_flower.analytic.errors import AnalyticInputError, NotPositiveDefiniteError
 from fcl_flower.analytic.ridge import (
+    KRYLOV_DTYPE,
     KRYLOV_FROM_DIM,
     KRYLOV_SAMPLES_PER_DIM,
     RidgeState,
     default_ridge_grid,
+    ridge_residual,
     select_ridge_gcv,
     solve_ridge,
     uses_krylov,
 )
-from fcl_flower.analytic.ridge_krylov import krylov_gcv
+from fcl_flower.analytic.ridge_krylov import KrylovGCV, KrylovRow, krylov_gcv, ridge_rss
 
 
 def random_feature_statistics(
@@ -163,6 +165,7 @@ def test_selection_modes() -> None:
         ({"grid": []}, "grid must be a non-empty 1-D sequence of positive values"),
         ({"probes": 1}, "probes and steps must be >= 2, got 1 and 5"),
         ({"steps": 1}, "probes and steps must be >= 2, got 16 and 1"),
+        ({"dtype": torch.float16}, "dtype must be torch.float32 or torch.float64, got torch.float16"),
     ],
 )
 def test_bad_inputs_are_one_line_errors(kwargs: dict[str, object], message: str) -> None:
@@ -181,12 +184,13 @@ def test_an_indefinite_gram_at_the_centre_is_reported_not_raised() -> None:
 
 def test_state_records_the_krylov_search_as_krylov_gcv_reports_it() -> None:
     gram, sums = random_feature_statistics(256, 3000, 6, seed=8)
-    found = krylov_gcv(gram, sums, 3000, 3000.0, default_ridge_grid(), centre=None)
+    found = krylov_gcv(gram, sums, 3000, 3000.0, default_ridge_grid(), centre=None, dtype=KRYLOV_DTYPE)
     assert found.gamma is not None
     state = RidgeState(gram.clone(), sums.clone(), 3000)
     _, gamma, table = state.solve(6, None, "krylov")
     assert gamma == found.gamma
-    assert set(state.selection) == {"method", "centres", "block_solves", "margin", "stated_error"}
+    assert set(state.selection) == {"method", "centres", "block_solves", "margin", "stated_error", "rss_deviation"}
+    assert 0.0 <= float(state.selection["rss_deviation"]) <= float(state.selection["stated_error"])  # type: ignore[arg-type]
     assert state.selection["block_solves"] == found.block_solves and state.selection["centres"] == found.centres
     assert state.selection["stated_error"] == next(row.error for row in found.rows if row.gamma == found.gamma)
     assert [(r.gamma, r.rss, r.df, r.gcv) for r in table] == [(r.gamma, r.rss, r.df, r.gcv) for r in found.rows]
@@ -206,3 +210,61 @@ def test_state_solve_with_krylov_takes_float32_class_sums() -> None:
     state = RidgeState(gram.clone(), sums.float(), 3000)
     weights, gamma, _ = state.solve(6, None, "krylov")
     assert weights.dtype == torch.float64 and torch.equal(weights, solve_ridge(gram, sums.float().double(), gamma))
+
+
+@pytest.mark.parametrize(("dim", "samples", "classes", "seed", "spread"), CASES)
+def test_a_float32_search_ranks_as_the_float64_one(
+    dim: int, samples: int, classes: int, seed: int, spread: float
+) -> None:
+    """Float32 factors (the state's default) choose the float64 search's γ, from the same centres;
+    every accurate row's GCV moves by less than 10⁻⁵ (relative; a few 10⁻⁶ at the smallest γ, where
+    G + γI is worst conditioned), the chosen row's by less than a hundredth of its stated error;
+    only a float64 search hands its factor back for the solve."""
+    gram, sums = random_feature_statistics(dim, samples, classes, seed=seed, spread=spread)
+    wide = krylov_gcv(gram, sums, samples, float(samples), default_ridge_grid())
+    narrow = krylov_gcv(gram, sums, samples, float(samples), default_ridge_grid(), dtype=torch.float32)
+    assert narrow.gamma == wide.gamma and narrow.centres == wide.centres, narrow.reason
+    assert narrow.factor is None and (wide.factor is None or wide.factor.dtype == torch.float64)
+    for a, b in zip(wide.rows, narrow.rows, strict=True):
+        if a.error <= 1e-2:
+            assert abs(b.gcv - a.gcv) <= 1e-5 * a.gcv
+        if a.gamma == wide.gamma:
+            assert abs(b.gcv - a.gcv) <= 0.01 * a.error * a.gcv and abs(b.rss - a.rss) <= 0.01 * a.error * a.rss
+
+
+@pytest.mark.parametrize("ridge", [1e-2, 3.0, 1e3])
+def test_ridge_rss_from_the_solution_alone_equals_the_residual_with_g(ridge: float) -> None:
+    gram, sums = random_feature_statistics(128, 1500, 5, seed=6)
+    weights = solve_ridge(gram, sums, ridge)
+    direct = ridge_residual(gram, sums, weights, 1500.0)
+    assert ridge_rss(sums, weights, 1500.0, ridge) == pytest.approx(direct, rel=1e-9)
+
+
+def test_a_search_whose_rss_disagrees_with_the_float64_solution_is_not_trusted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Attack on the a-posteriori check: a search that reports an RSS at its γ further from the
+    float64 solution's than its stated error (what a float32 factor too coarse for G would do) is
+    overruled by the exact scan, with the reason recorded."""
+    import fcl_flower.analytic.ridge as ridge_module
+
+    real = ridge_module.krylov_gcv
+
+    def skewed(*args: object, **kwargs: object) -> KrylovGCV:
+        found = real(*args, **kwargs)  # type: ignore[arg-type]
+        rows = [
+            KrylovRow(r.gamma, r.rss * (1.0 + 3.0 * r.error), r.df, r.gcv, r.error) if r.gamma == found.gamma else r
+            for r in found.rows
+        ]
+        return KrylovGCV(found.gamma, rows, found.centres, found.factor, found.reason, found.block_solves, found.margin)
+
+    monkeypatch.setattr(ridge_module, "krylov_gcv", skewed)
+    gram, sums = random_feature_statistics(256, 3000, 6, seed=8)
+    state = RidgeState(gram.clone(), sums.clone(), 3000)
+    weights, gamma, table = state.solve(6, None, "krylov")
+    exact_gamma, exact_table = select_ridge_gcv(gram, sums, 3000, 3000.0)
+    assert (gamma, table) == (exact_gamma, exact_table) and state.previous == exact_gamma
+    reason = str(state.selection["fallback"])
+    assert reason.startswith(f"the search's RSS at γ = {exact_gamma:g} is ") and "stated error" in reason
+    assert float(state.selection["rss_deviation"]) > float(state.selection["stated_error"])  # type: ignore[arg-type]
+    assert torch.equal(weights, solve_ridge(gram, sums, exact_gamma))

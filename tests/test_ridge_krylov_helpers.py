@@ -18,6 +18,7 @@ from fcl_flower.analytic.ridge_krylov import (
     _coarse_centre,
     _estimates,
     _gcv,
+    _inverse,
     _krylov,
     _margin,
     _one_centre,
@@ -165,6 +166,32 @@ def test_krylov_in_one_dimension() -> None:
     basis, compressed, coords, prev, done = _krylov(lambda b: 2.0 * b, torch.tensor([[3.0]], dtype=F64), 3)
     assert (basis.shape, prev, done) == ((1, 1), 1, 1)
     assert float(compressed) == pytest.approx(2.0) and float(coords.abs()) == pytest.approx(3.0)
+
+
+def test_krylov_compression_is_symmetric_and_read_off_the_projections() -> None:
+    """The compression assembled from the Gram–Schmidt projections (upper blocks, mirrored) equals
+    Vᵀ A V of the dense matrix, blocks below the diagonal included, and is exactly symmetric."""
+    gen = torch.Generator().manual_seed(3)
+    q, _ = torch.linalg.qr(torch.randn(30, 30, generator=gen, dtype=F64))
+    matrix = q @ torch.diag(torch.logspace(-3, 0, 30, dtype=F64)) @ q.T
+    basis, compressed, _, prev, done = _krylov(lambda b: matrix @ b, torch.randn(30, 3, generator=gen, dtype=F64), 4)
+    assert (basis.shape[1], prev, done) == (12, 9, 12)
+    assert torch.equal(compressed, compressed.T)
+    assert torch.allclose(compressed, basis.T @ matrix @ basis, atol=1e-13)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float64, 1e-12), (torch.float32, 1e-4)])
+def test_inverse_applies_the_inverse_of_the_factored_matrix(dtype: torch.dtype, tolerance: float) -> None:
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(40, 40, generator=gen, dtype=F64)
+    matrix = a @ a.T + 40.0 * torch.eye(40, dtype=F64)
+    factor, info = shifted_cholesky(matrix, 0.0, dtype)
+    assert info == 0 and factor.dtype == dtype
+    block = torch.randn(40, 5, generator=gen, dtype=F64)
+    image = _inverse(factor)(block)
+    assert image.dtype == F64
+    exact = torch.linalg.solve(matrix, block)
+    assert float(torch.linalg.matrix_norm(image - exact)) <= tolerance * float(torch.linalg.matrix_norm(exact))
 
 
 # --- _estimates and _gcv --------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .errors import AnalyticInputError, NotPositiveDefiniteError
 from .packing import add_packed_, pack_upper, unpack_upper
-from .ridge_krylov import krylov_gcv, shifted_cholesky
+from .ridge_krylov import krylov_gcv, ridge_rss, shifted_cholesky
 
 __all__ = [
     "GCVRow",
@@ -55,6 +55,9 @@ __all__ = [
 #: much, or GCV's denominator n − df is too small for the trace estimate (experiments/bench_ridge_selection.py).
 KRYLOV_FROM_DIM = 2048
 KRYLOV_SAMPLES_PER_DIM = 2
+#: the precision of the Krylov search's factors (fcl_flower/analytic/ridge_krylov.py, "Precision");
+#: the solve itself is always float64
+KRYLOV_DTYPE = torch.float32
 
 
 def uses_krylov(selection: str, dim: int, num_samples: int) -> bool:
@@ -337,19 +340,31 @@ class RidgeState:
         table: list[GCVRow] = []
         self.selection = {}
         if ridge is None and uses_krylov(selection, self.gram.shape[0], self.num_samples):
+            yty = float(self.num_samples)
             found = krylov_gcv(
-                self.gram, sums, self.num_samples, float(self.num_samples), default_ridge_grid(), centre=self.previous
+                self.gram, sums, self.num_samples, yty, default_ridge_grid(), centre=self.previous, dtype=KRYLOV_DTYPE
             )
             self.selection = {"method": "krylov", "centres": found.centres, "block_solves": found.block_solves}
             self.selection["margin"] = found.margin
             if found.gamma is not None:
-                self.previous = found.gamma
-                table = [GCVRow(row.gamma, row.rss, row.df, row.gcv) for row in found.rows]
-                self.selection["stated_error"] = next(row.error for row in found.rows if row.gamma == found.gamma)
-                if found.factor is not None:  # γ is the last centre: its factor is the solve's
+                row = next(row for row in found.rows if row.gamma == found.gamma)
+                self.selection["stated_error"] = row.error
+                if found.factor is not None:  # γ is the last float64 centre: its factor is the solve's
                     weights = torch.cholesky_solve(sums.to(torch.float64), found.factor)
+                else:
+                    weights = solve_ridge(self.gram, sums, found.gamma)
+                # the search ran on float32 factors: its RSS at γ must match the float64 solution's
+                exact = ridge_rss(sums, weights, yty, found.gamma)
+                deviation = abs(row.rss - exact) / max(abs(exact), 1e-300)
+                self.selection["rss_deviation"] = deviation
+                if deviation <= row.error:
+                    self.previous = found.gamma
+                    table = [GCVRow(r.gamma, r.rss, r.df, r.gcv) for r in found.rows]
                     return weights, found.gamma, table
-                return solve_ridge(self.gram, sums, found.gamma), found.gamma, table
+                found.reason = (
+                    f"the search's RSS at γ = {found.gamma:g} is {deviation:.2g} (relative) off the float64 "
+                    f"solution's, more than its stated error {row.error:.2g}"
+                )
             self.selection["fallback"] = found.reason
         if ridge is None:
             self.selection.setdefault("method", "exact")

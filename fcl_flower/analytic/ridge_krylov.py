@@ -29,6 +29,17 @@ G + γ_c I at a centre γ_c (the previous stage's γ when there is one) plus a f
   Each row also carries the absolute stated error of its own GCV estimate (quadrature plus three
   standard errors of the trace estimator).
 
+Precision. The search only ranks grid points, so its factors and block products may run in
+float32 (``dtype``; :meth:`RidgeState.solve` does so): half the time and memory of the float64
+factorisation and block solves, while the basis, the compression and the quadrature stay float64.
+A float32 factor is the exact factor of G + γ_c I + E, E its rounding (a few units of 2⁻²⁴ times
+‖G‖₂ in practice), so the search ranks the GCV of a slightly perturbed G; on the benchmark's
+statistics the two agree to about 10⁻⁶ relative, against stated errors near 10⁻³. No bound that
+small holds for every G, so the caller checks afterwards: the float64 solve at the chosen γ gives
+the exact RSS(γ) = tr(YᵀY) − tr(WᵀC) − γ‖W‖²_F at no cost (:func:`ridge_rss`), and when the
+search's RSS there is further from it than the row's stated error, the choice is not trusted and
+the exact scan decides.
+
 So the chosen γ equals the exact scan's whenever the exact GCV's minimum is lower than every other
 grid point in the window (margin < 0), and otherwise its GCV is within ``tolerance`` (relative) of
 that point's (tests/test_ridge_krylov.py compares both on random-feature statistics, n/M from 2 to
@@ -46,7 +57,7 @@ from torch import Tensor
 
 from .errors import AnalyticInputError
 
-__all__ = ["KrylovGCV", "KrylovRow", "krylov_gcv", "shifted_cholesky"]
+__all__ = ["KrylovGCV", "KrylovRow", "krylov_gcv", "ridge_rss", "shifted_cholesky"]
 
 
 @dataclass(frozen=True)
@@ -79,20 +90,28 @@ class KrylovGCV:
         return self.gamma is not None
 
 
-def shifted_cholesky(gram: Tensor, shift: float) -> tuple[Tensor, int]:
-    """(lower Cholesky factor of G + shift·I, LAPACK's info: 0 when it exists), built in one M × M
-    buffer factorised in place: no identity or second M × M temporary (512 MiB each at M = 8192)."""
-    factor = gram.to(torch.float64).clone()
+def shifted_cholesky(gram: Tensor, shift: float, dtype: torch.dtype = torch.float64) -> tuple[Tensor, int]:
+    """(lower Cholesky factor of G + shift·I in ``dtype``, LAPACK's info: 0 when it exists), built in
+    one M × M buffer factorised in place: no identity or second M × M temporary (512 MiB each at
+    M = 8192)."""
+    factor = torch.empty_like(gram, dtype=dtype).copy_(gram)
     factor.diagonal().add_(float(shift))
     info = torch.zeros((), dtype=torch.int32, device=factor.device)
     torch.linalg.cholesky_ex(factor, out=(factor, info))
     return factor, int(info)
 
 
-def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
-    """``block`` orthogonalised against ``basis`` (twice: classical Gram–Schmidt, re-orthogonalised)
-    and then within itself; columns that vanish (rank deficiency) are dropped."""
-    for _ in range(2 if basis is not None else 0):
+def ridge_rss(class_sums: Tensor, weights: Tensor, yty: float, ridge: float) -> float:
+    """‖Y − ΦW‖²_F of the ridge solution W = (G + γI)⁻¹C from W and C alone: since GW = C − γW,
+    tr(WᵀGW) = tr(WᵀC) − γ‖W‖²_F, so RSS = tr(YᵀY) − tr(WᵀC) − γ‖W‖²_F (O(M c), no product with G)."""
+    w = weights.to(torch.float64)
+    return float(yty) - float((w * class_sums.to(torch.float64)).sum()) - float(ridge) * float((w * w).sum())
+
+
+def _orthonormal(block: Tensor, basis: Tensor | None, passes: int = 2) -> Tensor:
+    """``block`` orthogonalised against ``basis`` (``passes`` times: classical Gram–Schmidt,
+    re-orthogonalised) and then within itself; columns that vanish (rank deficiency) are dropped."""
+    for _ in range(passes if basis is not None else 0):
         assert basis is not None
         block = block - basis @ (basis.T @ block)
     q, r = torch.linalg.qr(block)
@@ -122,25 +141,41 @@ def _gcv(rss: Tensor, df: Tensor, n: int) -> Tensor:
 
 def _krylov(apply: Callable[[Tensor], Tensor], start: Tensor, steps: int) -> tuple[Tensor, Tensor, Tensor, int, int]:
     """Block Krylov space of ``apply`` from ``start``: (orthonormal basis V, the symmetrised
-    compression Vᵀ·apply(V), Vᵀ·start, the width of all blocks but the last, columns applied)."""
+    compression Vᵀ·apply(V), Vᵀ·start, the width of all blocks but the last, columns applied).
+
+    The compression is read off the first Gram–Schmidt pass: step k projects its image A V_k on
+    the basis so far, which is the block column V_{≤k}ᵀ A V_k; the blocks below the diagonal are
+    the transposes of later steps' (A symmetric), and each diagonal block is symmetrised."""
     dim = start.shape[0]
     blocks: list[Tensor] = []
-    images: list[Tensor] = []
+    projections: list[Tensor] = []
     block = _orthonormal(start, None)
     basis = block[:, :0]
     applied = 0
-    for _ in range(steps):
+    for step in range(steps):
         if block.shape[1] == 0 or basis.shape[1] >= dim:
             break
         blocks.append(block)
         image = apply(block)
         applied += block.shape[1]
-        images.append(image)
         basis = torch.cat(blocks, dim=1)
-        block = _orthonormal(image, basis)
-    compressed = basis.T @ torch.cat(images, dim=1)
-    previous = basis.shape[1] - (blocks[-1].shape[1] if len(blocks) > 1 else 0)
-    return basis, 0.5 * (compressed + compressed.T), basis.T @ start, previous, applied
+        projection = basis.T @ image
+        projections.append(projection)
+        if step + 1 < steps:  # the last image only enters the compression
+            block = _orthonormal(image - basis @ projection, basis, passes=1)
+    width = basis.shape[1]
+    compressed = torch.zeros(width, width, dtype=basis.dtype, device=basis.device)
+    end = 0
+    for projection in projections:
+        begin, end = end, end + projection.shape[1]
+        compressed[:end, begin:end] = projection
+    compressed = compressed + compressed.T
+    end = 0
+    for projection in projections:  # the diagonal blocks were added to their own transposes
+        begin, end = end, end + projection.shape[1]
+        compressed[begin:end, begin:end] *= 0.5
+    previous = width - (blocks[-1].shape[1] if len(blocks) > 1 else 0)
+    return basis, compressed, basis.T @ start, previous, applied
 
 
 def _ritz(compressed: Tensor, coords: Tensor, size: int, classes: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -153,11 +188,25 @@ def _ritz(compressed: Tensor, coords: Tensor, size: int, classes: int) -> tuple[
 
 def _coarse_centre(gram: Tensor, start: Tensor, classes: int, n: int, yty: float, gammas: Tensor, steps: int) -> float:
     """A starting centre: the least-GCV grid point by Gauss quadrature in a Krylov space of G
-    itself (no factorisation; its small eigenvalues are lumped, so it is only a starting point)."""
-    basis, compressed, coords, _, _ = _krylov(lambda block: gram @ block, start, steps)
+    itself (no factorisation; its small eigenvalues are lumped, so it is only a starting point).
+    ``gram`` may be a float32 copy: its products then run in float32, the rest in float64."""
+    basis, compressed, coords, _, _ = _krylov(
+        lambda block: (gram @ block.to(gram.dtype)).to(torch.float64), start, steps
+    )
     theta, weights_c, weights_z = _ritz(compressed, coords, basis.shape[1], classes)
     rss, df = _estimates(1.0 / (theta.clamp_min(0.0) + 1.0), weights_c, weights_z, 1.0, gammas, yty)
     return float(gammas[int(torch.argmin(_gcv(rss, df.mean(dim=1), n)))])
+
+
+def _inverse(factor: Tensor) -> Callable[[Tensor], Tensor]:
+    """X ↦ (L Lᵀ)⁻¹ X for the lower Cholesky factor L, in L's dtype, the result in float64: two
+    triangular solves on L and its transposed view (``cholesky_solve`` copies L on every call)."""
+
+    def apply(block: Tensor) -> Tensor:
+        half = torch.linalg.solve_triangular(factor, block.to(factor.dtype), upper=False)
+        return torch.linalg.solve_triangular(factor.T, half, upper=True).to(torch.float64)
+
+    return apply
 
 
 @dataclass(frozen=True)
@@ -173,14 +222,20 @@ class _Centre:
 
 
 def _one_centre(
-    gram: Tensor, start: Tensor, classes: int, n: int, yty: float, gammas: Tensor, centre: float, steps: int
+    gram: Tensor,
+    start: Tensor,
+    classes: int,
+    n: int,
+    yty: float,
+    gammas: Tensor,
+    centre: float,
+    steps: int,
+    dtype: torch.dtype = torch.float64,
 ) -> _Centre:
-    factor, info = shifted_cholesky(gram, centre)
+    factor, info = shifted_cholesky(gram, centre, dtype)
     if info != 0:
         return _Centre([], None, 0, torch.empty(0), torch.empty(0))
-    basis, compressed, coords, previous, solved = _krylov(
-        lambda block: torch.cholesky_solve(block, factor), start, steps
-    )
+    basis, compressed, coords, previous, solved = _krylov(_inverse(factor), start, steps)
 
     def estimates(size: int) -> tuple[Tensor, Tensor]:
         theta, weights_c, weights_z = _ritz(compressed, coords, size, classes)
@@ -238,10 +293,13 @@ def krylov_gcv(
     tolerance: float = 1e-3,
     max_centres: int = 5,
     seed: int = 0,
+    dtype: torch.dtype = torch.float64,
 ) -> KrylovGCV:
     """GCV's γ on ``grid`` from Cholesky factors at a few centres (module doc). ``centre``: where to
     start (the grid point nearest it; default: the least-GCV point of a Gauss-quadrature estimate in
-    a Krylov space of G itself, which costs a few block products and no factorisation)."""
+    a Krylov space of G itself, which costs a few block products and no factorisation). ``dtype``:
+    the precision of the factors and of those products (module doc, "Precision"); the factor is
+    handed back for the solve only in float64."""
     n = int(num_samples)
     if n <= 0:
         raise AnalyticInputError(f"num_samples must be positive, got {num_samples}")
@@ -250,6 +308,8 @@ def krylov_gcv(
         raise AnalyticInputError("grid must be a non-empty 1-D sequence of positive values")
     if probes < 2 or steps < 2:
         raise AnalyticInputError(f"probes and steps must be >= 2, got {probes} and {steps}")
+    if dtype not in (torch.float32, torch.float64):
+        raise AnalyticInputError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     g = gram.to(torch.float64)
     c = class_sums.to(torch.float64)
     dim = g.shape[0]
@@ -258,14 +318,14 @@ def krylov_gcv(
     values = gammas.tolist()
     start = torch.cat([c, z], dim=1)
     if centre is None:
-        centre = _coarse_centre(g, start, c.shape[1], n, float(yty), gammas, steps)
+        centre = _coarse_centre(g.to(dtype), start, c.shape[1], n, float(yty), gammas, steps)
     else:
         wanted = math.log(float(centre))
         centre = min(values, key=lambda v: abs(math.log(v) - wanted))
     result = KrylovGCV(gamma=None, rows=[], centres=[])
     for _ in range(max_centres):
         result.centres.append(centre)
-        found = _one_centre(g, start, c.shape[1], n, float(yty), gammas, centre, steps)
+        found = _one_centre(g, start, c.shape[1], n, float(yty), gammas, centre, steps, dtype)
         result.block_solves += found.solved
         if found.factor is None:
             result.reason = f"G + {centre:g}·I has no Cholesky factor"
@@ -298,7 +358,7 @@ def krylov_gcv(
             )
             return result
         result.gamma = rows[best].gamma
-        result.factor = found.factor if best == here else None
+        result.factor = found.factor if best == here and dtype == torch.float64 else None
         return result
     result.reason = f"no interior minimum after {max_centres} centres {result.centres}"
     return result
