@@ -13,7 +13,8 @@ Per M, each end to end through :meth:`RidgeState.solve`:
 * ``krylov warm``: the same with the previous stage's γ one grid step away from the choice (a
   later stage whose choice moved), and ``krylov same``: the previous γ is the choice.
 
-``selection / solve`` = (time with selection − time of the fixed-γ solve) / time of the fixed-γ solve.
+``selection / solve`` = (time with selection − time of the fixed-γ solve) / time of the fixed-γ solve,
+each time the median of ``--repeats`` runs (3; every run's time is in the JSON; the exact scan runs once).
 Every Krylov row says whether it chose the exact scan's γ and the stated relative error of GCV there.
 Writes experiments/results/bench_ridge_selection.json (machine and load average included).
 """
@@ -24,6 +25,8 @@ import argparse
 import math
 import os
 import time
+from collections.abc import Callable
+from statistics import median as statistics_median
 from typing import Any
 
 import torch
@@ -56,6 +59,17 @@ def timed(state: RidgeState, classes: int, ridge: float | None, selection: str) 
     return time.perf_counter() - began, gamma, dict(state.selection)
 
 
+def repeated(
+    make: Callable[[], RidgeState], classes: int, ridge: float | None, selection: str, repeats: int, times: list[float]
+) -> tuple[float, float, dict[str, Any]]:
+    """:func:`timed` ``repeats`` times on fresh states; every time is appended to ``times``, the
+    median is returned (with γ and the selection record of the last run: the same every run)."""
+    for _ in range(repeats):
+        seconds, gamma, info = timed(make(), classes, ridge, selection)
+        times.append(seconds)
+    return statistics_median(times), gamma, info
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[4096, 10000])
@@ -64,8 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--skip-exact-above", type=int, default=20000, help="no exact scan above this M")
     parser.add_argument("--quick", action="store_true", help="small M only: checks the script")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of each solve and Krylov search (the median is reported)"
+    )
     parser.add_argument("--out", help="JSON path (default experiments/results/bench_ridge_selection.json)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads:
         torch.set_num_threads(args.threads)
     dims = [512] if args.quick else args.dims
@@ -80,13 +99,28 @@ def main(argv: list[str] | None = None) -> int:
         exact_s, exact_gamma = math.nan, math.nan
         if dim <= args.skip_exact_above:
             exact_s, exact_gamma, _ = timed(state, args.classes, None, "exact")
-        cold_s, cold_gamma, cold = timed(RidgeState(gram, sums, samples), args.classes, None, "krylov")
+        times: dict[str, list[float]] = {"solve": [], "cold": [], "warm": [], "same": []}
+        cold_s, cold_gamma, cold = repeated(
+            lambda: RidgeState(gram, sums, samples), args.classes, None, "krylov", args.repeats, times["cold"]
+        )
         reference = exact_gamma if math.isfinite(exact_gamma) else cold_gamma
-        solve_s, _, _ = timed(state, args.classes, reference, "exact")
+        solve_s, _, _ = repeated(lambda: state, args.classes, reference, "exact", args.repeats, times["solve"])
         step = grid[min(grid.index(reference) + 1, len(grid) - 1)]
-        warm_s, warm_gamma, warm = timed(RidgeState(gram, sums, samples, previous=step), args.classes, None, "krylov")
-        same_s, same_gamma, same = timed(
-            RidgeState(gram, sums, samples, previous=reference), args.classes, None, "krylov"
+        warm_s, warm_gamma, warm = repeated(
+            lambda: RidgeState(gram, sums, samples, previous=step),
+            args.classes,
+            None,
+            "krylov",
+            args.repeats,
+            times["warm"],
+        )
+        same_s, same_gamma, same = repeated(
+            lambda: RidgeState(gram, sums, samples, previous=reference),
+            args.classes,
+            None,
+            "krylov",
+            args.repeats,
+            times["same"],
         )
         row: dict[str, Any] = {
             "M": dim,
@@ -107,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             row[f"krylov {name} gamma"] = gamma
             row[f"krylov {name} equals exact"] = gamma == exact_gamma if math.isfinite(exact_gamma) else None
             row[f"krylov {name} detail"] = info
+        row["times s"] = times
         row["load average"] = [load, os.getloadavg()[0]]
         rows.append(row)
         print(
