@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .errors import AnalyticInputError
+from .ridge_krylov import factor_solve
 
 __all__ = ["FactorStack", "kernel_ridge"]
 
@@ -46,7 +47,7 @@ def kernel_ridge(phi: Tensor, labels: Tensor, ridge: float, kernel: Tensor | Non
     factor, info = torch.linalg.cholesky_ex(shifted)
     if int(info) != 0:
         return None
-    return phi.T @ torch.cholesky_solve(labels.to(phi.dtype), factor)
+    return phi.T @ factor_solve(factor, labels)
 
 
 @dataclass

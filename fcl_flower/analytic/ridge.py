@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .errors import AnalyticInputError, NotPositiveDefiniteError
 from .packing import add_packed_, pack_upper, unpack_upper
-from .ridge_krylov import krylov_gcv, ridge_rss, shifted_cholesky
+from .ridge_krylov import factor_solve, krylov_gcv, ridge_rss, shifted_cholesky
 
 __all__ = [
     "GCVRow",
@@ -107,7 +107,7 @@ def symmetric_eigh(gram: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def solve_ridge(gram: Tensor, class_sums: Tensor, ridge: float) -> Tensor:
-    """W = (G + γI)⁻¹ C (M × c, float64) via Cholesky factor and ``cholesky_solve``.
+    """W = (G + γI)⁻¹ C (M × c, float64) via Cholesky factor and two triangular solves.
 
     Raises ``NotPositiveDefiniteError`` if G + γI has no Cholesky factor (γ too small for a
     rank-deficient or indefinite G, e.g. a noised or estimated Gram matrix).
@@ -122,7 +122,7 @@ def solve_ridge(gram: Tensor, class_sums: Tensor, ridge: float) -> Tensor:
         raise NotPositiveDefiniteError(
             f"G + {ridge:g}·I is not positive definite (Cholesky failed at column {info}); increase the ridge"
         )
-    return torch.cholesky_solve(class_sums.to(device=factor.device, dtype=torch.float64), factor)
+    return factor_solve(factor, class_sums.to(device=factor.device))
 
 
 @dataclass(frozen=True)
@@ -350,7 +350,7 @@ class RidgeState:
                 row = next(row for row in found.rows if row.gamma == found.gamma)
                 self.selection["stated_error"] = row.error
                 if found.factor is not None:  # γ is the last float64 centre: its factor is the solve's
-                    weights = torch.cholesky_solve(sums.to(torch.float64), found.factor)
+                    weights = factor_solve(found.factor, sums)
                 else:
                     weights = solve_ridge(self.gram, sums, found.gamma)
                 # the search ran on float32 factors: its RSS at γ must match the float64 solution's
