@@ -63,7 +63,9 @@ from typing import Any
 
 from experiments.benchlib import RESULTS_DIR, format_table, median, write_json
 from experiments.export_partitions import export_partitions
-from fcl_flower.config import RunConfig
+from fcl_flower.config import ConfigError, RunConfig
+from fcl_flower.data import DatasetError
+from fcl_flower.runtime import federated_split
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -432,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "need --num-tasks >= 2 (an analytic stage) and --stage1-rounds >= 1 (a FedAvg round; 0 with --wire-dtype)"
         )
+    try:  # a configuration that cannot run is one line here, not a traceback after the federation started
+        federated_split(run_config(args, Path(tempfile.gettempdir()) / "fcl-bench-deploy-check"))
+    except (ConfigError, DatasetError) as err:
+        print(f"bench_deployment: error: {err}", file=sys.stderr)
+        return 2
     print(f"bench_deployment: {args.num_nodes} SuperNodes on loopback, load average {os.getloadavg()}")
     if args.keep:
         workdir = Path(args.keep).expanduser().resolve()

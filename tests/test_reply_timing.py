@@ -77,3 +77,24 @@ def test_a_rejected_reply_is_counted_and_timed_but_never_added(tmp_path: Path) -
     assert len(second.clients) == cfg.num_clients - 1 and second.left_out
     check_stage(second.extra, cfg.num_clients)  # three replies read, one of them rejected
     check_stage(first.extra, cfg.num_clients)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num-tasks", "3"], "10 classes do not divide into 3 equal tasks"),
+        (["--ridge", "foo"], "ridge must be a number or 'auto' (got 'foo')"),
+    ],
+)
+def test_bench_deployment_refuses_a_bad_configuration_in_one_line_before_starting_anything(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from experiments import bench_deployment
+
+    def no_federation(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a federation was started")
+
+    monkeypatch.setattr(bench_deployment, "run_all", no_federation)
+    assert bench_deployment.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bench_deployment: error: ") and message in err and err.count("\n") == 1
