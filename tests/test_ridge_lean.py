@@ -54,7 +54,9 @@ def test_solve_ridge_equals_the_plain_formula_bit_for_bit(ridge: float) -> None:
     gram = _server_gram(90, 40, seed=1)
     sums = torch.randn(90, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     factor = torch.linalg.cholesky(gram + ridge * torch.eye(90, dtype=torch.float64)).contiguous()  # row-major
-    plain = torch.linalg.solve_triangular(factor.T, torch.linalg.solve_triangular(factor, sums, upper=False), upper=True)
+    plain = torch.linalg.solve_triangular(
+        factor.T, torch.linalg.solve_triangular(factor, sums, upper=False), upper=True
+    )
     got = solve_ridge(gram, sums, ridge)
     assert torch.equal(got, plain)  # the in-place (row-major) factor, two triangular solves: the plain formula's bits
     reference = torch.cholesky_solve(sums, factor)  # LAPACK's potrs: the same solves, another rounding order
