@@ -23,7 +23,10 @@ from fcl_flower.analytic.ridge_krylov import (
     _margin,
     _one_centre,
     _orthonormal,
+    factor_solve,
     krylov_gcv,
+    ridge_rss,
+    rss_agreement,
     shifted_cholesky,
 )
 
@@ -567,3 +570,87 @@ def test_no_centres_no_rows() -> None:
     gram, sums, yty = whole_space_problem()
     found = krylov_gcv(gram, sums, 400, yty, [1.0, 10.0], centre=1.0, max_centres=0)
     assert found.rows == [] and found.centres == [] and found.reason == "no interior minimum after 0 centres []"
+
+
+# --- precision (float32 search) -------------------------------------------------------------------
+
+
+def test_krylov_keeps_the_basis_orthonormal_when_the_images_nearly_lie_in_it() -> None:
+    """A = I + 10⁻⁷·D: every image A V_k is V_k up to 10⁻⁷, so one Gram–Schmidt pass cancels all
+    but 10⁻⁷ of it and leaves rounding of relative size 10⁻⁹; the second pass restores
+    orthonormality to 10⁻¹³."""
+    gen = torch.Generator().manual_seed(5)
+    q, _ = torch.linalg.qr(torch.randn(60, 60, generator=gen, dtype=F64))
+    matrix = q @ torch.diag(1.0 + 1e-7 * torch.rand(60, generator=gen, dtype=F64)) @ q.T
+    basis, _, _, _, done = _krylov(lambda b: matrix @ b, torch.randn(60, 4, generator=gen, dtype=F64), 5)
+    assert done == basis.shape[1] == 20
+    assert float((basis.T @ basis - torch.eye(20, dtype=F64)).abs().max()) <= 1e-13
+
+
+def test_factor_solve_works_in_the_factors_dtype() -> None:
+    gen = torch.Generator().manual_seed(6)
+    a = torch.randn(30, 30, generator=gen, dtype=F64)
+    factor, _ = shifted_cholesky(a @ a.T, 30.0, torch.float32)
+    rhs = torch.randn(30, 3, generator=gen, dtype=F64)
+    solved = factor_solve(factor, rhs)
+    assert solved.dtype == torch.float32
+    assert torch.equal(solved, factor_solve(factor, rhs.float()))
+
+
+def test_ridge_rss_reads_float32_inputs_exactly_in_float64() -> None:
+    gen = torch.Generator().manual_seed(7)
+    weights, sums = torch.randn(20, 3, generator=gen), torch.randn(20, 3, generator=gen)
+    assert ridge_rss(sums, weights, 50.0, 0.3) == ridge_rss(sums.double(), weights.double(), 50.0, 0.3)
+    w, c = weights.double(), sums.double()
+    assert ridge_rss(sums, weights, 50.0, 0.3) == pytest.approx(
+        50.0 - float((w * c).sum()) - 0.3 * float((w * w).sum()), rel=1e-15
+    )
+
+
+def test_a_float32_search_factorises_and_estimates_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dtype reaches the coarse products and every centre's factor; the float32 rows then differ
+    from the float64 ones by rounding (and only the float64 search hands its factor back)."""
+    import fcl_flower.analytic.ridge_krylov as module
+
+    seen: list[torch.dtype] = []
+    coarse, cholesky = module._coarse_centre, module.shifted_cholesky
+
+    def spy_coarse(gram: torch.Tensor, *args: object) -> float:
+        seen.append(gram.dtype)
+        return coarse(gram, *args)  # type: ignore[arg-type]
+
+    def spy_cholesky(gram: torch.Tensor, shift: float, dtype: torch.dtype = F64) -> tuple[torch.Tensor, int]:
+        seen.append(dtype)
+        return cholesky(gram, shift, dtype)
+
+    monkeypatch.setattr(module, "_coarse_centre", spy_coarse)
+    monkeypatch.setattr(module, "shifted_cholesky", spy_cholesky)
+    gram, sums, yty = regression(40, 400, 3, noise=0.5, seed=4)
+    narrow = krylov_gcv(gram, sums, 400, float(yty), torch.logspace(-2, 3, 11, dtype=F64), dtype=torch.float32)
+    assert seen and set(seen) == {torch.float32}
+    seen.clear()
+    wide = krylov_gcv(gram, sums, 400, float(yty), torch.logspace(-2, 3, 11, dtype=F64))
+    assert set(seen) == {F64}
+    assert narrow.centres == wide.centres and narrow.factor is None
+    assert any(a.gcv != b.gcv for a, b in zip(narrow.rows, wide.rows, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("estimate", "exact", "error", "expected"),
+    [
+        (1.5, 1.0, 0.5, (True, 0.5)),  # exactly at the stated error: agrees
+        (1.5, 1.0, 0.25, (False, 0.5)),
+        (0.5, 0.25, 0.99, (False, 1.0)),  # relative to a small exact RSS, not to 1
+        (0.24, 0.25, 0.05, (True, pytest.approx(0.04))),
+    ],
+)
+def test_rss_agreement_is_the_relative_deviation_within_the_stated_error(
+    estimate: float, exact: float, error: float, expected: tuple[bool, float]
+) -> None:
+    assert rss_agreement(estimate, exact, error) == expected
+
+
+def test_rss_agreement_with_a_zero_exact_rss_agrees_only_with_zero() -> None:
+    assert rss_agreement(0.0, 0.0, 0.0) == (True, 0.0)
+    agrees, deviation = rss_agreement(1e-200, 0.0, 1e-3)
+    assert not agrees and deviation == pytest.approx(1e100)

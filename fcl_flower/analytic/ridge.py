@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .errors import AnalyticInputError, NotPositiveDefiniteError
 from .packing import add_packed_, pack_upper, unpack_upper
-from .ridge_krylov import factor_solve, krylov_gcv, ridge_rss, shifted_cholesky
+from .ridge_krylov import factor_solve, krylov_gcv, ridge_rss, rss_agreement, shifted_cholesky
 
 __all__ = [
     "GCVRow",
@@ -349,15 +349,11 @@ class RidgeState:
             if found.gamma is not None:
                 row = next(row for row in found.rows if row.gamma == found.gamma)
                 self.selection["stated_error"] = row.error
-                if found.factor is not None:  # γ is the last float64 centre: its factor is the solve's
-                    weights = factor_solve(found.factor, sums)
-                else:
-                    weights = solve_ridge(self.gram, sums, found.gamma)
+                weights = solve_ridge(self.gram, sums, found.gamma)  # float64, whatever the search's dtype
                 # the search ran on float32 factors: its RSS at γ must match the float64 solution's
-                exact = ridge_rss(sums, weights, yty, found.gamma)
-                deviation = abs(row.rss - exact) / max(abs(exact), 1e-300)
+                agrees, deviation = rss_agreement(row.rss, ridge_rss(sums, weights, yty, found.gamma), row.error)
                 self.selection["rss_deviation"] = deviation
-                if deviation <= row.error:
+                if agrees:
                     self.previous = found.gamma
                     table = [GCVRow(r.gamma, r.rss, r.df, r.gcv) for r in found.rows]
                     return weights, found.gamma, table

@@ -57,7 +57,7 @@ from torch import Tensor
 
 from .errors import AnalyticInputError
 
-__all__ = ["KrylovGCV", "KrylovRow", "factor_solve", "krylov_gcv", "ridge_rss", "shifted_cholesky"]
+__all__ = ["KrylovGCV", "KrylovRow", "factor_solve", "krylov_gcv", "ridge_rss", "rss_agreement", "shifted_cholesky"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,14 @@ def ridge_rss(class_sums: Tensor, weights: Tensor, yty: float, ridge: float) -> 
     tr(WᵀGW) = tr(WᵀC) − γ‖W‖²_F, so RSS = tr(YᵀY) − tr(WᵀC) − γ‖W‖²_F (O(M c), no product with G)."""
     w = weights.to(torch.float64)
     return float(yty) - float((w * class_sums.to(torch.float64)).sum()) - float(ridge) * float((w * w).sum())
+
+
+def rss_agreement(estimate: float, exact: float, error: float) -> tuple[bool, float]:
+    """(whether the search's RSS at its γ agrees with the float64 solution's, their relative
+    deviation |estimate − exact| / |exact|): it agrees when the deviation is at most ``error``,
+    the row's stated relative error (module doc, "Precision")."""
+    deviation = abs(estimate - exact) / max(abs(exact), 1e-300)
+    return deviation <= error, deviation
 
 
 def _orthonormal(block: Tensor, basis: Tensor | None, passes: int = 2) -> Tensor:
