@@ -100,28 +100,23 @@ def main(argv: list[str] | None = None) -> int:
         if dim <= args.skip_exact_above:
             exact_s, exact_gamma, _ = timed(state, args.classes, None, "exact")
         times: dict[str, list[float]] = {"solve": [], "cold": [], "warm": [], "same": []}
-        cold_s, cold_gamma, cold = repeated(
-            lambda: RidgeState(gram, sums, samples), args.classes, None, "krylov", args.repeats, times["cold"]
-        )
-        reference = exact_gamma if math.isfinite(exact_gamma) else cold_gamma
+
+        def krylov(name: str, previous: float | None) -> tuple[float, float, dict[str, Any]]:
+            """The Krylov search from ``previous`` (None: the first stage), ``--repeats`` times."""
+            return repeated(
+                lambda: RidgeState(gram, sums, samples, previous=previous),
+                args.classes,
+                None,
+                "krylov",
+                args.repeats,
+                times[name],
+            )
+
+        searches = {"cold": krylov("cold", None)}
+        reference = exact_gamma if math.isfinite(exact_gamma) else searches["cold"][1]
         solve_s, _, _ = repeated(lambda: state, args.classes, reference, "exact", args.repeats, times["solve"])
-        step = grid[min(grid.index(reference) + 1, len(grid) - 1)]
-        warm_s, warm_gamma, warm = repeated(
-            lambda: RidgeState(gram, sums, samples, previous=step),
-            args.classes,
-            None,
-            "krylov",
-            args.repeats,
-            times["warm"],
-        )
-        same_s, same_gamma, same = repeated(
-            lambda: RidgeState(gram, sums, samples, previous=reference),
-            args.classes,
-            None,
-            "krylov",
-            args.repeats,
-            times["same"],
-        )
+        searches["warm"] = krylov("warm", grid[min(grid.index(reference) + 1, len(grid) - 1)])
+        searches["same"] = krylov("same", reference)
         row: dict[str, Any] = {
             "M": dim,
             "n": samples,
@@ -131,11 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             "exact / solve": (exact_s - solve_s) / solve_s,
             "gamma exact": exact_gamma,
         }
-        for name, seconds, gamma, info in (
-            ("cold", cold_s, cold_gamma, cold),
-            ("warm", warm_s, warm_gamma, warm),
-            ("same", same_s, same_gamma, same),
-        ):
+        for name, (seconds, gamma, info) in searches.items():
             row[f"krylov {name} s"] = seconds
             row[f"krylov {name} / solve"] = (seconds - solve_s) / solve_s
             row[f"krylov {name} gamma"] = gamma
