@@ -53,7 +53,8 @@ def test_symmetric_part_averages_an_asymmetric_matrix() -> None:
 def test_solve_ridge_equals_the_plain_formula_bit_for_bit(ridge: float) -> None:
     gram = _server_gram(90, 40, seed=1)
     sums = torch.randn(90, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    factor = torch.linalg.cholesky(gram + ridge * torch.eye(90, dtype=torch.float64)).contiguous()  # row-major
+    # the upper factor U (LAPACK's column-major potrf), stored as L = Uᵀ row by row, as solve_ridge's buffer
+    factor = torch.linalg.cholesky(gram + ridge * torch.eye(90, dtype=torch.float64), upper=True).T.contiguous()
     plain = torch.linalg.solve_triangular(
         factor.T, torch.linalg.solve_triangular(factor, sums, upper=False), upper=True
     )

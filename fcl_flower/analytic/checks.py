@@ -499,7 +499,9 @@ def _positive_factor(
     diagonal += shift
     diagonal[empty.numpy()] = 1.0  # a zero row and column: its unit diagonal leaves the rest's test unchanged
     info = torch.zeros((), dtype=torch.int32, device="cpu")
-    torch.linalg.cholesky_ex(joint, upper=True, out=(joint, info))
+    # the upper triangle of the row-major buffer is the lower one of its column-major transposed
+    # view: factorised there, in place (on the buffer itself torch copies it to column order and back)
+    torch.linalg.cholesky_ex(joint.T, out=(joint.T, info))
     return int(info) == 0
 
 

@@ -97,7 +97,10 @@ def shifted_cholesky(gram: Tensor, shift: float, dtype: torch.dtype = torch.floa
     factor = torch.empty_like(gram, dtype=dtype).copy_(gram)
     factor.diagonal().add_(float(shift))
     info = torch.zeros((), dtype=torch.int32, device=factor.device)
-    torch.linalg.cholesky_ex(factor, out=(factor, info))
+    # factorised through its transposed view, which is column-major: LAPACK then works in place
+    # (on the row-major buffer itself torch would copy it to column order and back: M² more numbers);
+    # the upper factor of the view is the lower factor L in the buffer
+    torch.linalg.cholesky_ex(factor.T, upper=True, out=(factor.T, info))
     return factor, int(info)
 
 
