@@ -272,11 +272,19 @@ class RidgeState:
 
     ``gram`` G_{1:t} (M × M), ``class_sums`` C_{1:t} (M × all classes, global class columns) and
     ``num_samples`` n, all sums over samples: a stage's statistics (or a late client's) just add.
+
+    ``indefiniteness`` b: λ_min(G) ≥ −b, the sum over the added uploads of how far below zero their
+    checks let the spectrum reach (:func:`~fcl_flower.analytic.checks.accepted_indefiniteness`:
+    wire rounding, and whatever an adversary can hide in it). GCV then searches only γ ≥
+    :attr:`min_ridge` = 2b, where G + γI keeps a Cholesky factor whatever the accepted uploads were:
+    a G rounded to float32 with fewer samples than features (singular, its zero eigenvalues moved
+    by the rounding) otherwise lets GCV pick a γ below the rounding, and the solve fails.
     """
 
     gram: Tensor
     class_sums: Tensor
     num_samples: int = 0
+    indefiniteness: float = 0.0
     previous: float | None = None  # the last γ GCV chose: the Krylov search starts there
     selection: dict[str, object] = field(default_factory=dict)  # how the last γ was selected
 
@@ -284,28 +292,62 @@ class RidgeState:
     def empty(cls, dim: int, num_classes: int) -> RidgeState:
         return cls(torch.zeros(dim, dim, dtype=torch.float64), torch.zeros(dim, num_classes, dtype=torch.float64))
 
-    def add(self, classes: range, gram: Tensor | None, class_sums: Tensor, num_samples: int) -> None:
-        """G grows by G_t (``None``: G is unchanged); the columns of ``classes`` receive C_t."""
+    def add(
+        self,
+        classes: range,
+        gram: Tensor | None,
+        class_sums: Tensor,
+        num_samples: int,
+        indefiniteness: float = 0.0,
+    ) -> None:
+        """G grows by G_t (``None``: G is unchanged); the columns of ``classes`` receive C_t;
+        ``indefiniteness``: how far below zero G_t's spectrum may reach (class doc)."""
         if tuple(class_sums.shape) != (self.gram.shape[0], len(classes)):
             raise AnalyticInputError(
                 f"class_sums shape {tuple(class_sums.shape)} does not fit "
                 f"{self.gram.shape[0]} features and {len(classes)} classes"
             )
+        if not (math.isfinite(indefiniteness) and indefiniteness >= 0.0):
+            raise AnalyticInputError(f"indefiniteness must be finite and >= 0, got {indefiniteness}")
         if gram is not None:
             self.gram += gram
         self.class_sums[:, classes.start : classes.stop] += class_sums
         self.num_samples += int(num_samples)
+        self.indefiniteness += float(indefiniteness)
 
-    def add_packed(self, classes: range, gram_packed: Tensor | None, class_sums: Tensor, num_samples: int) -> None:
+    def add_packed(
+        self,
+        classes: range,
+        gram_packed: Tensor | None,
+        class_sums: Tensor,
+        num_samples: int,
+        indefiniteness: float = 0.0,
+    ) -> None:
         """:meth:`add` with G_t as its packed upper triangle: the same numbers, without unpacking it."""
-        self.add(classes, None, class_sums, num_samples)  # checks the shapes first
+        self.add(classes, None, class_sums, num_samples, indefiniteness)  # checks the shapes first
         if gram_packed is not None:
             add_packed_(self.gram, gram_packed)
 
-    def state_dict(self) -> dict[str, Tensor | int]:
+    @property
+    def min_ridge(self) -> float:
+        """The least γ GCV may choose: twice the bound on −λ_min(G) (class doc)."""
+        return 2.0 * self.indefiniteness
+
+    def ridge_grid(self) -> Tensor:
+        """GCV's candidates (:func:`default_ridge_grid`) from :attr:`min_ridge` on; the floor itself
+        when every default candidate lies below it."""
+        grid = default_ridge_grid()
+        kept = grid[grid >= self.min_ridge]
+        return kept if kept.numel() else torch.tensor([self.min_ridge], dtype=torch.float64)
+
+    def state_dict(self) -> dict[str, Tensor | int | float]:
         """G as its packed upper triangle where it is exactly symmetric (as sums of packed uploads
         always are): half the bytes to write, hash and sync at every checkpoint."""
-        state: dict[str, Tensor | int] = {"class_sums": self.class_sums, "num_samples": self.num_samples}
+        state: dict[str, Tensor | int | float] = {
+            "class_sums": self.class_sums,
+            "num_samples": self.num_samples,
+            "indefiniteness": self.indefiniteness,
+        }
         if torch.equal(self.gram, self.gram.T):
             state["gram_packed"] = pack_upper(self.gram)
         else:
@@ -313,7 +355,7 @@ class RidgeState:
         return state
 
     @classmethod
-    def from_state(cls, state: dict[str, Tensor | int]) -> RidgeState:
+    def from_state(cls, state: dict[str, Tensor | int | float]) -> RidgeState:
         sums = state.get("class_sums")
         packed = state.get("gram_packed")
         gram = (
@@ -323,7 +365,10 @@ class RidgeState:
         )
         if not isinstance(gram, Tensor) or not isinstance(sums, Tensor):
             raise AnalyticInputError("ridge state needs the gram and class_sums tensors")
-        return cls(gram, sums, int(state["num_samples"]))
+        indefiniteness = float(state.get("indefiniteness", 0.0))  # checkpoints before it was kept: 0
+        if not (math.isfinite(indefiniteness) and indefiniteness >= 0.0):
+            raise AnalyticInputError(f"ridge state's indefiniteness must be finite and >= 0, got {indefiniteness}")
+        return cls(gram, sums, int(state["num_samples"]), indefiniteness)
 
     def solve_projected(
         self, num_seen: int, ridge: float | None, sums_noise: float = 0.0
@@ -332,17 +377,23 @@ class RidgeState:
         return solve_ridge_psd(self.gram, self.class_sums[:, :num_seen], self.num_samples, ridge, sums_noise)
 
     def solve(self, num_seen: int, ridge: float | None, selection: str = "exact") -> tuple[Tensor, float, list[GCVRow]]:
-        """(W over the first ``num_seen`` classes, γ, GCV table): ``ridge`` None selects γ by GCV,
-        ``selection`` says how (:func:`uses_krylov`); :attr:`selection` then records how it went.
-        The Krylov search starts from the previous stage's γ and falls back to the exact scan
-        when it cannot certify its choice."""
-        sums = self.class_sums[:, :num_seen]
-        table: list[GCVRow] = []
+        """(W over the first ``num_seen`` classes, γ, GCV table): ``ridge`` None selects γ by GCV
+        on :meth:`ridge_grid`, ``selection`` says how (:func:`uses_krylov`); :attr:`selection` then
+        records how it went (and ``min_ridge`` where the floor cut the grid). The Krylov search
+        starts from the previous stage's γ and falls back to the exact scan when it cannot certify
+        its choice."""
         self.selection = {}
+        solved = self._solve(self.class_sums[:, :num_seen], ridge, selection)
+        if ridge is None and self.min_ridge > float(default_ridge_grid()[0]):
+            self.selection["min_ridge"] = self.min_ridge
+        return solved
+
+    def _solve(self, sums: Tensor, ridge: float | None, selection: str) -> tuple[Tensor, float, list[GCVRow]]:
+        table: list[GCVRow] = []
         if ridge is None and uses_krylov(selection, self.gram.shape[0], self.num_samples):
             yty = float(self.num_samples)
             found = krylov_gcv(
-                self.gram, sums, self.num_samples, yty, default_ridge_grid(), centre=self.previous, dtype=KRYLOV_DTYPE
+                self.gram, sums, self.num_samples, yty, self.ridge_grid(), centre=self.previous, dtype=KRYLOV_DTYPE
             )
             self.selection = {"method": "krylov", "centres": found.centres, "block_solves": found.block_solves}
             self.selection["margin"] = found.margin
@@ -364,6 +415,8 @@ class RidgeState:
             self.selection["fallback"] = found.reason
         if ridge is None:
             self.selection.setdefault("method", "exact")
-            ridge, table = select_ridge_gcv(self.gram, sums, self.num_samples, float(self.num_samples))
+            ridge, table = select_ridge_gcv(
+                self.gram, sums, self.num_samples, float(self.num_samples), grid=self.ridge_grid()
+            )
             self.previous = ridge
         return solve_ridge(self.gram, sums, ridge), ridge, table
