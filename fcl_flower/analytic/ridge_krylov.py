@@ -75,7 +75,8 @@ class KrylovRow:
 class KrylovGCV:
     """The outcome: the chosen γ (None when the search did not settle), the rows of the last
     centre, every centre tried, the Cholesky factor of G + γI when γ is the last centre of a
-    float64 search (so the solve reuses it), and why the search gave up when it did."""
+    float64 search (a caller may solve with it; RidgeState, whose searches run in float32, solves
+    afresh in float64), and why the search gave up when it did."""
 
     gamma: float | None
     rows: list[KrylovRow]
