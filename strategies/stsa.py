@@ -44,7 +44,6 @@ from flwr.serverapp import Grid
 from fcl_flower.analytic import packed_length
 from fcl_flower.analytic.checks import (
     StatisticsRejected,
-    accepted_indefiniteness,
     check_counts,
     check_factor_statistics,
     check_packed_statistics,
@@ -88,8 +87,6 @@ class TaskSum:
     (None once one upload came without a factor or the cap is passed)."""
 
     def __init__(self, dim: int, classes: int, max_rows: int = 0) -> None:
-        self.dim = dim
-        self.indefiniteness = 0.0  # Σ over the uploads of how indefinite their checks let G be
         self.gram = torch.zeros(packed_length(dim), dtype=torch.float64)
         self.sums = torch.zeros(dim, classes, dtype=torch.float64)
         self.count = 0
@@ -100,12 +97,6 @@ class TaskSum:
 
     def add(self, stats: StsaStats, num_examples: int, factor: torch.Tensor | None = None) -> None:
         self.gram += stats.gram_packed  # summed in float64
-        self.indefiniteness += accepted_indefiniteness(
-            stats.gram_packed,
-            self.dim,
-            int(stats.class_sums.shape[1]),
-            relative_tolerance=wire_epsilon(stats.gram_packed.dtype),
-        )  # a noisy run solves on the PSD projection instead (AnalyticStrategy.solve_noisy)
         self.sums += stats.class_sums
         self.count += num_examples
         self.noisy_count += float(stats.counts.to(torch.float64).sum())
@@ -121,7 +112,7 @@ class TaskSum:
         """Add the sums to the ridge state; with noisy counts the number of samples is their rounded
         sum (:func:`~strategies.analytic.noisy_total`), and the sums' noise is noted for GCV."""
         samples = rounded_count(self.noisy_count) if strategy.counts_noised else self.count
-        strategy.ridge.add_packed(classes, self.gram, self.sums, samples, self.indefiniteness)
+        strategy.ridge.add_packed(classes, self.gram, self.sums, samples)
         strategy.note_sums_noise(classes, self.uploads)
         strategy.stack_factors(classes, self.factors)
 
@@ -361,32 +352,28 @@ class STSAStrategy(AnalyticStrategy):
             owed = [t for t in tasks[1:] if t in self.backfill.missing.get(client, [])]
             self.record_release([client], plan.task, factor / (1 + len(owed)))
         noise = self.noise_levels(factor)
-        tolerances: dict[str, Any] = {  # float64 sums of fixed-point shares, rounded per survivor
-            "relative_tolerance": wire_epsilon(torch.float64),
-            "absolute_tolerance": len(survivors) * 2.0 ** -(self.cfg.secagg_fraction_bits + 1),
-            "noise": noise,
-        }
         try:
             if noisy:
                 check_counts(counts, 0, noise=noise.counts if noise else 0.0)
                 check_counts(opened["counts"][-1:], int(withheld))
             else:
                 check_counts(opened["counts"], int(opened["counts"].sum()))
-            check_packed_statistics(gram, sums_c, counts, **tolerances, **self.feature_bounds)
+            check_packed_statistics(
+                gram,
+                sums_c,
+                counts,
+                relative_tolerance=wire_epsilon(torch.float64),
+                absolute_tolerance=len(survivors) * 2.0 ** -(self.cfg.secagg_fraction_bits + 1),
+                noise=noise,
+                **self.feature_bounds,
+            )
         except StatisticsRejected as err:
             raise StageFailed(f"the opened secure sum fails its checks: {err}") from None
-        opened_indefiniteness = accepted_indefiniteness(gram, self.rf_dim, int(sums_c.shape[1]), **tolerances)
         for position, task in enumerate(tasks):
             width = len(self.split.tasks[task])
             block = slice(column, column + width)
             samples = noisy_total([counts[block]]) if noisy else int(counts[block].sum())
-            self.ridge.add_packed(
-                self.split.tasks[task],
-                gram if position == 0 else None,
-                sums_c[:, block],
-                samples,
-                opened_indefiniteness if position == 0 else 0.0,
-            )
+            self.ridge.add_packed(self.split.tasks[task], gram if position == 0 else None, sums_c[:, block], samples)
             self.note_sums_noise(self.split.tasks[task], factor * factor)
             column += width
         if withheld:

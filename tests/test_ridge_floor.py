@@ -1,11 +1,12 @@
-"""The ridge floor: no upload the checks accept can make G + γI lose its Cholesky factor.
+"""The ridge floor: no upload the checks accept can make ``ridge auto``'s solve fail.
 
 A Gram of fewer samples than features is singular; rounded to float32 for the wire, its zero
 eigenvalues move by up to the rounding, below zero too, and the upload check accepts that (and
-whatever an adversary hides inside the same tolerance). Before the floor, GCV could then pick a γ
-below that level (seen with a random-init ViT-B/16 whose features have a large common part:
-"G + 0.01·I is not positive definite") and the stage failed. RidgeState now sums each accepted
-upload's bound (checks.accepted_indefiniteness) and GCV searches only γ >= twice the sum.
+whatever an adversary hides inside the same tolerance). GCV runs on the clamped spectrum and could
+then pick a γ below |λ_min| (seen with a random-init ViT-B/16, whose features have a large common
+part: "G + 0.01·I is not positive definite"), and the stage failed. The exact scan now searches
+only γ >= ridge.factorable_floor(spectrum); the Krylov search falls back to it when its γ has no
+Cholesky factor.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import pytest
 import torch
 
 from fcl_flower.analytic import pack_upper, random_features, random_projection
-from fcl_flower.analytic.checks import (
-    StatisticsRejected,
-    accepted_indefiniteness,
-    check_packed_statistics,
-    wire_epsilon,
+from fcl_flower.analytic.checks import StatisticsRejected, check_packed_statistics, wire_epsilon
+from fcl_flower.analytic.errors import NotPositiveDefiniteError
+from fcl_flower.analytic.ridge import (
+    RidgeState,
+    default_ridge_grid,
+    factorable_floor,
+    gcv_from_spectrum,
+    select_ridge_gcv,
+    solve_ridge,
 )
-from fcl_flower.analytic.errors import AnalyticInputError, NotPositiveDefiniteError
-from fcl_flower.analytic.ridge import RidgeState, default_ridge_grid, solve_ridge
-from fcl_flower.protocol.payloads import StsaStats
-from strategies.stsa import TaskSum
+from fcl_flower.analytic.ridge_krylov import KrylovRow
 
 FLOAT32 = wire_epsilon(torch.float32)
 
@@ -68,24 +70,12 @@ def unpacked(packed: torch.Tensor, dim: int) -> torch.Tensor:
     return gram + gram.triu(1).T
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_an_honest_float32_upload_is_within_its_bound(seed: int) -> None:
-    packed, sums, counts = singular_client(seed)
-    check_packed_statistics(packed, sums, counts, relative_tolerance=FLOAT32)
-    bound = accepted_indefiniteness(packed, 40, 2, relative_tolerance=FLOAT32)
-    lowest = float(torch.linalg.eigvalsh(unpacked(packed, 40))[0])
-    assert lowest < 0.0  # the rounding does push the zero eigenvalues below zero
-    assert -lowest <= bound
-
-
 @pytest.mark.parametrize("depth", [0.5, 0.9, 0.99])
-def test_a_crafted_upload_that_passes_the_check_stays_within_the_bound(depth: float) -> None:
+def test_a_crafted_upload_passes_the_check_with_a_negative_eigenvalue_below_the_grid(depth: float) -> None:
     packed, sums, counts = crafted_upload(depth=depth)
     check_packed_statistics(packed, sums, counts, relative_tolerance=FLOAT32)  # accepted
-    bound = accepted_indefiniteness(packed, 40, 2, relative_tolerance=FLOAT32)
     lowest = float(torch.linalg.eigvalsh(unpacked(packed, 40))[0])
-    assert -lowest > 10 * float(default_ridge_grid()[0])  # deep below the grid's first γ ...
-    assert -lowest <= bound  # ... and no deeper than the bound
+    assert -lowest > 10 * float(default_ridge_grid()[0])  # deep below the grid's first γ
 
 
 def test_a_crafted_upload_beyond_the_tolerance_is_rejected() -> None:
@@ -94,103 +84,84 @@ def test_a_crafted_upload_beyond_the_tolerance_is_rejected() -> None:
         check_packed_statistics(packed, sums, counts, relative_tolerance=FLOAT32)
 
 
-def test_the_bound_is_the_checks_slack_times_the_largest_diagonal() -> None:
-    packed, _, _ = singular_client(0)
-    top = float(unpacked(packed, 40).diagonal().max())
-    assert accepted_indefiniteness(packed, 40, 2, relative_tolerance=FLOAT32) == pytest.approx(
-        4 * 42 * FLOAT32 * top, rel=1e-12
-    )
-    lifted = accepted_indefiniteness(packed, 40, 2, relative_tolerance=FLOAT32, absolute_tolerance=1e-3)
-    lift = 4 * 42 * 1e-3
-    assert lifted == pytest.approx(lift + 4 * 42 * FLOAT32 * (top + lift), rel=1e-12)
-    assert accepted_indefiniteness(torch.zeros(0), 0, 0, relative_tolerance=FLOAT32) == 0.0
-    with pytest.raises(AnalyticInputError, match="does not fit"):
-        accepted_indefiniteness(packed, 41, 2, relative_tolerance=FLOAT32)
-
-
-def attacked_state(selection_floor: bool, honest: int = 0) -> RidgeState:
-    """The crafted upload (alone: its null direction is the stage's), then ``honest`` honest ones,
-    each accepted by the check; ``selection_floor``: whether the state is told each upload's bound
-    (what TaskSum does)."""
+def attacked_state(honest: int = 0) -> RidgeState:
+    """The crafted upload (first: its null direction is the stage's), then ``honest`` honest
+    float32 uploads, each accepted by the check."""
     state = RidgeState.empty(40, 2)
     uploads = [crafted_upload(depth=0.99)] + [singular_client(seed, n=4) for seed in range(honest)]
     for packed, sums, counts in uploads:
         check_packed_statistics(packed, sums, counts, relative_tolerance=FLOAT32)
-        bound = accepted_indefiniteness(packed, 40, 2, relative_tolerance=FLOAT32) if selection_floor else 0.0
-        state.add_packed(range(2), packed.to(torch.float64), sums, int(counts.sum()), bound)
+        state.add_packed(range(2), packed.to(torch.float64), sums, int(counts.sum()))
     return state
 
 
-def test_the_attack_breaks_the_bottom_of_the_grid() -> None:
-    """Without the floor, γ at the grid's start has no Cholesky factor: a GCV choice there fails the stage."""
-    state = attacked_state(selection_floor=False)
-    assert float(torch.linalg.eigvalsh(state.gram)[0]) < -float(default_ridge_grid()[0])
+def test_without_the_floor_gcv_chooses_a_gamma_without_a_cholesky_factor() -> None:
+    """The attack: GCV on the clamped spectrum over the whole grid picks a γ where the solve fails."""
+    state = attacked_state()
+    eigvals, vectors = torch.linalg.eigh(state.gram)
+    q = ((vectors.T @ state.class_sums) ** 2).sum(dim=1)
+    unguarded, _ = gcv_from_spectrum(eigvals.clamp_min(0.0), q, state.num_samples, float(state.num_samples))
+    assert unguarded < -float(eigvals[0])
     with pytest.raises(NotPositiveDefiniteError):
-        solve_ridge(state.gram, state.class_sums, float(default_ridge_grid()[0]))
-    for selection in ("exact", "krylov"):  # and GCV does choose such a γ
-        with pytest.raises(NotPositiveDefiniteError):
-            attacked_state(selection_floor=False).solve(2, None, selection)
+        solve_ridge(state.gram, state.class_sums, unguarded)
 
 
 @pytest.mark.parametrize("selection", ["exact", "krylov"])
 @pytest.mark.parametrize("honest", [0, 3])
-def test_with_the_floor_every_candidate_factorises_and_the_solve_succeeds(selection: str, honest: int) -> None:
-    state = attacked_state(selection_floor=True, honest=honest)
-    lowest = float(torch.linalg.eigvalsh(state.gram)[0])
-    assert state.min_ridge >= -2.0 * lowest
-    grid = state.ridge_grid()
-    assert float(grid.min()) >= state.min_ridge and float(grid.max()) == float(default_ridge_grid().max())
-    torch.linalg.cholesky(state.gram + float(grid.min()) * torch.eye(40, dtype=torch.float64))
+def test_with_the_floor_the_solve_succeeds_and_is_exact(selection: str, honest: int) -> None:
+    state = attacked_state(honest=honest)
+    eigvals = torch.linalg.eigvalsh(state.gram)
     weights, gamma, table = state.solve(2, None, selection)
-    assert gamma >= state.min_ridge and all(row.gamma >= state.min_ridge for row in table)
-    assert state.selection["min_ridge"] == state.min_ridge
+    assert gamma >= factorable_floor(eigvals) >= -2.0 * float(eigvals[0])
+    if state.selection["method"] == "exact":
+        assert all(row.gamma >= factorable_floor(eigvals) for row in table)
     expected = torch.linalg.solve(state.gram + gamma * torch.eye(40, dtype=torch.float64), state.class_sums)
     torch.testing.assert_close(weights, expected, rtol=1e-8, atol=1e-10)
 
 
+def test_the_krylov_search_falls_back_when_its_gamma_has_no_factor(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcl_flower.analytic.ridge as ridge
+
+    state = attacked_state()
+    lowest = float(torch.linalg.eigvalsh(state.gram)[0])
+    below = float(default_ridge_grid()[default_ridge_grid() < -lowest].max())
+    real = ridge.krylov_gcv
+
+    def too_low(*args, **kwargs):  # a search whose choice sits under |λ_min|
+        found = real(*args, **kwargs)
+        found.gamma = below
+        found.rows = [*found.rows, KrylovRow(gamma=below, rss=1.0, df=1.0, gcv=1.0, error=0.0)]
+        return found
+
+    monkeypatch.setattr(ridge, "krylov_gcv", too_low)
+    _, gamma, _ = state.solve(2, None, "krylov")
+    assert "no Cholesky factor" in str(state.selection["fallback"]) and state.selection["method"] == "krylov"
+    assert gamma >= factorable_floor(torch.linalg.eigvalsh(state.gram))
+
+
+def test_the_floor_is_twice_the_negative_part_plus_the_factorisations_rounding() -> None:
+    unit = 2.0**-53
+    assert factorable_floor(torch.tensor([-3.0, 0.0, 5.0], dtype=torch.float64)) == 2 * (3.0 + 3 * unit * 5.0)
+    assert factorable_floor(torch.tensor([1.0, 4.0], dtype=torch.float64)) == 2 * (2 * unit * 4.0)
+    assert factorable_floor(torch.tensor([-2.0, -1.0], dtype=torch.float64)) == 4.0
+    assert factorable_floor(torch.zeros(0, dtype=torch.float64)) == 0.0
+
+
 def test_a_floor_above_the_whole_grid_is_the_only_candidate() -> None:
-    state = RidgeState.empty(3, 1)
-    state.add(range(1), torch.eye(3, dtype=torch.float64), torch.ones(3, 1, dtype=torch.float64), 3, 1e9)
-    assert state.ridge_grid().tolist() == [2e9]
-    assert state.solve(1, None)[1] == 2e9
+    gram = torch.diag(torch.tensor([-1e9, 1.0, 2.0], dtype=torch.float64))
+    gamma, table = select_ridge_gcv(gram, torch.ones(3, 1, dtype=torch.float64), 3, 3.0)
+    assert gamma == factorable_floor(torch.tensor([-1e9, 1.0, 2.0], dtype=torch.float64)) and len(table) == 1
 
 
-def test_a_fixed_ridge_and_a_clean_state_are_unchanged() -> None:
-    state = attacked_state(selection_floor=True)
-    assert state.solve(2, 5.0)[1] == 5.0  # the user's γ is the user's
-    clean = RidgeState.empty(40, 2)
-    assert torch.equal(clean.ridge_grid(), default_ridge_grid())
-    assert clean.min_ridge == 0.0
-
-
-@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
-def test_a_bad_bound_is_refused(bad: float) -> None:
-    state = RidgeState.empty(3, 1)
-    with pytest.raises(AnalyticInputError, match="indefiniteness"):
-        state.add(range(1), None, torch.zeros(3, 1, dtype=torch.float64), 0, bad)
-    with pytest.raises(AnalyticInputError, match="indefiniteness"):
-        RidgeState.from_state({**state.state_dict(), "indefiniteness": bad})
-
-
-def test_the_bound_survives_a_checkpoint_and_old_checkpoints_load() -> None:
-    state = attacked_state(selection_floor=True)
-    saved = state.state_dict()
-    assert RidgeState.from_state(saved).indefiniteness == state.indefiniteness
-    older = {key: value for key, value in saved.items() if key != "indefiniteness"}
-    assert RidgeState.from_state(older).indefiniteness == 0.0
-
-
-def test_task_sum_adds_each_uploads_bound_at_its_wire_precision() -> None:
-    uploads = [singular_client(seed) for seed in range(3)]
-    total = TaskSum(40, 2)
-    for packed, sums, counts in uploads:
-        total.add(StsaStats(packed, sums, counts), int(counts.sum()))
-    expected = sum(accepted_indefiniteness(p, 40, 2, relative_tolerance=FLOAT32) for p, _, _ in uploads)
-    assert total.indefiniteness == pytest.approx(expected, rel=1e-12)
-    as_float64 = TaskSum(40, 2)
-    packed, sums, counts = uploads[0]
-    as_float64.add(StsaStats(packed.to(torch.float64), sums, counts), int(counts.sum()))
-    assert as_float64.indefiniteness == pytest.approx(
-        accepted_indefiniteness(packed, 40, 2, relative_tolerance=wire_epsilon(torch.float64)), rel=1e-12
-    )
-    assert as_float64.indefiniteness < 1e-8 * total.indefiniteness
+@pytest.mark.parametrize("seed", range(4))
+def test_honest_float32_uploads_of_few_samples_solve_and_a_psd_gram_keeps_the_whole_grid(seed: int) -> None:
+    state = RidgeState.empty(40, 2)
+    for client in range(3):
+        packed, sums, counts = singular_client(seed * 10 + client)
+        check_packed_statistics(packed, sums, counts, relative_tolerance=FLOAT32)
+        state.add_packed(range(2), packed.to(torch.float64), sums, int(counts.sum()))
+    _, gamma, _ = state.solve(2, None, "exact")
+    assert gamma >= factorable_floor(torch.linalg.eigvalsh(state.gram))
+    exact = RidgeState.empty(40, 2)
+    exact.add(range(2), torch.eye(40, dtype=torch.float64), torch.ones(40, 2, dtype=torch.float64), 50)
+    assert len(exact.solve(2, None, "exact")[2]) == default_ridge_grid().numel()

@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
-from fcl_flower.analytic.errors import AnalyticInputError, NotPositiveDefiniteError
+from fcl_flower.analytic.errors import AnalyticInputError
 from fcl_flower.analytic.ridge import (
     KRYLOV_DTYPE,
     KRYLOV_FROM_DIM,
     KRYLOV_SAMPLES_PER_DIM,
     RidgeState,
     default_ridge_grid,
+    factorable_floor,
     ridge_residual,
     select_ridge_gcv,
     solve_ridge,
@@ -108,8 +109,9 @@ def test_an_uncertified_search_falls_back_to_the_exact_scan_with_its_reason() ->
 def test_the_state_records_a_fallback() -> None:
     gram, sums = random_feature_statistics(64, 500, 4)
     state = RidgeState(gram - 1e6 * torch.eye(64, dtype=torch.float64), sums.clone(), 500, previous=1.0)
-    with pytest.raises(NotPositiveDefiniteError, match="is not positive definite"):  # as the exact scan alone
-        state.solve(4, None, "krylov")
+    _, gamma, table = state.solve(4, None, "krylov")  # the exact scan decides, above G's λ_min
+    assert gamma >= factorable_floor(torch.linalg.eigvalsh(state.gram)) > 0.0
+    assert [row.gamma for row in table] == [g for g in default_ridge_grid().tolist() if g >= table[0].gamma]
     assert state.selection["fallback"] == "G + 1·I has no Cholesky factor"
     assert state.selection["method"] == "krylov" and state.selection["centres"] == [1.0]
 

@@ -72,7 +72,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import AnalyticInputError
 from .factor import factor_gram, factor_max_rows
 from .packing import diagonal_of_packed, pack_upper, packed_blocks, row_offset
 
@@ -277,38 +276,6 @@ def check_packed_statistics(
         raise StatisticsRejected(
             "[[G, C], [Cᵀ, diag(counts)]] is not positive semidefinite: no dataset has these statistics"
         )
-
-
-def accepted_indefiniteness(
-    gram_packed: Tensor,
-    dim: int,
-    classes: int,
-    *,
-    relative_tolerance: float,
-    absolute_tolerance: float = 0.0,
-    noise: NoiseLevels | None = None,
-) -> float:
-    """How far below zero the spectrum of an upload's G can reach and still pass
-    :func:`check_packed_statistics` with these tolerances: a bound b with λ_min(G) ≥ −b.
-
-    The PSD test accepts J when R + s·I = D^{-1/2} (J + ℓI) D^{-1/2} + s·I ⪰ 0, with s the relative
-    slack 4 (M + c) ε, ℓ the lift (absolute slack 4 (M + c) δ plus the noise's spectral bound) and
-    D = diag(J) + ℓ. Multiplying by D^{1/2} on both sides: J + ℓI + s·D ⪰ 0, and so is its
-    principal block G + ℓI + s·D_G. Hence b = ℓ + s · max_i (G_ii + ℓ).
-
-    An honest upload rounded to float32 has such negative eigenvalues (a Gram of n < M samples is
-    singular; its rounding E moves the zero eigenvalues by up to ‖E‖₂), and so may an adversary's.
-    The sum of K accepted uploads has λ_min ≥ −Σ b_k: the ridge keeps γ above that
-    (:class:`~fcl_flower.analytic.ridge.RidgeState`), so no accepted upload can make G + γI
-    lose its Cholesky factor. The float32-first test accepts down to its own rounding of the
-    threshold (module doc): the ridge's factor 2 on Σ b_k covers that.
-    """
-    if gram_packed.numel() != dim * (dim + 1) // 2 or classes < 0:
-        raise AnalyticInputError(f"a packed G of {gram_packed.numel()} entries does not fit dim {dim}")
-    size = dim + classes
-    lift = 4.0 * size * absolute_tolerance + noise_spectral_bound(noise or NoiseLevels(), dim, classes)
-    top = float(diagonal_of_packed(gram_packed, dim).max()) if dim else 0.0
-    return lift + 4.0 * size * relative_tolerance * max(top + lift, 0.0)
 
 
 def _check_norm_bound(

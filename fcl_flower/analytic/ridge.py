@@ -6,7 +6,9 @@ symmetric positive definite for γ > 0), never by an explicit inverse.
 
 ``select_ridge_gcv`` is an extra, not in the paper (which fixes γ = 1e4 / 1e6, docs/methods/stsa.md §6 item 3):
 generalised cross-validation computed from the statistics alone, so the server can pick γ
-without any validation data.
+without any validation data. Its grid starts at :func:`factorable_floor` of G's spectrum: uploads
+rounded to float32 (and an adversary within the upload check's tolerance) leave G with negative
+eigenvalues, and G + γI must keep its Cholesky factor.
 
 Noisy statistics (the paper's noise or differential privacy, fcl_flower/privacy/noise.py): G plus
 symmetric Gaussian noise is symmetric but may be indefinite, so G + γI may have no Cholesky
@@ -40,6 +42,7 @@ __all__ = [
     "PSDProjection",
     "RidgeState",
     "default_ridge_grid",
+    "factorable_floor",
     "gcv_from_spectrum",
     "ridge_residual",
     "select_ridge_gcv",
@@ -226,9 +229,31 @@ def select_ridge_gcv(
     if gammas.dim() != 1 or gammas.numel() == 0 or bool((gammas <= 0).any()):
         raise AnalyticInputError("grid must be a non-empty 1-D sequence of positive values")
     eigvals, eigvecs = symmetric_eigh(gram)
+    floor = factorable_floor(eigvals)
+    kept = gammas[gammas >= floor]
+    gammas = kept if kept.numel() else torch.tensor([floor], dtype=torch.float64)
     eigvals = eigvals.clamp_min(0.0)  # G = ΦᵀΦ is PSD; negatives are rounding noise
     projected = eigvecs.T @ class_sums.to(device=eigvecs.device, dtype=torch.float64)
     return gcv_from_spectrum(eigvals, (projected * projected).sum(dim=1), n, yty, gammas)
+
+
+def factorable_floor(eigvals: Tensor) -> float:
+    """The least γ GCV may choose on G's spectrum so that G + γI keeps a Cholesky factor:
+    2·(max(−λ_min, 0) + M·u·λ_max), u the float64 unit roundoff.
+
+    A Gram of fewer samples than features is singular; rounded to float32 for the wire its zero
+    eigenvalues move to both sides of zero, and the upload check accepts that (within its stated
+    tolerance, and so whatever an adversary hides inside it). GCV runs on the clamped spectrum and
+    may prefer a γ below |λ_min| (a random-init ViT-B/16 on digits: γ = 0.03 at λ_min = −0.16),
+    where the solve's Cholesky fails and the stage with it. Above 2|λ_min|, λ_min(G + γI) ≥ |λ_min|;
+    the second term keeps it above the rounding of the factorisation (and of the eigenvalues), a
+    few units of M·u·‖G‖₂. Directions below that level carry nothing the rounding could not have
+    put there (as :func:`solve_ridge_psd` floors its grid at |λ_min| for noise)."""
+    if not eigvals.numel():
+        return 0.0
+    lowest, highest = float(eigvals.min()), float(eigvals.max())
+    unit = float(torch.finfo(torch.float64).eps) / 2.0
+    return 2.0 * (max(-lowest, 0.0) + eigvals.numel() * unit * max(highest, 0.0))
 
 
 def gcv_from_spectrum(
@@ -272,19 +297,11 @@ class RidgeState:
 
     ``gram`` G_{1:t} (M × M), ``class_sums`` C_{1:t} (M × all classes, global class columns) and
     ``num_samples`` n, all sums over samples: a stage's statistics (or a late client's) just add.
-
-    ``indefiniteness`` b: λ_min(G) ≥ −b, the sum over the added uploads of how far below zero their
-    checks let the spectrum reach (:func:`~fcl_flower.analytic.checks.accepted_indefiniteness`:
-    wire rounding, and whatever an adversary can hide in it). GCV then searches only γ ≥
-    :attr:`min_ridge` = 2b, where G + γI keeps a Cholesky factor whatever the accepted uploads were:
-    a G rounded to float32 with fewer samples than features (singular, its zero eigenvalues moved
-    by the rounding) otherwise lets GCV pick a γ below the rounding, and the solve fails.
     """
 
     gram: Tensor
     class_sums: Tensor
     num_samples: int = 0
-    indefiniteness: float = 0.0
     previous: float | None = None  # the last γ GCV chose: the Krylov search starts there
     selection: dict[str, object] = field(default_factory=dict)  # how the last γ was selected
 
@@ -292,62 +309,28 @@ class RidgeState:
     def empty(cls, dim: int, num_classes: int) -> RidgeState:
         return cls(torch.zeros(dim, dim, dtype=torch.float64), torch.zeros(dim, num_classes, dtype=torch.float64))
 
-    def add(
-        self,
-        classes: range,
-        gram: Tensor | None,
-        class_sums: Tensor,
-        num_samples: int,
-        indefiniteness: float = 0.0,
-    ) -> None:
-        """G grows by G_t (``None``: G is unchanged); the columns of ``classes`` receive C_t;
-        ``indefiniteness``: how far below zero G_t's spectrum may reach (class doc)."""
+    def add(self, classes: range, gram: Tensor | None, class_sums: Tensor, num_samples: int) -> None:
+        """G grows by G_t (``None``: G is unchanged); the columns of ``classes`` receive C_t."""
         if tuple(class_sums.shape) != (self.gram.shape[0], len(classes)):
             raise AnalyticInputError(
                 f"class_sums shape {tuple(class_sums.shape)} does not fit "
                 f"{self.gram.shape[0]} features and {len(classes)} classes"
             )
-        if not (math.isfinite(indefiniteness) and indefiniteness >= 0.0):
-            raise AnalyticInputError(f"indefiniteness must be finite and >= 0, got {indefiniteness}")
         if gram is not None:
             self.gram += gram
         self.class_sums[:, classes.start : classes.stop] += class_sums
         self.num_samples += int(num_samples)
-        self.indefiniteness += float(indefiniteness)
 
-    def add_packed(
-        self,
-        classes: range,
-        gram_packed: Tensor | None,
-        class_sums: Tensor,
-        num_samples: int,
-        indefiniteness: float = 0.0,
-    ) -> None:
+    def add_packed(self, classes: range, gram_packed: Tensor | None, class_sums: Tensor, num_samples: int) -> None:
         """:meth:`add` with G_t as its packed upper triangle: the same numbers, without unpacking it."""
-        self.add(classes, None, class_sums, num_samples, indefiniteness)  # checks the shapes first
+        self.add(classes, None, class_sums, num_samples)  # checks the shapes first
         if gram_packed is not None:
             add_packed_(self.gram, gram_packed)
 
-    @property
-    def min_ridge(self) -> float:
-        """The least γ GCV may choose: twice the bound on −λ_min(G) (class doc)."""
-        return 2.0 * self.indefiniteness
-
-    def ridge_grid(self) -> Tensor:
-        """GCV's candidates (:func:`default_ridge_grid`) from :attr:`min_ridge` on; the floor itself
-        when every default candidate lies below it."""
-        grid = default_ridge_grid()
-        kept = grid[grid >= self.min_ridge]
-        return kept if kept.numel() else torch.tensor([self.min_ridge], dtype=torch.float64)
-
-    def state_dict(self) -> dict[str, Tensor | int | float]:
+    def state_dict(self) -> dict[str, Tensor | int]:
         """G as its packed upper triangle where it is exactly symmetric (as sums of packed uploads
         always are): half the bytes to write, hash and sync at every checkpoint."""
-        state: dict[str, Tensor | int | float] = {
-            "class_sums": self.class_sums,
-            "num_samples": self.num_samples,
-            "indefiniteness": self.indefiniteness,
-        }
+        state: dict[str, Tensor | int] = {"class_sums": self.class_sums, "num_samples": self.num_samples}
         if torch.equal(self.gram, self.gram.T):
             state["gram_packed"] = pack_upper(self.gram)
         else:
@@ -355,7 +338,7 @@ class RidgeState:
         return state
 
     @classmethod
-    def from_state(cls, state: dict[str, Tensor | int | float]) -> RidgeState:
+    def from_state(cls, state: dict[str, Tensor | int]) -> RidgeState:
         sums = state.get("class_sums")
         packed = state.get("gram_packed")
         gram = (
@@ -365,10 +348,7 @@ class RidgeState:
         )
         if not isinstance(gram, Tensor) or not isinstance(sums, Tensor):
             raise AnalyticInputError("ridge state needs the gram and class_sums tensors")
-        indefiniteness = float(state.get("indefiniteness", 0.0))  # checkpoints before it was kept: 0
-        if not (math.isfinite(indefiniteness) and indefiniteness >= 0.0):
-            raise AnalyticInputError(f"ridge state's indefiniteness must be finite and >= 0, got {indefiniteness}")
-        return cls(gram, sums, int(state["num_samples"]), indefiniteness)
+        return cls(gram, sums, int(state["num_samples"]))
 
     def solve_projected(
         self, num_seen: int, ridge: float | None, sums_noise: float = 0.0
@@ -377,46 +357,42 @@ class RidgeState:
         return solve_ridge_psd(self.gram, self.class_sums[:, :num_seen], self.num_samples, ridge, sums_noise)
 
     def solve(self, num_seen: int, ridge: float | None, selection: str = "exact") -> tuple[Tensor, float, list[GCVRow]]:
-        """(W over the first ``num_seen`` classes, γ, GCV table): ``ridge`` None selects γ by GCV
-        on :meth:`ridge_grid`, ``selection`` says how (:func:`uses_krylov`); :attr:`selection` then
-        records how it went (and ``min_ridge`` where the floor cut the grid). The Krylov search
-        starts from the previous stage's γ and falls back to the exact scan when it cannot certify
-        its choice."""
-        self.selection = {}
-        solved = self._solve(self.class_sums[:, :num_seen], ridge, selection)
-        if ridge is None and self.min_ridge > float(default_ridge_grid()[0]):
-            self.selection["min_ridge"] = self.min_ridge
-        return solved
-
-    def _solve(self, sums: Tensor, ridge: float | None, selection: str) -> tuple[Tensor, float, list[GCVRow]]:
+        """(W over the first ``num_seen`` classes, γ, GCV table): ``ridge`` None selects γ by GCV,
+        ``selection`` says how (:func:`uses_krylov`); :attr:`selection` then records how it went.
+        The Krylov search starts from the previous stage's γ and falls back to the exact scan
+        when it cannot certify its choice."""
+        sums = self.class_sums[:, :num_seen]
         table: list[GCVRow] = []
+        self.selection = {}
         if ridge is None and uses_krylov(selection, self.gram.shape[0], self.num_samples):
             yty = float(self.num_samples)
             found = krylov_gcv(
-                self.gram, sums, self.num_samples, yty, self.ridge_grid(), centre=self.previous, dtype=KRYLOV_DTYPE
+                self.gram, sums, self.num_samples, yty, default_ridge_grid(), centre=self.previous, dtype=KRYLOV_DTYPE
             )
             self.selection = {"method": "krylov", "centres": found.centres, "block_solves": found.block_solves}
             self.selection["margin"] = found.margin
             if found.gamma is not None:
                 row = next(row for row in found.rows if row.gamma == found.gamma)
                 self.selection["stated_error"] = row.error
-                weights = solve_ridge(self.gram, sums, found.gamma)  # float64, whatever the search's dtype
-                # the search ran on float32 factors: its RSS at γ must match the float64 solution's
-                agrees, deviation = rss_agreement(row.rss, ridge_rss(sums, weights, yty, found.gamma), row.error)
-                self.selection["rss_deviation"] = deviation
-                if agrees:
-                    self.previous = found.gamma
-                    table = [GCVRow(r.gamma, r.rss, r.df, r.gcv) for r in found.rows]
-                    return weights, found.gamma, table
-                found.reason = (
-                    f"the search's RSS at γ = {found.gamma:g} is {deviation:.2g} (relative) off the float64 "
-                    f"solution's, more than its stated error {row.error:.2g}"
-                )
+                try:
+                    weights = solve_ridge(self.gram, sums, found.gamma)  # float64, whatever the search's dtype
+                except NotPositiveDefiniteError:  # an indefinite G (rounding, or an adversary within the checks)
+                    found.reason = f"G + {found.gamma:g}·I has no Cholesky factor: the exact scan knows G's λ_min"
+                else:
+                    # the search ran on float32 factors: its RSS at γ must match the float64 solution's
+                    agrees, deviation = rss_agreement(row.rss, ridge_rss(sums, weights, yty, found.gamma), row.error)
+                    self.selection["rss_deviation"] = deviation
+                    if agrees:
+                        self.previous = found.gamma
+                        table = [GCVRow(r.gamma, r.rss, r.df, r.gcv) for r in found.rows]
+                        return weights, found.gamma, table
+                    found.reason = (
+                        f"the search's RSS at γ = {found.gamma:g} is {deviation:.2g} (relative) off the float64 "
+                        f"solution's, more than its stated error {row.error:.2g}"
+                    )
             self.selection["fallback"] = found.reason
         if ridge is None:
             self.selection.setdefault("method", "exact")
-            ridge, table = select_ridge_gcv(
-                self.gram, sums, self.num_samples, float(self.num_samples), grid=self.ridge_grid()
-            )
+            ridge, table = select_ridge_gcv(self.gram, sums, self.num_samples, float(self.num_samples))
             self.previous = ridge
         return solve_ridge(self.gram, sums, ridge), ridge, table
