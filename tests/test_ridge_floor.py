@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fcl_flower.analytic import pack_upper, random_features, random_projection
+from fcl_flower.analytic import pack_upper, random_features, random_projection, unpack_upper
 from fcl_flower.analytic.checks import StatisticsRejected, check_packed_statistics, wire_epsilon
 from fcl_flower.analytic.errors import NotPositiveDefiniteError
 from fcl_flower.analytic.ridge import (
@@ -48,10 +48,7 @@ def crafted_upload(dim: int = 40, classes: int = 2, depth: float = 0.9):
     an honest rank-deficient J, minus ``depth`` times the slack along a null direction of the
     scaled G block."""
     packed, sums, counts = singular_client(7, dim=dim, classes=classes)
-    gram = torch.zeros(dim, dim, dtype=torch.float64)
-    rows, cols = torch.triu_indices(dim, dim)
-    gram[rows, cols] = packed.to(torch.float64)
-    gram = gram + gram.triu(1).T
+    gram = unpacked(packed, dim)
     live = gram.diagonal() > 0  # ReLU features that never fire have zero rows: left alone
     scale = gram.diagonal()[live].sqrt()
     scaled = gram[live][:, live] / scale[:, None] / scale[None, :]
@@ -64,10 +61,7 @@ def crafted_upload(dim: int = 40, classes: int = 2, depth: float = 0.9):
 
 
 def unpacked(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    gram = torch.zeros(dim, dim, dtype=torch.float64)
-    rows, cols = torch.triu_indices(dim, dim)
-    gram[rows, cols] = packed.to(torch.float64)
-    return gram + gram.triu(1).T
+    return unpack_upper(packed.to(torch.float64), dim)
 
 
 @pytest.mark.parametrize("depth", [0.5, 0.9, 0.99])
