@@ -24,6 +24,7 @@ from fcl_flower.analytic.ridge import (
     gcv_from_spectrum,
     select_ridge_gcv,
     solve_ridge,
+    solve_ridge_psd,
 )
 from fcl_flower.analytic.ridge_krylov import KrylovRow
 
@@ -159,3 +160,38 @@ def test_honest_float32_uploads_of_few_samples_solve_and_a_psd_gram_keeps_the_wh
     exact = RidgeState.empty(40, 2)
     exact.add(range(2), torch.eye(40, dtype=torch.float64), torch.ones(40, 2, dtype=torch.float64), 50)
     assert len(exact.solve(2, None, "exact")[2]) == default_ridge_grid().numel()
+
+
+def test_the_floor_of_a_negative_semidefinite_spectrum_adds_no_rounding_term() -> None:
+    assert factorable_floor(torch.tensor([-1e-20, -1e-21], dtype=torch.float64)) == 2e-20
+
+
+def test_a_grid_point_equal_to_the_floor_is_kept() -> None:
+    gram = torch.diag(torch.tensor([-0.5, -0.25, 0.0], dtype=torch.float64))  # floor exactly 2·0.5 = 1.0
+    assert factorable_floor(torch.linalg.eigvalsh(gram)) == 1.0 and 1.0 in default_ridge_grid().tolist()
+    _, table = select_ridge_gcv(gram, torch.ones(3, 1, dtype=torch.float64), 3, 3.0)
+    assert table[0].gamma == 1.0
+
+
+def test_a_floor_above_the_grid_keeps_its_float64_value() -> None:
+    spectrum = torch.tensor([-(1e9 + 1 / 3), 1.0, 2.0], dtype=torch.float64)
+    floor = factorable_floor(spectrum)
+    assert float(torch.tensor(floor, dtype=torch.float32)) != floor  # not representable in float32
+    gamma, table = select_ridge_gcv(torch.diag(spectrum), torch.ones(3, 1, dtype=torch.float64), 3, 3.0)
+    assert gamma == floor and [row.gamma for row in table] == [floor]
+
+
+def test_a_python_grid_is_searched_at_its_float64_values() -> None:
+    gram = torch.eye(3, dtype=torch.float64)
+    _, table = select_ridge_gcv(gram, torch.ones(3, 1, dtype=torch.float64), 3, 3.0, grid=[0.1, 0.3])
+    assert [row.gamma for row in table] == [0.1, 0.3]
+
+
+def test_the_psd_projection_solves_a_float32_gram_in_float64() -> None:
+    packed, sums, counts = singular_client(3)
+    gram32 = unpacked(packed, 40).to(torch.float32)
+    weights, gamma, _, projection = solve_ridge_psd(gram32, sums, int(counts.sum()), 2.5)
+    reference, _, _, expected = solve_ridge_psd(gram32.to(torch.float64), sums, int(counts.sum()), 2.5)
+    assert weights.dtype == torch.float64 and gamma == 2.5
+    assert torch.equal(weights, reference)
+    assert projection == expected  # the trace too, summed in float64
