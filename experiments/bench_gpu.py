@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from experiments.benchlib import format_table, write_json
+from experiments.benchlib import OneLineErrorParser, format_table, write_json
 from fcl_flower.config import RunConfig
 from fcl_flower.runtime import build_model, federated_split, iter_features
 
@@ -172,7 +172,7 @@ def runs(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="Few images and a two-task run per config.")
     parser.add_argument("--skip-runs", action="store_true", help="Throughput only, no sim.py runs.")
     parser.add_argument("--skip-throughput", action="store_true", help="The sim.py runs only.")
@@ -193,6 +193,15 @@ def main(argv: list[str] | None = None) -> int:
         "vit-b16-adapter/cpu": 64 if args.quick else 256,
         "vit-b16-adapter/cuda": 512 * scale,
     }
+    try:
+        return measure(args, images)
+    except Exception as err:  # CUDA, a dataset, a run that cannot start: one line, not a traceback
+        print(f"error: bench_gpu failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+
+
+def measure(args: argparse.Namespace, images: dict[str, int]) -> int:
+    """Throughput, then the runs; the JSON is written after each part. 0, or 1 if a run failed."""
     result: dict[str, Any] = {"gpu_visible": torch.cuda.is_available(), "images": images}
     print(f"GPU: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none visible'}", flush=True)
     if not args.skip_throughput:

@@ -6,6 +6,7 @@ the load average when it started (a busy machine shows up there) and the library
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -17,6 +18,13 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad flags end in one ``error: ...`` line on stderr and exit status 2, not argparse's usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]  # argparse says NoReturn; exit() does not return
+        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def machine_info() -> dict[str, Any]:

@@ -13,7 +13,6 @@ an empty class or task folder, a class in another task than the plan's.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Mapping
@@ -22,17 +21,13 @@ from typing import Any
 
 from clients.node_data import NodeConfigError, partition_of
 from clients.own_data import START_HINT, own_settings
+from experiments.benchlib import OneLineErrorParser
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import DatasetError
 from fcl_flower.data.own import IMAGE_SUFFIXES, OwnData, load_own
 from fcl_flower.runtime import task_plan
 
 ERRORS = (ConfigError, DatasetError, NodeConfigError)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]  # argparse says NoReturn; exit() does not return
-        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def parse_run_config(text: list[str]) -> RunConfig:
@@ -112,7 +107,7 @@ def report(data: OwnData, cfg: RunConfig, node_config: Mapping[str, Any], second
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="the site's data folder (node config data-dir)")
     parser.add_argument(
         "--run-config",

@@ -26,19 +26,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from experiments.benchlib import OneLineErrorParser
 from fcl_flower.config import RunConfig
 from fcl_flower.results import ResultsRecorder, StageRecord, format_stage_table
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """Bad flags end like bad config values: one ``error: ...`` line on stderr, exit code 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]  # argparse says NoReturn; exit() does not return
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(
+    parser = OneLineErrorParser(  # bad flags end like bad config values
         description="Federated class-incremental learning with Flower (Ray simulation).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -17,6 +17,27 @@ def test_bad_flags_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], tmp_
     assert not (tmp_path / "x.json").exists()
 
 
+def test_an_unknown_flag_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        bench_gpu.main(["--only", "stsa-nope"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "stsa-nope" in err
+
+
+def test_a_failure_while_measuring_is_one_line_and_exit_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    def broken(**_: object) -> list[dict[str, object]]:
+        raise RuntimeError("CUDA error: device-side assert")
+
+    monkeypatch.setattr(bench_gpu, "throughput", broken)
+    assert bench_gpu.main(["--skip-runs", "--out", str(tmp_path / "x.json")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "error: bench_gpu failed: RuntimeError: CUDA error: device-side assert"
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_a_cpu_run_records_every_stage_and_no_gpu_row(tmp_path) -> None:
     out = tmp_path / "bench.json"
     code = bench_gpu.main(["--quick", "--skip-throughput", "--only", "stsa-default-cpu", "--out", str(out)])
