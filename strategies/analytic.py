@@ -294,6 +294,9 @@ def solve_dense(ridge: RidgeState, num_seen: int, cfg: RunConfig) -> tuple[torch
     extra = ridge_extras(ridge.num_samples, gamma, table)
     if ridge.selection and "gcv" in extra:
         extra["gcv"].update(ridge.selection)
+    elif ridge.selection:  # a fixed γ without a Cholesky factor: solved on the PSD projection of G
+        extra["psd_projection"] = dict(ridge.selection)
+        log(WARNING, "stage solve: %s", ridge.selection["fallback"])
     return weights, extra
 
 

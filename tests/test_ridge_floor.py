@@ -195,3 +195,66 @@ def test_the_psd_projection_solves_a_float32_gram_in_float64() -> None:
     assert weights.dtype == torch.float64 and gamma == 2.5
     assert torch.equal(weights, reference)
     assert projection == expected  # the trace too, summed in float64
+
+
+# ------------------------------------------------------------------------------ a fixed γ
+def projected_system(gram: torch.Tensor, gamma: float) -> torch.Tensor:
+    """P(G) + γI straight from the definition (P: the negative eigenvalues set to zero)."""
+    values, vectors = torch.linalg.eigh(gram)
+    projected = vectors @ torch.diag(values.clamp_min(0.0)) @ vectors.T
+    return projected + gamma * torch.eye(gram.shape[0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("honest", [0, 3])
+def test_a_fixed_gamma_below_the_attacked_spectrum_projects_instead_of_failing_the_stage(honest: int) -> None:
+    """The same attack against a fixed γ (the user's ridge, below the |λ_min| the tolerance lets an
+    adversary reach): G + γI has no Cholesky factor, so the stage used to fail; the solve now keeps
+    γ and projects G onto the PSD cone, and says so."""
+    state = attacked_state(honest=honest)
+    gamma = float(default_ridge_grid()[0])
+    lowest = float(torch.linalg.eigvalsh(state.gram)[0])
+    assert gamma < -lowest
+    with pytest.raises(NotPositiveDefiniteError):
+        solve_ridge(state.gram, state.class_sums, gamma)
+    weights, chosen, table = state.solve(2, gamma)
+    assert chosen == gamma and table == []
+    system = projected_system(state.gram, gamma)  # W solves (P(G) + γI) W = C, backward-stably
+    residual = float(torch.linalg.matrix_norm(system @ weights - state.class_sums, ord=2))
+    scale = float(torch.linalg.matrix_norm(system, ord=2) * torch.linalg.matrix_norm(weights, ord=2))
+    assert residual <= 1e-12 * scale
+    assert torch.equal(weights, solve_ridge_psd(state.gram, state.class_sums, state.num_samples, gamma)[0])
+    assert state.selection["method"] == "fixed" and "no Cholesky factor" in str(state.selection["fallback"])
+    assert int(state.selection["negative_eigenvalues"]) >= 1 and float(state.selection["clipped"]) >= -lowest
+
+
+def test_a_fixed_gamma_with_a_factor_solves_directly_and_records_nothing() -> None:
+    state = attacked_state()
+    gamma = 10.0 * factorable_floor(torch.linalg.eigvalsh(state.gram))
+    weights, chosen, _ = state.solve(2, gamma)
+    assert chosen == gamma and state.selection == {}
+    assert torch.equal(weights, solve_ridge(state.gram, state.class_sums, gamma))
+
+
+def test_a_zero_fixed_gamma_on_a_singular_gram_still_fails_with_its_reason() -> None:
+    """γ = 0 has no projection to fall back on ((P(G) + 0·I) is singular): the error stands."""
+    state = attacked_state()
+    with pytest.raises(NotPositiveDefiniteError, match="increase the ridge"):
+        state.solve(2, 0.0)
+
+
+def test_the_stage_records_and_logs_the_fixed_gamma_projection(caplog: pytest.LogCaptureFixture) -> None:
+    """The server's glue (strategies.analytic.solve_dense): the projected solve is the stage's
+    ``psd_projection`` extra with its reason, and a warning, never silent."""
+    from fcl_flower.config import RunConfig
+    from strategies.analytic import solve_dense
+
+    state = attacked_state()
+    with caplog.at_level("WARNING", logger="flwr"):
+        weights, extra = solve_dense(state, 2, RunConfig(ridge="0.01"))
+    assert extra["ridge"] == 0.01 and "gcv" not in extra
+    assert torch.equal(weights, solve_ridge_psd(state.gram, state.class_sums, state.num_samples, 0.01)[0])
+    assert "PSD cone" in extra["psd_projection"]["fallback"] and extra["psd_projection"]["negative_eigenvalues"] >= 1
+    assert any("PSD cone" in record.getMessage() for record in caplog.records)
+    honest = RidgeState.empty(40, 2)
+    honest.add(range(2), torch.eye(40, dtype=torch.float64), torch.ones(40, 2, dtype=torch.float64), 50)
+    assert "psd_projection" not in solve_dense(honest, 2, RunConfig(ridge="0.01"))[1]

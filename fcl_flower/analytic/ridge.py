@@ -395,4 +395,16 @@ class RidgeState:
             self.selection.setdefault("method", "exact")
             ridge, table = select_ridge_gcv(self.gram, sums, self.num_samples, float(self.num_samples))
             self.previous = ridge
-        return solve_ridge(self.gram, sums, ridge), ridge, table
+            return solve_ridge(self.gram, sums, ridge), ridge, table  # γ >= the floor: it has a factor
+        try:
+            return solve_ridge(self.gram, sums, ridge), ridge, table
+        except NotPositiveDefiniteError:
+            if not float(ridge) > 0:  # P(G) + 0·I has no inverse either
+                raise
+            # a fixed γ below |λ_min(G)| (rounding, or an adversary inside the checks' tolerance):
+            # keep the user's γ on G projected onto the PSD cone rather than fail the stage
+            weights, _, _, projection = solve_ridge_psd(self.gram, sums, self.num_samples, ridge)
+            reason = f"G + {float(ridge):g}·I has no Cholesky factor: G projected onto the PSD cone"
+            self.selection = {"method": "fixed", "fallback": reason}
+            self.selection.update(projection.as_dict())
+            return weights, ridge, table
