@@ -34,7 +34,9 @@ per wire dtype (each a fresh SuperLink and SuperNodes), e.g.::
 and reports, per dtype, the stage time, the upload bytes per client, the server's own work on the
 replies (``extra.server_reply_seconds`` of results.json: accept = parse + check + the protocol
 header, counting the bytes, adding to the running sums) against the ridge solve
-(``extra.solve_seconds``), and the peak memory of every process: a sampler thread walks the
+(``extra.solve_seconds`` less ``extra.certificate_seconds``, the factorisation of
+G + γ/2·I that certifies the fixed γ when the uploads' checks do not, reported beside it), and
+the peak memory of every process: a sampler thread walks the
 process tree of the SuperLink and of each SuperNode every ``--sample-interval`` seconds and keeps
 each process's VmHWM (its own peak RSS, from /proc/<pid>/status), by role: ``superlink``
 (flower-superlink), ``serverapp`` (the flwr-serverapp process its SuperExec starts for the run),
@@ -121,6 +123,7 @@ def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
         ridge=args.ridge,
         **({"wire_dtype": args.wire} if getattr(args, "wire", None) else {}),
         stats_form=getattr(args, "stats_form", "gram"),
+        check_tolerance=getattr(args, "check_tolerance", "float32"),
         device="cpu",
         out=str(out),
         run_name="bench-deployment",
@@ -280,6 +283,9 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "peak_memory": sampler.report() if sampler is not None else None,
         "server_reply_seconds": [s["extra"].get("server_reply_seconds") for s in stages],
         "solve_seconds": [s["extra"].get("solve_seconds") for s in stages],
+        # the part of solve_seconds that certified λ_min(G) >= -γ/2 by one more factorisation (0: the
+        # uploads' checks certified it; fcl_flower/analytic/ridge.py)
+        "certificate_seconds": [s["extra"].get("certificate_seconds", 0.0) for s in stages],
         "upload_bytes_per_client": [s["upload_bytes_per_client"] for s in stages],
         "upload_message_bytes_per_client": [s["upload_message_bytes_per_client"] for s in stages],
     }
@@ -311,7 +317,13 @@ def run_all(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for wire in args.wire_dtype:
             print(f"wire dtype {wire}:", flush=True)
             runs[wire] = bench(argparse.Namespace(**{**vars(args), "wire": wire}), workdir / wire)
-        return {"rf_dim": args.rf_dim, "num_nodes": args.num_nodes, "stats_form": args.stats_form, "runs": runs}
+        return {
+            "rf_dim": args.rf_dim,
+            "num_nodes": args.num_nodes,
+            "stats_form": args.stats_form,
+            "check_tolerance": args.check_tolerance,
+            "runs": runs,
+        }
     result = bench(args, workdir)
     if args.cold_repeats > 0:
         cfg = run_config(args, workdir / "out")
@@ -368,6 +380,8 @@ def uploads_table(result: dict[str, Any]) -> str:
     rows = []
     for wire, run in result["runs"].items():
         timing, solve = run["server_reply_seconds"][-1], run["solve_seconds"][-1]
+        certificate = (run.get("certificate_seconds") or [0.0])[-1]
+        solve -= certificate  # the yardstick is the solve itself, not its certificate
         uploads = run["upload_bytes_per_client"][-1]
         memory = run["peak_memory"]["by_role"] if run["peak_memory"] else {}
         replies = max(1, timing["replies"])
@@ -384,6 +398,7 @@ def uploads_table(result: dict[str, Any]) -> str:
                 "add": timing["add"] / replies,
                 "finish s": timing["finish"],
                 "solve s": solve,
+                "certificate s": certificate,
                 "meets": "yes" if timing["handling"] / replies < solve else "no",
                 **{f"{role} MiB": memory.get(role, {}).get("peak_mib", "") for role in PEAK_ROLES},
                 "load": run["load_average_after"][0],
@@ -421,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
         help="STSA uploads: the packed Gram (default), or the rotated factor where smaller (stats-form factor)",
     )
     parser.add_argument(
+        "--check-tolerance",
+        choices=("float32", "wire"),
+        default="float32",
+        help="the PSD check's rounding allowance for Gram uploads (run config check-tolerance; default float32)",
+    )
+    parser.add_argument(
         "--sample-interval", type=float, default=0.1, help="seconds between memory samples (0: no sampling)"
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the run")
@@ -450,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.wire_dtype:
         print(uploads_table(result))
         form = "" if args.stats_form == "gram" else f"-{args.stats_form}"
+        form += "" if args.check_tolerance == "float32" else f"-check-{args.check_tolerance}"
         out = args.out or RESULTS_DIR / f"bench_deployment-uploads-M{args.rf_dim}{form}.json"
         print(f"wrote {write_json('bench_deployment_uploads', result, out)}")
         return 0

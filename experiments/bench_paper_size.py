@@ -9,7 +9,8 @@ against the number of clients.
 and float64, serialised as Flower does (an ArrayRecord of .npy buffers), then what the server
 does with it, each step timed: ``parse`` (``StsaStats.read``: decode in place, dtype, shape,
 finiteness), ``bytes`` (``payload_bytes`` + ``message_bytes``: counted without re-serialising),
-``check`` (``check_packed_statistics``: the PSD test, float32-first for float32 uploads),
+``check`` (``check_packed_statistics``: the PSD test, float32-first at the default
+``check-tolerance float32``; float64 uploads once more with ``wire``, their own 2⁻⁵³, in float64),
 ``add`` (into the running float64 sums); against ``solve`` (one Cholesky solve at M with 100
 classes, ``solve_ridge``). Also the client side: ``pack`` (``packed_gram``: upper triangle of the
 symmetrised G, straight into the wire dtype).
@@ -49,7 +50,7 @@ def timed(fn: Any) -> tuple[float, Any]:
 
 def reply_rows(dims: list[int], classes: int = 10) -> list[dict[str, Any]]:
     from fcl_flower.analytic import StatisticsAccumulator, packed_length, solve_ridge
-    from fcl_flower.analytic.checks import check_packed_statistics, wire_epsilon
+    from fcl_flower.analytic.checks import check_packed_statistics, gram_check_epsilon
     from fcl_flower.protocol import message_bytes, payload_bytes
     from fcl_flower.protocol.payloads import StsaStats
 
@@ -67,7 +68,7 @@ def reply_rows(dims: list[int], classes: int = 10) -> list[dict[str, Any]]:
         assert gram_full is not None
         solve, _ = timed(lambda: solve_ridge(gram_full, sums100, 1.0))
         del gram_full
-        for wire in ("float32", "float64"):
+        for wire, tolerance in (("float32", "float32"), ("float64", "float32"), ("float64", "wire")):
             load = os.getloadavg()[0]
             dtype = getattr(torch, wire)
             pack, packed = timed(lambda: acc.packed_gram(dtype))
@@ -84,7 +85,7 @@ def reply_rows(dims: list[int], classes: int = 10) -> list[dict[str, Any]]:
                     upload.gram_packed,
                     upload.class_sums,
                     upload.counts,
-                    relative_tolerance=wire_epsilon(upload.gram_packed.dtype),
+                    relative_tolerance=gram_check_epsilon(upload.gram_packed.dtype, tolerance),
                     nonnegative=True,
                 )
             )
@@ -95,6 +96,7 @@ def reply_rows(dims: list[int], classes: int = 10) -> list[dict[str, Any]]:
                 {
                     "M": dim,
                     "wire": wire,
+                    "check tolerance": tolerance,
                     "load": load,
                     "upload MiB": payload_bytes(content) / 2**20,
                     "pack s (client)": pack,
@@ -309,7 +311,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.part == "reply":
         rows = reply_rows(args.dims)
-        columns = ["M", "wire", "load", "upload MiB", "pack s (client)", "parse s", "bytes s", "check s", "add s"]
+        columns = [
+            "M",
+            "wire",
+            "check tolerance",
+            "load",
+            "upload MiB",
+            "pack s (client)",
+            "parse s",
+            "bytes s",
+            "check s",
+            "add s",
+        ]
         columns += ["handling s", "solve s", "handling/solve"]
         settings: dict[str, Any] = {"samples": "M/2", "classes per upload": 10, "solve classes": 100}
     else:

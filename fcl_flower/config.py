@@ -120,6 +120,15 @@ class RunConfig:
     )
     head: str = _knob("cosine", "Analytic classifier head (cosine reproduces the paper).", ("cosine", "dot"))
     wire_dtype: str = _knob("float32", "Dtype of uploaded statistics.", ("float32", "float64"))
+    check_tolerance: str = _knob(
+        "float32",
+        "STSA plain Gram uploads (a difference only with wire-dtype float64): the rounding their "
+        "positive-semidefinite check allows. float32: 4(M + c)·2^-24 of the scaled Gram's spectrum whatever "
+        "the wire dtype (a float64 upload is factorised in float32 first, in about two thirds of the time); "
+        "wire: the run's wire dtype's own (float64 uploads are held to 2^-53, at the cost of a float64 "
+        "factorisation per upload, about one solve's). Factor uploads and opened secure sums keep their own.",
+        ("float32", "wire"),
+    )
     stats_form: str = _knob(
         "gram",
         "STSA: upload the packed Gram (gram), or, where it is smaller (fewer samples than about M/2), the "

@@ -212,7 +212,7 @@ register(
         summary="STSA: exact Gram G and class sums C per client and stage; ridge in closed form",
         strategy="strategies.stsa:STSAStrategy",
         phases=(FEDAVG, Phase("stsa-stats", Kind.STATS, "clients.stsa:handle_stats")),
-        knobs=_all(DENSE_RIDGE_KNOBS, SECURE_KNOBS, NOISE_KNOBS, ("stats-form",)),
+        knobs=_all(DENSE_RIDGE_KNOBS, SECURE_KNOBS, NOISE_KNOBS, ("stats-form", "check-tolerance")),
         secure_aggregation=True,
         backfill=True,
         upload_noise=("gram", "sums", "counts"),

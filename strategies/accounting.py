@@ -19,7 +19,7 @@ from typing import Any
 #: replies together), ``finish`` closing a streamed round's sums (once per round)
 REPLY_STEPS = ("accept", "parse", "check", "bytes", "add", "finish")
 #: stage extras that are wall-clock times (like a stage's ``seconds``: they differ between runs)
-TIMING_EXTRAS = ("server_reply_seconds", "solve_seconds")
+TIMING_EXTRAS = ("server_reply_seconds", "solve_seconds", "certificate_seconds")
 
 
 def client_name(client: int) -> str:

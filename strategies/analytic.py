@@ -292,11 +292,20 @@ def solve_dense(ridge: RidgeState, num_seen: int, cfg: RunConfig) -> tuple[torch
     """W from the summed statistics, γ fixed or by GCV (``ridge = auto``), and the result extras."""
     weights, gamma, table = ridge.solve(num_seen, cfg.ridge_value(), cfg.ridge_selection)
     extra = ridge_extras(ridge.num_samples, gamma, table)
-    if ridge.selection and "gcv" in extra:
-        extra["gcv"].update(ridge.selection)
-    elif ridge.selection:  # a fixed γ without a Cholesky factor: solved on the PSD projection of G
-        extra["psd_projection"] = dict(ridge.selection)
-        log(WARNING, "stage solve: %s", ridge.selection["fallback"])
+    selection = dict(ridge.selection)
+    if "certificate_seconds" in selection:  # a wall time, beside solve_seconds (part of it)
+        extra["certificate_seconds"] = selection.pop("certificate_seconds")
+    projection = selection.pop("psd_projection", None)
+    if isinstance(projection, dict):  # a fixed γ without its certificate: solved on the PSD projection of G
+        extra["psd_projection"] = projection
+        log(
+            WARNING,
+            "the ridge solve: %s (%s negative eigenvalues)",
+            projection["reason"],
+            projection["negative_eigenvalues"],
+        )
+    if selection:  # how γ was chosen (GCV) or certified (a fixed γ)
+        extra.setdefault("gcv" if "gcv" in extra else "ridge_solve", {}).update(selection)
     return weights, extra
 
 

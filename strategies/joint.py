@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from fcl_flower.analytic import StatisticsAccumulator, random_features
-from fcl_flower.analytic.ridge import RidgeState
+from fcl_flower.analytic.ridge import RidgeState, product_rounding_bound
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import StatsRes, UploadError
@@ -39,7 +39,9 @@ class JointStrategy(AnalyticStrategy):
             accumulator.update(random_features(features, self.projection, self.cfg.feature_clip), y - classes.start)
         stats = accumulator.result()
         assert stats.gram is not None
-        self.ridge.add(classes, stats.gram, stats.class_sums, stats.num_samples)
+        # the server's own float64 product: PSD up to its rounding
+        bound = product_rounding_bound(stats.num_samples, stats.gram)
+        self.ridge.add(classes, stats.gram, stats.class_sums, stats.num_samples, bound)
         weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
         return weights, {**extra, "pooled": True}
 

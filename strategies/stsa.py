@@ -33,6 +33,7 @@ ones), with noise std √|U3| times a client's share.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,15 +48,18 @@ from fcl_flower.analytic.checks import (
     check_counts,
     check_factor_statistics,
     check_packed_statistics,
+    gram_check_epsilon,
+    negative_bound,
     wire_epsilon,
 )
 from fcl_flower.analytic.kernel import FactorStack
+from fcl_flower.analytic.packing import diagonal_of_packed
 from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.privacy.noise import secure_share
 from fcl_flower.privacy.secagg import unmask_sum
-from fcl_flower.protocol import Instruction, StatsIns, StatsRes, UploadError
+from fcl_flower.protocol import WIRE_DTYPES, Instruction, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaFactorStats, StsaStats
 from fcl_flower.results import ResultsRecorder
 from strategies.accounting import client_name
@@ -92,11 +96,15 @@ class TaskSum:
         self.count = 0
         self.noisy_count = 0.0  # Σ of the (noisy) counts, in the order noisy_total adds them
         self.uploads = 0
+        self.negative_bound = 0.0  # Σ of the uploads' certified λ_min(G_k) >= -β_k (their checks)
         self.max_rows = max_rows
         self.factors: list[torch.Tensor] | None = [] if max_rows > 0 else None
 
-    def add(self, stats: StsaStats, num_examples: int, factor: torch.Tensor | None = None) -> None:
+    def add(
+        self, stats: StsaStats, num_examples: int, factor: torch.Tensor | None = None, negative_bound: float = math.inf
+    ) -> None:
         self.gram += stats.gram_packed  # summed in float64
+        self.negative_bound += negative_bound
         self.sums += stats.class_sums
         self.count += num_examples
         self.noisy_count += float(stats.counts.to(torch.float64).sum())
@@ -112,7 +120,7 @@ class TaskSum:
         """Add the sums to the ridge state; with noisy counts the number of samples is their rounded
         sum (:func:`~strategies.analytic.noisy_total`), and the sums' noise is noted for GCV."""
         samples = rounded_count(self.noisy_count) if strategy.counts_noised else self.count
-        strategy.ridge.add_packed(classes, self.gram, self.sums, samples)
+        strategy.ridge.add_packed(classes, self.gram, self.sums, samples, self.negative_bound)
         strategy.note_sums_noise(classes, self.uploads)
         strategy.stack_factors(classes, self.factors)
 
@@ -132,11 +140,11 @@ class PlainFold:
 
     def add(self, item: Accepted[Any]) -> None:
         strategy = self.strategy
-        stats, factor = item.payload["stats"]
-        strategy.add_statistics(self.plan.task, [Accepted(item.client, item.num_examples, stats)], factor)
+        stats, factor, bound = item.payload["stats"]
+        strategy.add_statistics(self.plan.task, [Accepted(item.client, item.num_examples, stats)], factor, bound)
         for task, (payload, count) in item.payload["late"].items():
-            late, late_factor = payload
-            strategy.add_statistics(task, [Accepted(item.client, count, late)], late_factor)
+            late, late_factor, late_bound = payload
+            strategy.add_statistics(task, [Accepted(item.client, count, late)], late_factor, late_bound)
             self.late.setdefault(task, []).append(item.client)
         self.clients.add(item.client)
 
@@ -210,10 +218,14 @@ class STSAStrategy(AnalyticStrategy):
         return [task, *self.secure.current.backfill_tasks(self._request, self.cfg.secagg_min_clients)]
 
     # ---------------------------------------------------------------- replies
-    def check(self, stats: StsaStats | StsaFactorStats, num_examples: int) -> StsaStats:
+    def check(self, stats: StsaStats | StsaFactorStats, num_examples: int) -> tuple[StsaStats, float]:
         """The upload is the statistics of some dataset of ``num_examples`` samples (see module doc);
-        a factor upload comes back as the Gram statistics it stands for."""
+        a factor upload comes back as the Gram statistics it stands for, with what the check
+        certifies of its G (λ_min ≥ −β, :func:`~fcl_flower.analytic.checks.negative_bound`). The
+        rounding allowed is the run's wire dtype's (``check-tolerance``), whatever dtype came: a
+        float32 upload in a float64 run gets no more room than a float64 one."""
         noise = self.noise_levels()
+        wire = WIRE_DTYPES[self.cfg.wire_dtype]
         if isinstance(stats, StsaFactorStats):
             with upload_checks():
                 check_counts(stats.counts, num_examples)
@@ -222,21 +234,24 @@ class STSAStrategy(AnalyticStrategy):
                     stats.counts,
                     num_examples,
                     dim=self.rf_dim,
-                    relative_tolerance=wire_epsilon(stats.factor.dtype),
+                    relative_tolerance=wire_epsilon(wire),
                     **self.feature_bounds,
                 )
-            return StsaStats(gram, sums, stats.counts)
+            # what the factor check returns passes the Gram check with the same options (its doc)
+            scale = torch.cat([diagonal_of_packed(gram, self.rf_dim), stats.counts.to(torch.float64)])
+            bound = negative_bound(scale, 4.0 * scale.numel() * wire_epsilon(wire))
+            return StsaStats(gram, sums, stats.counts), bound
         with upload_checks():
             check_counts(stats.counts, num_examples, noise=noise.counts if noise else 0.0)
-            check_packed_statistics(
+            bound = check_packed_statistics(
                 stats.gram_packed,
                 stats.class_sums,
                 stats.counts,
-                relative_tolerance=wire_epsilon(stats.gram_packed.dtype),
+                relative_tolerance=gram_check_epsilon(wire, self.cfg.check_tolerance),
                 noise=noise,
                 **self.feature_bounds,
             )
-        return stats
+        return stats, bound
 
     def read_plain(self, task: int, record: ArrayRecord) -> StsaStats | StsaFactorStats:
         classes = len(self.split.tasks[task])
@@ -260,14 +275,14 @@ class STSAStrategy(AnalyticStrategy):
         with timed("parse"):
             plain = self.read_plain(plan.task, reply.arrays)
         with timed("check"):
-            checked = (self.check(plain, reply.num_examples), factor_of(plain))
+            checked = self.checked(plain, reply.num_examples)
         with timed("parse"):
             late = self.backfill.read(client, reply, self.read_plain)
         checked_late = {}
         for task, (payload, count) in late.items():
             try:
                 with timed("check"):
-                    checked_late[task] = ((self.check(payload, count), factor_of(payload)), count)
+                    checked_late[task] = (self.checked(payload, count), count)
             except UploadError as err:
                 raise UploadError(f"record 'backfill-{task}': {err}") from None
         return {"stats": checked, "late": checked_late}
@@ -292,7 +307,20 @@ class STSAStrategy(AnalyticStrategy):
         """Start a round's running sums (those of a failed round are dropped): ``task``'s at once."""
         self._round_sums = {task: self.task_sum(task)}
 
-    def add_statistics(self, task: int, replies: list[Accepted[StsaStats]], factor: torch.Tensor | None = None) -> None:
+    def checked(
+        self, plain: StsaStats | StsaFactorStats, num_examples: int
+    ) -> tuple[StsaStats, torch.Tensor | None, float]:
+        """(the checked statistics, the factor they came as or None, their certified bound)."""
+        stats, bound = self.check(plain, num_examples)
+        return stats, factor_of(plain), bound
+
+    def add_statistics(
+        self,
+        task: int,
+        replies: list[Accepted[StsaStats]],
+        factor: torch.Tensor | None = None,
+        negative_bound: float = math.inf,
+    ) -> None:
         """Spatial aggregation (Eq. 2): add ``replies`` (uploads of ``task``'s statistics, current or
         late; ``factor``: the factor one upload stands for) to the round's running sums of ``task``;
         :meth:`close_sums` adds those to the ridge state (temporal, Eq. 4: late ones simply add)."""
@@ -300,7 +328,7 @@ class STSAStrategy(AnalyticStrategy):
         if total is None:
             total = self._round_sums[task] = self.task_sum(task)
         for r in replies:
-            total.add(r.payload, r.num_examples, factor)
+            total.add(r.payload, r.num_examples, factor, negative_bound)
 
     def stack_factors(self, classes: range, factors: list[torch.Tensor] | None) -> None:
         """Stack a round's factors of ``classes`` for the kernel solve; without them (an upload
@@ -358,7 +386,7 @@ class STSAStrategy(AnalyticStrategy):
                 check_counts(opened["counts"][-1:], int(withheld))
             else:
                 check_counts(opened["counts"], int(opened["counts"].sum()))
-            check_packed_statistics(
+            bound = check_packed_statistics(
                 gram,
                 sums_c,
                 counts,
@@ -373,7 +401,9 @@ class STSAStrategy(AnalyticStrategy):
             width = len(self.split.tasks[task])
             block = slice(column, column + width)
             samples = noisy_total([counts[block]]) if noisy else int(counts[block].sum())
-            self.ridge.add_packed(self.split.tasks[task], gram if position == 0 else None, sums_c[:, block], samples)
+            self.ridge.add_packed(
+                self.split.tasks[task], gram if position == 0 else None, sums_c[:, block], samples, bound
+            )
             self.note_sums_noise(self.split.tasks[task], factor * factor)
             column += width
         if withheld:

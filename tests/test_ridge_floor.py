@@ -11,17 +11,20 @@ Cholesky factor.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from fcl_flower.analytic import pack_upper, random_features, random_projection, unpack_upper
 from fcl_flower.analytic.checks import StatisticsRejected, check_packed_statistics, wire_epsilon
-from fcl_flower.analytic.errors import NotPositiveDefiniteError
+from fcl_flower.analytic.errors import AnalyticInputError, NotPositiveDefiniteError
 from fcl_flower.analytic.ridge import (
     RidgeState,
     default_ridge_grid,
     factorable_floor,
     gcv_from_spectrum,
+    product_rounding_bound,
     select_ridge_gcv,
     solve_ridge,
     solve_ridge_psd,
@@ -130,7 +133,7 @@ def test_the_krylov_search_falls_back_when_its_gamma_has_no_factor(monkeypatch: 
 
     monkeypatch.setattr(ridge, "krylov_gcv", too_low)
     _, gamma, _ = state.solve(2, None, "krylov")
-    assert "no Cholesky factor" in str(state.selection["fallback"]) and state.selection["method"] == "krylov"
+    assert "not certified" in str(state.selection["fallback"]) and state.selection["method"] == "krylov"
     assert gamma >= factorable_floor(torch.linalg.eigvalsh(state.gram))
 
 
@@ -197,7 +200,7 @@ def test_the_psd_projection_solves_a_float32_gram_in_float64() -> None:
     assert projection == expected  # the trace too, summed in float64
 
 
-# ------------------------------------------------------------------------------ a fixed γ
+# ------------------------------------------------------------------------------ a fixed γ, the certificate
 def projected_system(gram: torch.Tensor, gamma: float) -> torch.Tensor:
     """P(G) + γI straight from the definition (P: the negative eigenvalues set to zero)."""
     values, vectors = torch.linalg.eigh(gram)
@@ -205,46 +208,144 @@ def projected_system(gram: torch.Tensor, gamma: float) -> torch.Tensor:
     return projected + gamma * torch.eye(gram.shape[0], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("honest", [0, 3])
-def test_a_fixed_gamma_below_the_attacked_spectrum_projects_instead_of_failing_the_stage(honest: int) -> None:
-    """The same attack against a fixed γ (the user's ridge, below the |λ_min| the tolerance lets an
-    adversary reach): G + γI has no Cholesky factor, so the stage used to fail; the solve now keeps
-    γ and projects G onto the PSD cone, and says so."""
-    state = attacked_state(honest=honest)
-    gamma = float(default_ridge_grid()[0])
-    lowest = float(torch.linalg.eigvalsh(state.gram)[0])
-    assert gamma < -lowest
-    with pytest.raises(NotPositiveDefiniteError):
-        solve_ridge(state.gram, state.class_sums, gamma)
-    weights, chosen, table = state.solve(2, gamma)
-    assert chosen == gamma and table == []
-    system = projected_system(state.gram, gamma)  # W solves (P(G) + γI) W = C, backward-stably
+def assert_projected(state: RidgeState, weights: torch.Tensor, gamma: float) -> None:
+    """W solves (P(G) + γI) W = C (backward-stably) and is solve_ridge_psd's, and the selection says so."""
+    system = projected_system(state.gram, gamma)
     residual = float(torch.linalg.matrix_norm(system @ weights - state.class_sums, ord=2))
     scale = float(torch.linalg.matrix_norm(system, ord=2) * torch.linalg.matrix_norm(weights, ord=2))
     assert residual <= 1e-12 * scale
     assert torch.equal(weights, solve_ridge_psd(state.gram, state.class_sums, state.num_samples, gamma)[0])
-    assert state.selection["method"] == "fixed" and "no Cholesky factor" in str(state.selection["fallback"])
-    assert int(state.selection["negative_eigenvalues"]) >= 1 and float(state.selection["clipped"]) >= -lowest
+    projection = state.selection["psd_projection"]
+    assert isinstance(projection, dict) and "not certified" in projection["reason"]
+    assert projection["negative_eigenvalues"] >= 1 and projection["clipped"] > 0
 
 
-def test_a_fixed_gamma_with_a_factor_solves_directly_and_records_nothing() -> None:
+@pytest.mark.parametrize("honest", [0, 3])
+def test_a_fixed_gamma_below_the_attacked_spectrum_projects_instead_of_failing_the_stage(honest: int) -> None:
+    """The attack against a fixed γ below the |λ_min| the tolerance lets an adversary reach: G + γI
+    has no Cholesky factor, so the stage used to fail; the solve now keeps γ on G projected onto the
+    PSD cone, and says so."""
+    state = attacked_state(honest=honest)
+    gamma = float(default_ridge_grid()[0])
+    assert gamma < -float(torch.linalg.eigvalsh(state.gram)[0])
+    with pytest.raises(NotPositiveDefiniteError):
+        solve_ridge(state.gram, state.class_sums, gamma)
+    weights, chosen, table = state.solve(2, gamma)
+    assert chosen == gamma and table == [] and state.selection["method"] == "fixed"
+    assert_projected(state, weights, gamma)
+
+
+@pytest.mark.parametrize("excess", [1e-9, 1e-4, 0.25])
+def test_a_fixed_gamma_just_above_the_attacked_spectrum_is_not_amplified(excess: float) -> None:
+    """The other half of the attack: γ just above |λ_min| factorises, but G + γI is nearly singular
+    along the adversary's direction and W blows up there (by γ/(γ + λ_min)); with the cosine head
+    that silences chosen classes. λ_min(G) ≥ −γ/2 is not certified there, so the solve projects:
+    W stays the projected one, whatever the excess."""
     state = attacked_state()
-    gamma = 10.0 * factorable_floor(torch.linalg.eigvalsh(state.gram))
-    weights, chosen, _ = state.solve(2, gamma)
-    assert chosen == gamma and state.selection == {}
-    assert torch.equal(weights, solve_ridge(state.gram, state.class_sums, gamma))
+    lowest = float(torch.linalg.eigvalsh(state.gram)[0])
+    gamma = -lowest * (1.0 + excess)
+    direct = solve_ridge(state.gram, state.class_sums, gamma)  # factorises: the old solve's answer
+    weights, _, _ = state.solve(2, gamma)
+    assert_projected(state, weights, gamma)
+    if excess < 1e-3:
+        assert float(direct.norm()) > 100 * float(weights.norm())  # what the attack did to the old solve
+    assert float(weights.norm()) <= float(state.class_sums.norm()) / gamma  # ‖(P(G) + γI)⁻¹‖ ≤ 1/γ
+
+
+def test_a_gamma_the_checks_certify_costs_one_factorisation_and_one_they_do_not_two(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import fcl_flower.analytic.ridge as ridge
+
+    calls: list[float] = []
+    real = ridge.shifted_cholesky
+
+    def counting(gram, shift, *args):
+        calls.append(shift)
+        return real(gram, shift, *args)
+
+    monkeypatch.setattr(ridge, "shifted_cholesky", counting)
+    monkeypatch.setattr(ridge, "solve_ridge", lambda g, c, r: ridge.factor_solve(counting(g, r)[0], c))
+    honest = RidgeState.empty(40, 2)
+    for seed in range(3):
+        packed, sums, counts = singular_client(seed)
+        bound = check_packed_statistics(packed, sums, counts, relative_tolerance=FLOAT32)
+        honest.add_packed(range(2), packed.to(torch.float64), sums, int(counts.sum()), bound)
+    gamma = 2.0 * honest.negative_bound  # certified by the checks alone
+    weights, _, _ = honest.solve(2, gamma)
+    assert calls == [gamma] and honest.selection == {"method": "fixed", "certificate": "checks"}
+    calls.clear()
+    unknown = RidgeState(honest.gram.clone(), honest.class_sums.clone(), honest.num_samples, math.inf)
+    again, _, _ = unknown.solve(2, gamma)
+    assert calls == [gamma / 2, gamma] and unknown.selection["certificate"] == "factorisation"
+    assert torch.equal(weights, again)
+
+
+def test_what_a_check_certifies_holds_for_honest_and_crafted_uploads() -> None:
+    """λ_min(G) ≥ −β for the β the check returns: honest float32 uploads, and the adversary's
+    deepest accepted one; β is lift + slack·max D, the slack 4(M + c)ε."""
+    uploads = [singular_client(seed) for seed in range(3)] + [crafted_upload(depth=0.99)]
+    for packed, sums, counts in uploads:
+        bound = check_packed_statistics(packed, sums, counts, relative_tolerance=FLOAT32)
+        gram = unpacked(packed, 40)
+        assert float(torch.linalg.eigvalsh(gram)[0]) >= -bound
+        largest = max(float(gram.diagonal().max()), float(counts.max()))
+        assert bound == pytest.approx(4 * 42 * FLOAT32 * largest, rel=1e-12)
+
+
+def test_the_state_sums_what_is_certified_and_keeps_it_across_a_checkpoint() -> None:
+    state = RidgeState.empty(3, 1)
+    assert state.negative_bound == 0.0  # an empty G is PSD
+    one = torch.ones(3, 1, dtype=torch.float64)
+    state.add(range(1), torch.eye(3, dtype=torch.float64), one, 1, 0.25)
+    state.add_packed(range(1), pack_upper(torch.eye(3, dtype=torch.float64)), one, 1, 0.5)
+    state.add_packed(range(1), None, one, 1, 7.0)  # no G added: nothing to certify
+    assert state.negative_bound == 0.75
+    again = RidgeState.from_state(state.state_dict())
+    assert again.negative_bound == 0.75 and torch.equal(again.gram, state.gram)
+    state.add(range(1), torch.eye(3, dtype=torch.float64), one, 1)  # a caller that knows nothing
+    assert state.negative_bound == math.inf and "negative_bound" not in state.state_dict()
+    assert RidgeState.from_state(state.state_dict()).negative_bound == math.inf  # as an old checkpoint
+    for bad in (-1.0, math.nan):
+        with pytest.raises(AnalyticInputError, match="negative_bound"):
+            state.add(range(1), None, one, 1, bad)
+    with pytest.raises(AnalyticInputError, match="negative_bound"):
+        RidgeState.from_state({**again.state_dict(), "negative_bound": -0.5})
+
+
+def test_the_server_s_own_float64_product_is_certified_by_its_rounding_bound() -> None:
+    g = torch.Generator().manual_seed(5)
+    phi = torch.randn(30, 50, generator=g, dtype=torch.float64) * torch.logspace(0, 6, 50, dtype=torch.float64)
+    gram = phi.T @ phi  # rank 30 < 50: its zero eigenvalues come out as ± rounding
+    bound = product_rounding_bound(30, gram)
+    assert float(torch.linalg.eigvalsh(gram)[0]) >= -bound
+    assert bound == pytest.approx(30 * 2.0**-53 * float(gram.trace()), rel=1e-12)
+    assert product_rounding_bound(2**53, gram) == math.inf
 
 
 def test_a_zero_fixed_gamma_on_a_singular_gram_still_fails_with_its_reason() -> None:
-    """γ = 0 has no projection to fall back on ((P(G) + 0·I) is singular): the error stands."""
+    """γ = 0 (the API's; the run config wants γ > 0) has no projection to fall back on."""
     state = attacked_state()
     with pytest.raises(NotPositiveDefiniteError, match="increase the ridge"):
         state.solve(2, 0.0)
 
 
+def test_a_failed_eigendecomposition_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+    import scipy.linalg
+
+    def diverges(*args, **kwargs):
+        raise np.linalg.LinAlgError("the algorithm failed to converge")
+
+    monkeypatch.setattr(scipy.linalg, "eigh", diverges)
+    with pytest.raises(AnalyticInputError, match="eigendecomposition of G failed: the algorithm failed"):
+        attacked_state().solve(2, float(default_ridge_grid()[0]))
+
+
 def test_the_stage_records_and_logs_the_fixed_gamma_projection(caplog: pytest.LogCaptureFixture) -> None:
     """The server's glue (strategies.analytic.solve_dense): the projected solve is the stage's
-    ``psd_projection`` extra with its reason, and a warning, never silent."""
+    ``psd_projection`` extra with its reason, the certificate is ``ridge_solve``'s, and a warning
+    is logged: never silent."""
     from fcl_flower.config import RunConfig
     from strategies.analytic import solve_dense
 
@@ -253,8 +354,11 @@ def test_the_stage_records_and_logs_the_fixed_gamma_projection(caplog: pytest.Lo
         weights, extra = solve_dense(state, 2, RunConfig(ridge="0.01"))
     assert extra["ridge"] == 0.01 and "gcv" not in extra
     assert torch.equal(weights, solve_ridge_psd(state.gram, state.class_sums, state.num_samples, 0.01)[0])
-    assert "PSD cone" in extra["psd_projection"]["fallback"] and extra["psd_projection"]["negative_eigenvalues"] >= 1
+    assert "PSD cone" in extra["psd_projection"]["reason"] and extra["psd_projection"]["negative_eigenvalues"] >= 1
+    assert extra["ridge_solve"]["method"] == "fixed" and extra["ridge_solve"]["certificate"].startswith("none")
+    assert extra["certificate_seconds"] > 0  # the factorisation that failed to certify: a wall time
     assert any("PSD cone" in record.getMessage() for record in caplog.records)
     honest = RidgeState.empty(40, 2)
-    honest.add(range(2), torch.eye(40, dtype=torch.float64), torch.ones(40, 2, dtype=torch.float64), 50)
-    assert "psd_projection" not in solve_dense(honest, 2, RunConfig(ridge="0.01"))[1]
+    honest.add(range(2), torch.eye(40, dtype=torch.float64), torch.ones(40, 2, dtype=torch.float64), 50, 0.0)
+    extra = solve_dense(honest, 2, RunConfig(ridge="0.01"))[1]
+    assert "psd_projection" not in extra and extra["ridge_solve"] == {"method": "fixed", "certificate": "checks"}

@@ -144,7 +144,8 @@ def test_state_solve_exact_and_fixed_ridge_are_unchanged() -> None:
     assert gamma == exact_gamma and table == exact_table and state.selection == {"method": "exact"}
     assert torch.equal(weights, solve_ridge(gram, sums, gamma))
     fixed, fixed_gamma, fixed_table = state.solve(6, 10.0, "krylov")
-    assert fixed_gamma == 10.0 and fixed_table == [] and state.selection == {}
+    assert fixed_gamma == 10.0 and fixed_table == [] and state.selection["method"] == "fixed"
+    assert state.selection["certificate"] == "factorisation"  # built without a bound: G + 5·I factorised
     assert torch.equal(fixed, solve_ridge(gram, sums, 10.0))
 
 
@@ -191,7 +192,9 @@ def test_state_records_the_krylov_search_as_krylov_gcv_reports_it() -> None:
     state = RidgeState(gram.clone(), sums.clone(), 3000)
     _, gamma, table = state.solve(6, None, "krylov")
     assert gamma == found.gamma
-    assert set(state.selection) == {"method", "centres", "block_solves", "margin", "stated_error", "rss_deviation"}
+    searched = {"method", "centres", "block_solves", "margin", "stated_error", "rss_deviation"}
+    assert set(state.selection) == searched | {"certificate", "certificate_seconds"}  # no bound: G + γ/2·I factorised
+    assert state.selection["certificate"] == "factorisation"
     assert 0.0 <= float(state.selection["rss_deviation"]) <= float(state.selection["stated_error"])  # type: ignore[arg-type]
     assert state.selection["block_solves"] == found.block_solves and state.selection["centres"] == found.centres
     assert state.selection["stated_error"] == next(row.error for row in found.rows if row.gamma == found.gamma)

@@ -166,6 +166,66 @@ def test_temporal_aggregation_equals_one_shot_joint(out_dir: Path) -> None:
     assert all(s.upload_bytes_per_client == {} for s in joint.recorder.stages)  # nothing uploaded
 
 
+@pytest.mark.parametrize("wire_dtype", ["float32", "float64"])
+def test_the_check_tolerance_reaches_every_upload_check_and_leaves_an_honest_run_unchanged(
+    out_dir: Path, wire_dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check-tolerance float32 (default) holds float64 uploads to the float32 threshold, wire to
+    their own; honest uploads pass both, so every stage's W is the same, bit for bit."""
+    import strategies.stsa as stsa_module
+
+    seen: list[float] = []
+    bounds: list[float] = []
+    real = stsa_module.check_packed_statistics
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["relative_tolerance"])
+        bounds.append(real(*args, **kwargs))
+        return bounds[-1]
+
+    monkeypatch.setattr(stsa_module, "check_packed_statistics", spy)
+    runs = {}
+    for tolerance in ("float32", "wire"):
+        seen.clear()
+        bounds.clear()
+        cfg = small_config(out_dir, num_tasks=2, wire_dtype=wire_dtype, check_tolerance=tolerance, run_name=tolerance)
+        runs[tolerance] = run_in_process(cfg)
+        expected = 2.0**-24 if wire_dtype == "float32" or tolerance == "float32" else 2.0**-53
+        assert len(seen) == 2 * cfg.num_clients and set(seen) == {expected}
+        assert all(stage.left_out == {} for stage in runs[tolerance].recorder.stages)
+        # what each check certified of its G, summed: the ridge state's certificate
+        assert 0 < runs[tolerance].ridge.negative_bound == pytest.approx(sum(bounds), rel=1e-12)
+    for w_default, w_wire in zip(runs["float32"].stage_weights, runs["wire"].stage_weights, strict=True):
+        assert torch.equal(w_default, w_wire)
+
+
+def test_a_float32_upload_in_a_float64_run_is_held_to_the_run_s_tolerance(
+    out_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The allowance follows the run's wire dtype, not the dtype a client chose to send: under
+    check-tolerance wire a float32 upload in a float64 run gets float64's 2⁻⁵³, not float32's."""
+    import strategies.stsa as stsa_module
+
+    seen: list[tuple[torch.dtype, float]] = []
+    real = stsa_module.check_packed_statistics
+
+    def spy(gram_packed, *args, **kwargs):
+        seen.append((gram_packed.dtype, kwargs["relative_tolerance"]))
+        return real(gram_packed, *args, **kwargs)
+
+    def to_float32(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        for m in replies:
+            if phase.endswith("stats") and not m.has_error():
+                arrays = m.content.array_records["arrays"]
+                arrays["gram-packed"] = Array(arrays["gram-packed"].numpy().astype(np.float32))
+        return replies
+
+    monkeypatch.setattr(stsa_module, "check_packed_statistics", spy)
+    run_in_process(small_config(out_dir, num_tasks=2, check_tolerance="wire"), to_float32)
+    assert any(dtype == torch.float32 for dtype, _ in seen)  # (late statistics ride in other records)
+    assert {tolerance for _, tolerance in seen} == {2.0**-53}
+
+
 # --------------------------------------------------------------------------- bytes
 @pytest.mark.parametrize("wire_dtype", ["float32", "float64"])
 def test_stsa_upload_bytes_match_formula(out_dir: Path, wire_dtype: str) -> None:

@@ -28,6 +28,7 @@ from fcl_flower.analytic.checks import (
     check_lowrank_statistics,
     check_magnitude,
     check_packed_statistics,
+    gram_check_epsilon,
     wire_epsilon,
 )
 from fcl_flower.analytic.packing import pack_upper
@@ -395,6 +396,34 @@ def test_the_psd_test_allows_the_absolute_slack() -> None:
     )
 
 
+def test_the_check_tolerance_holds_float64_uploads_to_float32s_unless_wire() -> None:
+    assert gram_check_epsilon(torch.float32) == gram_check_epsilon(torch.float32, "wire") == 2.0**-24
+    assert gram_check_epsilon(F64) == 2.0**-24 and gram_check_epsilon(F64, "wire") == 2.0**-53
+    with pytest.raises(ValueError, match="'float32' or 'wire'"):
+        gram_check_epsilon(F64, "exact")
+
+
+@pytest.mark.parametrize("depth", [0.1, 0.45])
+def test_a_float64_upload_between_the_two_thresholds_passes_only_at_the_float32_tolerance(depth: float) -> None:
+    """M + c = 3: a float64 J whose scaled spectrum reaches -2·depth·12·2⁻²⁴, far beyond float64's
+    slack 12·2⁻⁵³ and inside float32's: what the default check tolerance lets through (and nothing
+    beyond it), and what ``wire`` rejects."""
+    slack32 = 12 * 2.0**-24
+    g, c, n = _triple(depth * slack32)
+    packed = pack_upper(g)
+    check_packed_statistics(packed, c, n, relative_tolerance=gram_check_epsilon(F64))
+    psd = "[[G, C], [Cᵀ, diag(counts)]] is not positive semidefinite: no dataset has these statistics"
+    _rejected(lambda: check_packed_statistics(packed, c, n, relative_tolerance=gram_check_epsilon(F64, "wire")), psd)
+    beyond = _triple(0.55 * slack32)
+    for tolerance in ("float32", "wire"):
+        _rejected(
+            lambda tolerance=tolerance: check_packed_statistics(
+                pack_upper(beyond[0]), *beyond[1:], relative_tolerance=gram_check_epsilon(F64, tolerance)
+            ),
+            psd,
+        )
+
+
 def test_float32_and_integer_inputs_are_judged_in_float64() -> None:
     """Each case is exact in float64 and would round the other way in float32."""
     # G in float32, diagonal (2^24, 1): tr G = 2^24 + 1 > n B² = 2^24 (n = 1, B = 4096); float32 sums 2^24.
@@ -556,7 +585,8 @@ def test_the_float32_factorisation_runs_only_for_float32_tolerances_and_fast() -
     cases = [
         ({"relative_tolerance": eps32}, [torch.float32]),  # fast by default
         ({"relative_tolerance": eps32, "fast": False}, [F64]),
-        ({"relative_tolerance": wire_epsilon(F64)}, [F64]),  # float64 uploads: float64 only
+        ({"relative_tolerance": wire_epsilon(F64)}, [F64]),  # float64 uploads, check-tolerance wire
+        ({"relative_tolerance": gram_check_epsilon(F64)}, [torch.float32]),  # float64 uploads, by default
         ({"relative_tolerance": eps32, "absolute_tolerance": 1e-9}, [F64]),  # opened secure sums
     ]
     for options, expected in cases:

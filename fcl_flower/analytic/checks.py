@@ -58,9 +58,17 @@ slack s = 4 (M + c) ε) it first factorises R + (s/2)·I in float32, at half the
   threshold: the checks catch the same impossible statistics (tests/test_upload_checks.py plays
   every attack through both paths).
 
-Float64 uploads (ε = 2⁻⁵³) and opened secure sums are tested in float64 only (their slack is far
-below what float32 can resolve). J is never formed in full: its scaled upper triangle is built from
-the packed upload one block of rows at a time into one buffer, factorised in place.
+Float64 uploads. The server's ``check-tolerance`` (:func:`gram_check_epsilon`) decides their ε.
+``float32`` (the default): ε = 2⁻²⁴ whatever the wire dtype, so a float64 upload is held to the
+threshold a float32 one is and goes float32-first as above, in about two thirds of the time of the
+float64 test (a factorisation that alone costs about one solve of the same size: issue 16's
+"per-reply handling below the solve"). What that lets through is what a float32 upload may carry
+anyway: a scaled spectrum down to −4(M + c)·2⁻²⁴, rounding or an adversary inside it; the solve
+copes with such a G (ridge.py: the GCV floor, and a γ used only where λ_min(G) ≥ −γ/2 is
+certified, by :func:`negative_bound` summed over the uploads or by a factorisation; docs/privacy.md §3).
+``wire``: ε = 2⁻⁵³, tested in float64 only (a slack far below what float32 can resolve). Opened
+secure sums are always tested in float64. J is never formed in full: its scaled upper triangle is
+built from the packed upload one block of rows at a time into one buffer, factorised in place.
 """
 
 from __future__ import annotations
@@ -167,6 +175,16 @@ def wire_epsilon(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) / 2.0
 
 
+def gram_check_epsilon(dtype: torch.dtype, tolerance: str = "float32") -> float:
+    """The relative rounding ε a Gram upload in ``dtype`` is checked with: the wire dtype's own
+    (``tolerance`` "wire"), or at least float32's ("float32", the default): a float64 upload is
+    then held to the float32 threshold and its PSD test runs float32-first ("Float32 first")."""
+    if tolerance not in ("float32", "wire"):
+        raise ValueError(f"check tolerance must be 'float32' or 'wire', got {tolerance!r}")
+    epsilon = wire_epsilon(dtype)
+    return epsilon if tolerance == "wire" else max(epsilon, FLOAT32_EPSILON)
+
+
 def check_gram_statistics(
     gram: Tensor,
     class_sums: Tensor,
@@ -177,8 +195,9 @@ def check_gram_statistics(
     norm_bound: float = 0.0,
     nonnegative: bool = False,
     noise: NoiseLevels | None = None,
-) -> None:
-    """Raise StatisticsRejected unless (G, C, n_c) are the blocks of a PSD Gram (see module doc).
+) -> float:
+    """Raise StatisticsRejected unless (G, C, n_c) are the blocks of a PSD Gram (see module doc);
+    return what that certifies of G's spectrum (:func:`negative_bound`).
 
     ``relative_tolerance`` ε and ``absolute_tolerance`` δ are per-entry rounding errors; the
     scaled PSD test allows eigenvalues down to ``-4 (M + c) (ε + δ / d_min)``. ``noise``: the std
@@ -198,7 +217,7 @@ def check_gram_statistics(
         )
     g = gram.to(torch.float64)
     check_magnitude("G", g)  # the matrix as given: symmetrising could halve an entry beyond the limit
-    check_packed_statistics(
+    return check_packed_statistics(
         pack_upper(0.5 * (g + g.T)),
         class_sums,
         counts,
@@ -221,13 +240,15 @@ def check_packed_statistics(
     nonnegative: bool = False,
     noise: NoiseLevels | None = None,
     fast: bool = True,
-) -> None:
-    """:func:`check_gram_statistics` on the packed upper triangle of G, as uploaded.
+) -> float:
+    """:func:`check_gram_statistics` on the packed upper triangle of G, as uploaded; returns what
+    the check certifies of G's spectrum, β with λ_min(G) ≥ −β (:func:`negative_bound`).
 
     Lean: J is never formed in full. Its scaled upper triangle is built one block of rows at a
     time (checking Cauchy–Schwarz on the way) into one (M + c)² buffer that is factorised in
-    place. ``fast`` (float32 uploads): a float32 factorisation with half the slack decides first
-    (see the module doc, "Float32 first"); when it fails, the float64 test decides as before.
+    place. ``fast`` (a tolerance of float32's ε or coarser, no absolute one): a float32
+    factorisation with half the slack decides first (see the module doc, "Float32 first"); when it
+    fails, the float64 test decides as before.
     ``noise``: as in :func:`check_gram_statistics` (the PSD test runs on J + τ I, τ the spectral
     bound of the noise, added to the diagonal with the absolute slack).
     """
@@ -268,14 +289,27 @@ def check_packed_statistics(
         _check_zero_energy(gram_packed, c, empty)
     inv = torch.where(empty, 0.0, scale.rsqrt())
     float32_first = fast and relative_tolerance >= FLOAT32_EPSILON and absolute_tolerance == 0.0
+    certified = negative_bound(scale, slack_rel, shift)
     if float32_first and _positive_factor(
         gram_packed, c, n, inv, empty, shift, slack_rel, 0.5 * slack_rel, torch.float32
     ):
-        return
+        return certified
     if not _positive_factor(gram_packed, c, n, inv, empty, shift, slack_rel, slack_rel, torch.float64):
         raise StatisticsRejected(
             "[[G, C], [Cᵀ, diag(counts)]] is not positive semidefinite: no dataset has these statistics"
         )
+    return certified
+
+
+def negative_bound(scale: Tensor, slack: float, lift: float = 0.0) -> float:
+    """What an accepted PSD test certifies of G: λ_min(G) ≥ −β, β = lift + slack·max D.
+
+    The test factorised R + slack·I, R = D^{-1/2} (J + lift·I) D^{-1/2} with D = ``scale`` the
+    diagonal of J + lift·I, so J + lift·I ⪰ −slack·D ⪰ −slack·max D·I, and G, a principal block of
+    J, has λ_min(G) ≥ λ_min(J) ≥ −β (up to the factorisation's own rounding, as the test itself).
+    The ridge solve uses the sum of these over what it adds (fcl_flower/analytic/ridge.py)."""
+    largest = float(scale.max()) if scale.numel() else 0.0
+    return float(lift) + float(slack) * max(largest, 0.0)
 
 
 def _check_norm_bound(

@@ -27,9 +27,11 @@ spectral bound).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -44,6 +46,7 @@ __all__ = [
     "default_ridge_grid",
     "factorable_floor",
     "gcv_from_spectrum",
+    "product_rounding_bound",
     "ridge_residual",
     "select_ridge_gcv",
     "solve_ridge",
@@ -97,15 +100,19 @@ def symmetric_eigh(gram: Tensor) -> tuple[Tensor, Tensor]:
     On the CPU with one M × M working copy and O(M) workspace: LAPACK's MRRR driver (dsyevr,
     through SciPy) overwrites the copy and writes the eigenvectors into one more matrix, where
     torch.linalg.eigh's divide and conquer (dsyevd) also needs 2 M² numbers of workspace
-    (1 GiB at M = 8192), the server's peak memory with ``ridge auto``.
+    (1 GiB at M = 8192), the server's peak memory with ``ridge auto``. A decomposition that does not
+    converge raises ``AnalyticInputError`` (a stage failure with its reason, not a crash).
     """
     g = symmetric_part(gram.to(torch.float64))
-    if g.device.type != "cpu" or g.shape[0] == 0:
-        return torch.linalg.eigh(g)
-    import scipy.linalg  # lazily: the server's ridge selection only; clients never load SciPy
+    try:
+        if g.device.type != "cpu" or g.shape[0] == 0:
+            return torch.linalg.eigh(g)
+        import scipy.linalg  # lazily: the server's ridge selection only; clients never load SciPy
 
-    work = g.numpy().copy()  # C order; its transpose, the same symmetric matrix, is Fortran order
-    eigvals, eigvecs = scipy.linalg.eigh(work.T, overwrite_a=True, check_finite=False, driver="evr")
+        work = g.numpy().copy()  # C order; its transpose, the same symmetric matrix, is Fortran order
+        eigvals, eigvecs = scipy.linalg.eigh(work.T, overwrite_a=True, check_finite=False, driver="evr")
+    except (torch.linalg.LinAlgError, np.linalg.LinAlgError) as err:
+        raise AnalyticInputError(f"the eigendecomposition of G failed: {err}") from None
     return torch.from_numpy(eigvals), torch.from_numpy(eigvecs)
 
 
@@ -291,54 +298,100 @@ def gcv_from_spectrum(
     return best.gamma, table
 
 
+def product_rounding_bound(rows: int, gram: Tensor) -> float:
+    """β with λ_min(Ĝ) ≥ −β for Ĝ = ΦᵀΦ of ``rows`` samples computed in float64 (any summation
+    order): |Ĝ − ΦᵀΦ| ≤ γ_n |Φ|ᵀ|Φ| entry by entry, γ_n = n u / (1 − n u) (Higham, Accuracy and
+    Stability, §3.5), so ‖Ĝ − ΦᵀΦ‖₂ ≤ γ_n ‖Φ‖²_F = γ_n tr(ΦᵀΦ) ≤ γ_n tr Ĝ / (1 − γ_n)."""
+    n_u = max(int(rows), 1) * 2.0**-53
+    gamma_n = n_u / (1.0 - n_u) if n_u < 0.5 else math.inf
+    trace = float(torch.diagonal(gram.to(torch.float64)).sum().clamp_min(0.0))
+    return gamma_n * trace / (1.0 - gamma_n) if gamma_n < 1.0 else math.inf
+
+
 @dataclass
 class RidgeState:
     """The server's running statistics of every stage so far (temporal aggregation, Eq. 4).
 
     ``gram`` G_{1:t} (M × M), ``class_sums`` C_{1:t} (M × all classes, global class columns) and
     ``num_samples`` n, all sums over samples: a stage's statistics (or a late client's) just add.
+
+    ``negative_bound`` β: what is certified of G's spectrum, λ_min(G) ≥ −β, summed over what was
+    added (each upload's from its check, fcl_flower/analytic/checks.py; ``math.inf`` when a caller
+    knows nothing, e.g. STSA-E's estimated G). A γ (fixed, or the Krylov search's) is used on G
+    directly only where λ_min(G) ≥ −γ/2 is certified, by β ≤ γ/2 or else by a Cholesky factor of
+    G + γ/2·I: then G + γI ⪰ γ/2·I, and no direction is amplified more than a ridge of γ/2 would
+    (the exact scan's floor gives the same). Otherwise a fixed γ is kept on G projected onto the
+    PSD cone and the Krylov search falls back to the exact scan.
     """
 
     gram: Tensor
     class_sums: Tensor
     num_samples: int = 0
+    negative_bound: float = math.inf  # λ_min(G) >= -negative_bound is certified (math.inf: nothing is)
     previous: float | None = None  # the last γ GCV chose: the Krylov search starts there
     selection: dict[str, object] = field(default_factory=dict)  # how the last γ was selected
 
     @classmethod
     def empty(cls, dim: int, num_classes: int) -> RidgeState:
-        return cls(torch.zeros(dim, dim, dtype=torch.float64), torch.zeros(dim, num_classes, dtype=torch.float64))
+        zeros = torch.zeros(dim, dim, dtype=torch.float64)  # PSD: nothing negative to bound
+        return cls(zeros, torch.zeros(dim, num_classes, dtype=torch.float64), negative_bound=0.0)
 
-    def add(self, classes: range, gram: Tensor | None, class_sums: Tensor, num_samples: int) -> None:
-        """G grows by G_t (``None``: G is unchanged); the columns of ``classes`` receive C_t."""
+    def add(
+        self,
+        classes: range,
+        gram: Tensor | None,
+        class_sums: Tensor,
+        num_samples: int,
+        negative_bound: float = math.inf,
+    ) -> None:
+        """G grows by G_t (``None``: G is unchanged); the columns of ``classes`` receive C_t.
+        ``negative_bound``: what is certified of G_t, λ_min(G_t) ≥ −negative_bound (default: nothing)."""
         if tuple(class_sums.shape) != (self.gram.shape[0], len(classes)):
             raise AnalyticInputError(
                 f"class_sums shape {tuple(class_sums.shape)} does not fit "
                 f"{self.gram.shape[0]} features and {len(classes)} classes"
             )
+        self._add_bound(gram is not None, negative_bound)
         if gram is not None:
             self.gram += gram
         self.class_sums[:, classes.start : classes.stop] += class_sums
         self.num_samples += int(num_samples)
 
-    def add_packed(self, classes: range, gram_packed: Tensor | None, class_sums: Tensor, num_samples: int) -> None:
+    def add_packed(
+        self,
+        classes: range,
+        gram_packed: Tensor | None,
+        class_sums: Tensor,
+        num_samples: int,
+        negative_bound: float = math.inf,
+    ) -> None:
         """:meth:`add` with G_t as its packed upper triangle: the same numbers, without unpacking it."""
         self.add(classes, None, class_sums, num_samples)  # checks the shapes first
+        self._add_bound(gram_packed is not None, negative_bound)
         if gram_packed is not None:
             add_packed_(self.gram, gram_packed)
 
-    def state_dict(self) -> dict[str, Tensor | int]:
+    def _add_bound(self, added: bool, bound: float) -> None:
+        if not bound >= 0:  # NaN too
+            raise AnalyticInputError(f"negative_bound must be >= 0 (math.inf: unknown), got {bound!r}")
+        if added:
+            self.negative_bound += float(bound)
+
+    def state_dict(self) -> dict[str, Tensor | int | float]:
         """G as its packed upper triangle where it is exactly symmetric (as sums of packed uploads
-        always are): half the bytes to write, hash and sync at every checkpoint."""
-        state: dict[str, Tensor | int] = {"class_sums": self.class_sums, "num_samples": self.num_samples}
+        always are): half the bytes to write, hash and sync at every checkpoint. The certified
+        bound only where finite (a state without it is read back as certifying nothing)."""
+        state: dict[str, Tensor | int | float] = {"class_sums": self.class_sums, "num_samples": self.num_samples}
         if torch.equal(self.gram, self.gram.T):
             state["gram_packed"] = pack_upper(self.gram)
         else:
             state["gram"] = self.gram
+        if math.isfinite(self.negative_bound):
+            state["negative_bound"] = self.negative_bound
         return state
 
     @classmethod
-    def from_state(cls, state: dict[str, Tensor | int]) -> RidgeState:
+    def from_state(cls, state: dict[str, Tensor | int | float]) -> RidgeState:
         sums = state.get("class_sums")
         packed = state.get("gram_packed")
         gram = (
@@ -348,7 +401,10 @@ class RidgeState:
         )
         if not isinstance(gram, Tensor) or not isinstance(sums, Tensor):
             raise AnalyticInputError("ridge state needs the gram and class_sums tensors")
-        return cls(gram, sums, int(state["num_samples"]))
+        bound = state.get("negative_bound", math.inf)
+        if isinstance(bound, Tensor) or not float(bound) >= 0:
+            raise AnalyticInputError(f"ridge state's negative_bound must be a number >= 0, got {bound!r}")
+        return cls(gram, sums, int(state["num_samples"]), float(bound))
 
     def solve_projected(
         self, num_seen: int, ridge: float | None, sums_noise: float = 0.0
@@ -356,11 +412,26 @@ class RidgeState:
         """:meth:`solve` for noisy statistics: G projected onto the PSD cone (:func:`solve_ridge_psd`)."""
         return solve_ridge_psd(self.gram, self.class_sums[:, :num_seen], self.num_samples, ridge, sums_noise)
 
+    def certified(self, ridge: float) -> bool:
+        """Whether λ_min(G) ≥ −γ/2 holds: by the bound (β ≤ γ/2, free) or else by a Cholesky factor
+        of G + γ/2·I (one more factorisation; :attr:`selection` records it and its time)."""
+        if self.negative_bound <= 0.5 * ridge:
+            self.selection["certificate"] = "checks"
+            return True
+        began = time.perf_counter()
+        factor, info = shifted_cholesky(self.gram, 0.5 * ridge)
+        del factor
+        self.selection["certificate"] = "factorisation" if info == 0 else "none: G + γ/2·I has no Cholesky factor"
+        self.selection["certificate_seconds"] = time.perf_counter() - began
+        return info == 0
+
     def solve(self, num_seen: int, ridge: float | None, selection: str = "exact") -> tuple[Tensor, float, list[GCVRow]]:
         """(W over the first ``num_seen`` classes, γ, GCV table): ``ridge`` None selects γ by GCV,
         ``selection`` says how (:func:`uses_krylov`); :attr:`selection` then records how it went.
         The Krylov search starts from the previous stage's γ and falls back to the exact scan
-        when it cannot certify its choice."""
+        when it cannot certify its choice (the RSS check, or λ_min(G) ≥ −γ/2: class doc). A fixed
+        γ without that certificate is solved on G projected onto the PSD cone (``psd_projection``
+        in :attr:`selection`: the reason and what was clipped)."""
         sums = self.class_sums[:, :num_seen]
         table: list[GCVRow] = []
         self.selection = {}
@@ -369,15 +440,16 @@ class RidgeState:
             found = krylov_gcv(
                 self.gram, sums, self.num_samples, yty, default_ridge_grid(), centre=self.previous, dtype=KRYLOV_DTYPE
             )
-            self.selection = {"method": "krylov", "centres": found.centres, "block_solves": found.block_solves}
+            self.selection.update({"method": "krylov", "centres": found.centres, "block_solves": found.block_solves})
             self.selection["margin"] = found.margin
             if found.gamma is not None:
                 row = next(row for row in found.rows if row.gamma == found.gamma)
                 self.selection["stated_error"] = row.error
-                try:
-                    weights = solve_ridge(self.gram, sums, found.gamma)  # float64, whatever the search's dtype
-                except NotPositiveDefiniteError:  # an indefinite G (rounding, or an adversary within the checks)
-                    found.reason = f"G + {found.gamma:g}·I has no Cholesky factor: the exact scan knows G's λ_min"
+                weights = self._direct(sums, found.gamma)
+                if weights is None:  # an indefinite G (rounding, or an adversary within the checks)
+                    found.reason = (
+                        f"λ_min(G) ≥ −γ/2 is not certified at γ = {found.gamma:g}: the exact scan knows λ_min"
+                    )
                 else:
                     # the search ran on float32 factors: its RSS at γ must match the float64 solution's
                     agrees, deviation = rss_agreement(row.rss, ridge_rss(sums, weights, yty, found.gamma), row.error)
@@ -396,15 +468,27 @@ class RidgeState:
             ridge, table = select_ridge_gcv(self.gram, sums, self.num_samples, float(self.num_samples))
             self.previous = ridge
             return solve_ridge(self.gram, sums, ridge), ridge, table  # γ >= the floor: it has a factor
-        try:
+        self.selection["method"] = "fixed"
+        if not float(ridge) > 0:  # γ = 0 (API only; the run config wants γ > 0): G itself must factorise
             return solve_ridge(self.gram, sums, ridge), ridge, table
-        except NotPositiveDefiniteError:
-            if not float(ridge) > 0:  # P(G) + 0·I has no inverse either
-                raise
-            # a fixed γ below |λ_min(G)| (rounding, or an adversary inside the checks' tolerance):
-            # keep the user's γ on G projected onto the PSD cone rather than fail the stage
-            weights, _, _, projection = solve_ridge_psd(self.gram, sums, self.num_samples, ridge)
-            reason = f"G + {float(ridge):g}·I has no Cholesky factor: G projected onto the PSD cone"
-            self.selection = {"method": "fixed", "fallback": reason}
-            self.selection.update(projection.as_dict())
+        weights = self._direct(sums, ridge)
+        if weights is not None:
             return weights, ridge, table
+        # λ_min(G) < −γ/2 possible (rounding, an estimated G, or an adversary inside the checks'
+        # tolerance): keep the user's γ on G projected onto the PSD cone rather than fail the stage
+        # or amplify a direction G + γI nearly lacks
+        weights, _, _, projection = solve_ridge_psd(self.gram, sums, self.num_samples, ridge)
+        reason = f"λ_min(G) ≥ −γ/2 is not certified at the fixed γ = {float(ridge):g}: G projected onto the PSD cone"
+        self.selection["psd_projection"] = {"reason": reason, **projection.as_dict()}
+        return weights, ridge, table
+
+    def _direct(self, sums: Tensor, ridge: float) -> Tensor | None:
+        """(G + γI)⁻¹C where λ_min(G) ≥ −γ/2 is certified and G + γI factorises; else None. The
+        certificate's factor is freed before the solve's (one M × M factor at a time)."""
+        if not self.certified(ridge):
+            return None
+        try:
+            return solve_ridge(self.gram, sums, ridge)
+        except NotPositiveDefiniteError:  # certified by the bound, yet no factor: rounding at the edge
+            self.selection["certificate"] = f"{self.selection['certificate']}, but G + γI has no Cholesky factor"
+            return None
