@@ -40,7 +40,7 @@ class JointStrategy(AnalyticStrategy):
         stats = accumulator.result()
         assert stats.gram is not None
         # the server's own float64 product: PSD up to its rounding
-        bound = product_rounding_bound(stats.num_samples, stats.gram)
+        bound = product_rounding_bound(stats.num_samples, float(stats.gram.diagonal().sum()))
         self.ridge.add(classes, stats.gram, stats.class_sums, stats.num_samples, bound)
         weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
         return weights, {**extra, "pooled": True}

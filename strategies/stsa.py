@@ -54,7 +54,7 @@ from fcl_flower.analytic.checks import (
 )
 from fcl_flower.analytic.kernel import FactorStack
 from fcl_flower.analytic.packing import diagonal_of_packed
-from fcl_flower.analytic.ridge import RidgeState
+from fcl_flower.analytic.ridge import RidgeState, product_rounding_bound, sum_rounding_bound
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.privacy.noise import secure_share
@@ -91,6 +91,7 @@ class TaskSum:
     (None once one upload came without a factor or the cap is passed)."""
 
     def __init__(self, dim: int, classes: int, max_rows: int = 0) -> None:
+        self.dim = dim
         self.gram = torch.zeros(packed_length(dim), dtype=torch.float64)
         self.sums = torch.zeros(dim, classes, dtype=torch.float64)
         self.count = 0
@@ -103,8 +104,8 @@ class TaskSum:
     def add(
         self, stats: StsaStats, num_examples: int, factor: torch.Tensor | None = None, negative_bound: float = math.inf
     ) -> None:
-        self.gram += stats.gram_packed  # summed in float64
-        self.negative_bound += negative_bound
+        self.gram += stats.gram_packed  # summed in float64, with that addition's rounding
+        self.negative_bound += negative_bound + sum_rounding_bound(float(diagonal_of_packed(self.gram, self.dim).sum()))
         self.sums += stats.class_sums
         self.count += num_examples
         self.noisy_count += float(stats.counts.to(torch.float64).sum())
@@ -191,6 +192,7 @@ class STSAStrategy(AnalyticStrategy):
         self.secure = SecureRounds(cfg) if cfg.secure_aggregation else None
         self._request: dict[int, tuple[int, ...]] = {}  # the backfill request of the round in progress
         self._round_sums: dict[int, TaskSum] = {}  # running sums per task of the plain round in progress
+        self._in_ridge: set[int] = set()  # tasks whose own stage's statistics went into the ridge state
         # every factor upload's rows, for the N x N kernel solve while N <= M / 2 (None: G solves)
         self.stack = (
             FactorStack.empty(self.rf_dim, split.num_classes, self.rf_dim // 2) if cfg.stats_form == "factor" else None
@@ -237,10 +239,13 @@ class STSAStrategy(AnalyticStrategy):
                     relative_tolerance=wire_epsilon(wire),
                     **self.feature_bounds,
                 )
-            # what the factor check returns passes the Gram check with the same options (its doc)
-            scale = torch.cat([diagonal_of_packed(gram, self.rf_dim), stats.counts.to(torch.float64)])
-            bound = negative_bound(scale, 4.0 * scale.numel() * wire_epsilon(wire))
-            return StsaStats(gram, sums, stats.counts), bound
+            # FᵀF is PSD but for the server's float64 product; the factor check's changes to it (label
+            # block, clamped rounding) stay within the Gram check's slack (its doc)
+            diagonal = diagonal_of_packed(gram, self.rf_dim)
+            slack = 4.0 * (self.rf_dim + int(stats.counts.numel())) * wire_epsilon(wire)
+            rows = int(stats.factor.shape[0])
+            rounding = product_rounding_bound(rows, float(diagonal.sum()) + float(stats.counts.sum()))
+            return StsaStats(gram, sums, stats.counts), negative_bound(diagonal, slack) + rounding
         with upload_checks():
             check_counts(stats.counts, num_examples, noise=noise.counts if noise else 0.0)
             bound = check_packed_statistics(
@@ -347,6 +352,7 @@ class STSAStrategy(AnalyticStrategy):
         total = self._round_sums.pop(task, None)
         if total is not None:
             total.into(self, self.split.tasks[task])
+            self._in_ridge.add(task)
 
     def open_masked(self, plan: RoundPlan, sums: dict[str, np.ndarray], survivors: set[str]) -> None:
         """Open Σ over the survivors, check it like one upload, add it column block by column block."""
@@ -410,6 +416,7 @@ class STSAStrategy(AnalyticStrategy):
             self._withheld["all clients (masked sum)"] = self._withheld.get("all clients (masked sum)", 0) + int(
                 withheld
             )
+        self._in_ridge.add(plan.task)
         for task in tasks[1:]:  # the owing survivors' late statistics are in
             for client, owed in list(self.backfill.missing.items()):
                 if task in owed and client in survivors:
@@ -441,8 +448,12 @@ class STSAStrategy(AnalyticStrategy):
         return weights, {**ridge_extras(self.ridge.num_samples, ridge, []), "kernel_rows": self.stack.rows}
 
     def stage_failed(self, task: int, reason: str) -> dict[str, Any]:
-        """Nobody's statistics of the stage are in: every client owes them (backfill, later)."""
+        """Where the stage's statistics are not in the ridge state (its round failed), every client
+        owes them (backfill, later); where they are (the solve failed after), nobody does: the next
+        stage's solve includes them, and a backfill would add them twice."""
         extra = super().stage_failed(task, reason)
+        if task in self._in_ridge:
+            return {**extra, "statistics_kept": True, **self.backfill.extras()}
         for client in range(self.cfg.num_clients):
             owed = self.backfill.missing.setdefault(client_name(client), [])
             if task not in owed:

@@ -1092,7 +1092,10 @@ def test_ridge_state_over_stages_equals_one_direct_solve() -> None:
     assert torch.equal(restored.gram, state.gram) and torch.equal(restored.class_sums, state.class_sums)
     assert restored.num_samples == 30
     symmetric = torch.equal(state.gram, state.gram.T)
-    assert set(state.state_dict()) == {"gram_packed" if symmetric else "gram", "class_sums", "num_samples"}
+    # the certified bound too, where finite (an empty state's 0 plus what was added with a bound)
+    bounded = {"negative_bound"} if math.isfinite(state.negative_bound) else set()
+    assert set(state.state_dict()) == {"gram_packed" if symmetric else "gram", "class_sums", "num_samples"} | bounded
+    assert restored.negative_bound == state.negative_bound
 
 
 @pytest.mark.parametrize("symmetric", [True, False])

@@ -98,3 +98,32 @@ def test_bench_deployment_refuses_a_bad_configuration_in_one_line_before_startin
     assert bench_deployment.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("bench_deployment: error: ") and message in err and err.count("\n") == 1
+
+
+def test_bench_deployment_compares_the_reply_handling_with_the_solve_less_its_certificate() -> None:
+    """The yardstick is the solve itself: a certificate factorisation the same stage paid (when the
+    uploads' checks could not certify the fixed γ) is reported beside it, not counted in it."""
+    from experiments.bench_deployment import uploads_table
+
+    timing = {"handling": 9.0, "parse": 0.3, "check": 8.4, "bytes": 0.0, "add": 0.3, "finish": 0.1, "replies": 3}
+    run = {
+        "server_reply_seconds": [timing],
+        "solve_seconds": [5.0],
+        "certificate_seconds": [2.5],
+        "upload_bytes_per_client": [{"client-0": 2**20}],
+        "peak_memory": None,
+        "stage_seconds": [20.0],
+        "analytic_round_seconds": [15.0],
+        "load_average_after": [1.0, 1.0, 1.0],
+    }
+    table = uploads_table({"rf_dim": 100, "num_nodes": 3, "runs": {"float64": run}})
+    header, values = table.splitlines()[1], table.splitlines()[3].split()
+    assert "solve s  certificate s  meets" in header
+    # reply 3.00 s (9 s over 3 replies), solve 5.0 − 2.5 s, certificate 2.5 s: not met
+    assert values[4] == "3.00" and values[10:13] == ["2.50", "2.50", "no"]
+    run["certificate_seconds"] = [0.0]
+    assert uploads_table({"rf_dim": 100, "num_nodes": 3, "runs": {"float64": run}}).splitlines()[3].split()[10:13] == [
+        "5.00",
+        "0.00",
+        "yes",
+    ]

@@ -277,8 +277,9 @@ def test_a_gamma_the_checks_certify_costs_one_factorisation_and_one_they_do_not_
     calls.clear()
     unknown = RidgeState(honest.gram.clone(), honest.class_sums.clone(), honest.num_samples, math.inf)
     again, _, _ = unknown.solve(2, gamma)
-    assert calls == [gamma / 2, gamma] and unknown.selection["certificate"] == "factorisation"
+    assert calls == [gamma / 4, gamma] and unknown.selection["certificate"] == "float32 factorisation"
     assert torch.equal(weights, again)
+    assert unknown.negative_bound == gamma / 2  # what the float32 factorisation certified
 
 
 def test_what_a_check_certifies_holds_for_honest_and_crafted_uploads() -> None:
@@ -289,8 +290,7 @@ def test_what_a_check_certifies_holds_for_honest_and_crafted_uploads() -> None:
         bound = check_packed_statistics(packed, sums, counts, relative_tolerance=FLOAT32)
         gram = unpacked(packed, 40)
         assert float(torch.linalg.eigvalsh(gram)[0]) >= -bound
-        largest = max(float(gram.diagonal().max()), float(counts.max()))
-        assert bound == pytest.approx(4 * 42 * FLOAT32 * largest, rel=1e-12)
+        assert bound == pytest.approx(4 * 42 * FLOAT32 * float(gram.diagonal().max()), rel=1e-12)  # G's block
 
 
 def test_the_state_sums_what_is_certified_and_keeps_it_across_a_checkpoint() -> None:
@@ -300,15 +300,19 @@ def test_the_state_sums_what_is_certified_and_keeps_it_across_a_checkpoint() -> 
     state.add(range(1), torch.eye(3, dtype=torch.float64), one, 1, 0.25)
     state.add_packed(range(1), pack_upper(torch.eye(3, dtype=torch.float64)), one, 1, 0.5)
     state.add_packed(range(1), None, one, 1, 7.0)  # no G added: nothing to certify
-    assert state.negative_bound == 0.75
+    rounding = 2 * 2.0**-53 * (3 + 6)  # each addition's own: 2u·tr of the sum it made
+    assert state.negative_bound == pytest.approx(0.75 + rounding, abs=1e-18)
     again = RidgeState.from_state(state.state_dict())
-    assert again.negative_bound == 0.75 and torch.equal(again.gram, state.gram)
+    assert again.negative_bound == state.negative_bound and torch.equal(again.gram, state.gram)
     state.add(range(1), torch.eye(3, dtype=torch.float64), one, 1)  # a caller that knows nothing
     assert state.negative_bound == math.inf and "negative_bound" not in state.state_dict()
     assert RidgeState.from_state(state.state_dict()).negative_bound == math.inf  # as an old checkpoint
+    samples = state.num_samples
     for bad in (-1.0, math.nan):
-        with pytest.raises(AnalyticInputError, match="negative_bound"):
-            state.add(range(1), None, one, 1, bad)
+        for add in (state.add, state.add_packed):
+            with pytest.raises(AnalyticInputError, match="negative_bound"):
+                add(range(1), None, one, 1, bad)
+    assert state.num_samples == samples  # refused before anything changed
     with pytest.raises(AnalyticInputError, match="negative_bound"):
         RidgeState.from_state({**again.state_dict(), "negative_bound": -0.5})
 
@@ -317,10 +321,10 @@ def test_the_server_s_own_float64_product_is_certified_by_its_rounding_bound() -
     g = torch.Generator().manual_seed(5)
     phi = torch.randn(30, 50, generator=g, dtype=torch.float64) * torch.logspace(0, 6, 50, dtype=torch.float64)
     gram = phi.T @ phi  # rank 30 < 50: its zero eigenvalues come out as ± rounding
-    bound = product_rounding_bound(30, gram)
+    bound = product_rounding_bound(30, float(gram.trace()))
     assert float(torch.linalg.eigvalsh(gram)[0]) >= -bound
     assert bound == pytest.approx(30 * 2.0**-53 * float(gram.trace()), rel=1e-12)
-    assert product_rounding_bound(2**53, gram) == math.inf
+    assert product_rounding_bound(2**53, 1.0) == math.inf and product_rounding_bound(10, -5.0) == 0.0
 
 
 def test_a_zero_fixed_gamma_on_a_singular_gram_still_fails_with_its_reason() -> None:
@@ -362,3 +366,30 @@ def test_the_stage_records_and_logs_the_fixed_gamma_projection(caplog: pytest.Lo
     honest.add(range(2), torch.eye(40, dtype=torch.float64), torch.ones(40, 2, dtype=torch.float64), 50, 0.0)
     extra = solve_dense(honest, 2, RunConfig(ridge="0.01"))[1]
     assert "psd_projection" not in extra and extra["ridge_solve"] == {"method": "fixed", "certificate": "checks"}
+
+
+def test_a_small_gamma_is_certified_in_float64_and_a_failed_float32_factorisation_never_decides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """float32 certifies only where its usual backward error (2⁻²² tr(G + γ/4·I)) fits under γ/4;
+    below that, and whenever its factorisation fails, float64 decides and certifies −γ/4."""
+    import fcl_flower.analytic.ridge as ridge
+
+    gram = torch.diag(torch.tensor([1e9, 1.0, 2.0], dtype=torch.float64))
+    sums = torch.ones(3, 1, dtype=torch.float64)
+    small = RidgeState(gram.clone(), sums.clone(), 3)  # 2⁻²²·1e9 ≈ 238 > γ/4: float64
+    small.solve(1, 4.0)
+    assert small.selection["certificate"] == "float64 factorisation" and small.negative_bound == 1.0
+    dtypes: list[torch.dtype] = []
+    real = ridge.shifted_cholesky
+
+    def float32_fails(gram, shift, dtype=torch.float64):
+        dtypes.append(dtype)
+        factor, info = real(gram, shift, dtype)
+        return factor, (1 if dtype == torch.float32 else info)
+
+    monkeypatch.setattr(ridge, "shifted_cholesky", float32_fails)
+    large = RidgeState(gram.clone(), sums.clone(), 3)
+    weights, _, _ = large.solve(1, 1e4)
+    assert dtypes[:2] == [torch.float32, torch.float64] and large.selection["certificate"] == "float64 factorisation"
+    assert large.negative_bound == 2.5e3 and torch.equal(weights, solve_ridge(gram, sums, 1e4))

@@ -145,7 +145,7 @@ def test_state_solve_exact_and_fixed_ridge_are_unchanged() -> None:
     assert torch.equal(weights, solve_ridge(gram, sums, gamma))
     fixed, fixed_gamma, fixed_table = state.solve(6, 10.0, "krylov")
     assert fixed_gamma == 10.0 and fixed_table == [] and state.selection["method"] == "fixed"
-    assert state.selection["certificate"] == "factorisation"  # built without a bound: G + 5·I factorised
+    assert state.selection["certificate"] == "float32 factorisation"  # built without a bound: G + 2.5·I factorised
     assert torch.equal(fixed, solve_ridge(gram, sums, 10.0))
 
 
@@ -194,7 +194,7 @@ def test_state_records_the_krylov_search_as_krylov_gcv_reports_it() -> None:
     assert gamma == found.gamma
     searched = {"method", "centres", "block_solves", "margin", "stated_error", "rss_deviation"}
     assert set(state.selection) == searched | {"certificate", "certificate_seconds"}  # no bound: G + γ/2·I factorised
-    assert state.selection["certificate"] == "factorisation"
+    assert str(state.selection["certificate"]).endswith(" factorisation")
     assert 0.0 <= float(state.selection["rss_deviation"]) <= float(state.selection["stated_error"])  # type: ignore[arg-type]
     assert state.selection["block_solves"] == found.block_solves and state.selection["centres"] == found.centres
     assert state.selection["stated_error"] == next(row.error for row in found.rows if row.gamma == found.gamma)

@@ -289,7 +289,7 @@ def check_packed_statistics(
         _check_zero_energy(gram_packed, c, empty)
     inv = torch.where(empty, 0.0, scale.rsqrt())
     float32_first = fast and relative_tolerance >= FLOAT32_EPSILON and absolute_tolerance == 0.0
-    certified = negative_bound(scale, slack_rel, shift)
+    certified = negative_bound(scale[:dim], slack_rel, shift)  # G is a principal block of J
     if float32_first and _positive_factor(
         gram_packed, c, n, inv, empty, shift, slack_rel, 0.5 * slack_rel, torch.float32
     ):
@@ -302,12 +302,13 @@ def check_packed_statistics(
 
 
 def negative_bound(scale: Tensor, slack: float, lift: float = 0.0) -> float:
-    """What an accepted PSD test certifies of G: λ_min(G) ≥ −β, β = lift + slack·max D.
+    """What an accepted PSD test certifies of G: λ_min(G) ≥ −β, β = lift + slack·max D_G.
 
-    The test factorised R + slack·I, R = D^{-1/2} (J + lift·I) D^{-1/2} with D = ``scale`` the
-    diagonal of J + lift·I, so J + lift·I ⪰ −slack·D ⪰ −slack·max D·I, and G, a principal block of
-    J, has λ_min(G) ≥ λ_min(J) ≥ −β (up to the factorisation's own rounding, as the test itself).
-    The ridge solve uses the sum of these over what it adds (fcl_flower/analytic/ridge.py)."""
+    The test factorised R + slack·I, R = D^{-1/2} (J + lift·I) D^{-1/2} with D the diagonal of
+    J + lift·I, so J + lift·I ⪰ −slack·D, and on G's principal block G + lift·I ⪰ −slack·D_G ⪰
+    −slack·max D_G·I (``scale``: D_G, G's part of D), up to the factorisation's own rounding, as
+    the test itself. The ridge solve uses the sum of these over what it adds
+    (fcl_flower/analytic/ridge.py)."""
     largest = float(scale.max()) if scale.numel() else 0.0
     return float(lift) + float(slack) * max(largest, 0.0)
 

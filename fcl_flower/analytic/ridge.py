@@ -51,6 +51,7 @@ __all__ = [
     "select_ridge_gcv",
     "solve_ridge",
     "solve_ridge_psd",
+    "sum_rounding_bound",
     "symmetric_eigh",
     "symmetric_part",
     "uses_krylov",
@@ -64,6 +65,10 @@ KRYLOV_SAMPLES_PER_DIM = 2
 #: the precision of the Krylov search's factors (fcl_flower/analytic/ridge_krylov.py, "Precision");
 #: the solve itself is always float64
 KRYLOV_DTYPE = torch.float32
+#: float32 Cholesky's usual normwise backward error, relative, with the rounding of G to float32:
+#: 2⁻²² = 4 units of roundoff (the upload checks' "Float32 first" rests on the same behaviour,
+#: fcl_flower/analytic/checks.py)
+FLOAT32_BACKWARD = 2.0**-22
 
 
 def uses_krylov(selection: str, dim: int, num_samples: int) -> bool:
@@ -298,14 +303,28 @@ def gcv_from_spectrum(
     return best.gamma, table
 
 
-def product_rounding_bound(rows: int, gram: Tensor) -> float:
+UNIT = 2.0**-53  # float64 unit roundoff
+
+
+def product_rounding_bound(rows: int, trace: float) -> float:
     """β with λ_min(Ĝ) ≥ −β for Ĝ = ΦᵀΦ of ``rows`` samples computed in float64 (any summation
-    order): |Ĝ − ΦᵀΦ| ≤ γ_n |Φ|ᵀ|Φ| entry by entry, γ_n = n u / (1 − n u) (Higham, Accuracy and
-    Stability, §3.5), so ‖Ĝ − ΦᵀΦ‖₂ ≤ γ_n ‖Φ‖²_F = γ_n tr(ΦᵀΦ) ≤ γ_n tr Ĝ / (1 − γ_n)."""
-    n_u = max(int(rows), 1) * 2.0**-53
+    order), ``trace`` = tr Ĝ: |Ĝ − ΦᵀΦ| ≤ γ_n |Φ|ᵀ|Φ| entry by entry, γ_n = n u / (1 − n u)
+    (Higham, Accuracy and Stability, §3.5), so ‖Ĝ − ΦᵀΦ‖₂ ≤ γ_n ‖Φ‖²_F = γ_n tr(ΦᵀΦ) ≤ γ_n tr Ĝ / (1 − γ_n)."""
+    n_u = max(int(rows), 1) * UNIT
     gamma_n = n_u / (1.0 - n_u) if n_u < 0.5 else math.inf
-    trace = float(torch.diagonal(gram.to(torch.float64)).sum().clamp_min(0.0))
-    return gamma_n * trace / (1.0 - gamma_n) if gamma_n < 1.0 else math.inf
+    return gamma_n * max(float(trace), 0.0) / (1.0 - gamma_n) if gamma_n < 1.0 else math.inf
+
+
+def sum_rounding_bound(trace: float) -> float:
+    """What adding one matrix to another in float64 can cost the sum S's smallest eigenvalue: each
+    entry is rounded by at most u|S_ij|, so ‖E‖₂ ≤ ‖E‖_F ≤ u‖S‖_F ≤ u tr S for a PSD S; twice that
+    for an S only nearly PSD."""
+    return 2.0 * UNIT * max(float(trace), 0.0)
+
+
+def _valid_bound(bound: float) -> None:
+    if not bound >= 0:  # NaN too
+        raise AnalyticInputError(f"negative_bound must be >= 0 (math.inf: unknown), got {bound!r}")
 
 
 @dataclass
@@ -351,9 +370,10 @@ class RidgeState:
                 f"class_sums shape {tuple(class_sums.shape)} does not fit "
                 f"{self.gram.shape[0]} features and {len(classes)} classes"
             )
-        self._add_bound(gram is not None, negative_bound)
+        _valid_bound(negative_bound)
         if gram is not None:
             self.gram += gram
+            self._add_bound(negative_bound)
         self.class_sums[:, classes.start : classes.stop] += class_sums
         self.num_samples += int(num_samples)
 
@@ -366,16 +386,16 @@ class RidgeState:
         negative_bound: float = math.inf,
     ) -> None:
         """:meth:`add` with G_t as its packed upper triangle: the same numbers, without unpacking it."""
+        _valid_bound(negative_bound)
         self.add(classes, None, class_sums, num_samples)  # checks the shapes first
-        self._add_bound(gram_packed is not None, negative_bound)
         if gram_packed is not None:
             add_packed_(self.gram, gram_packed)
+            self._add_bound(negative_bound)
 
-    def _add_bound(self, added: bool, bound: float) -> None:
-        if not bound >= 0:  # NaN too
-            raise AnalyticInputError(f"negative_bound must be >= 0 (math.inf: unknown), got {bound!r}")
-        if added:
-            self.negative_bound += float(bound)
+    def _add_bound(self, bound: float) -> None:
+        """G just grew by a matrix certified λ_min ≥ −bound: the sum's bound grows by it and by the
+        addition's own rounding."""
+        self.negative_bound += float(bound) + sum_rounding_bound(float(torch.diagonal(self.gram).sum()))
 
     def state_dict(self) -> dict[str, Tensor | int | float]:
         """G as its packed upper triangle where it is exactly symmetric (as sums of packed uploads
@@ -414,16 +434,39 @@ class RidgeState:
 
     def certified(self, ridge: float) -> bool:
         """Whether λ_min(G) ≥ −γ/2 holds: by the bound (β ≤ γ/2, free) or else by a Cholesky factor
-        of G + γ/2·I (one more factorisation; :attr:`selection` records it and its time)."""
+        of G + γ/4·I (:attr:`selection` records which, and the factorisation's time).
+
+        The factorisation runs in float32 first (half the time and memory) where float32's usual
+        backward error with the rounding of G, ‖E‖ ≤ 2⁻²²‖A‖₂ ≤ 2⁻²² tr A (:data:`FLOAT32_BACKWARD`),
+        stays within γ/4: its success then certifies λ_min(G) ≥ −γ/2. Otherwise, or when it fails,
+        float64 decides, and its success certifies λ_min(G) ≥ −γ/4 (the factorisation's own
+        rounding aside). Either becomes the new bound, so the next stage pays again only when what
+        it adds does not fit under γ/2."""
         if self.negative_bound <= 0.5 * ridge:
             self.selection["certificate"] = "checks"
             return True
         began = time.perf_counter()
-        factor, info = shifted_cholesky(self.gram, 0.5 * ridge)
+        quarter = 0.25 * ridge
+        dim = self.gram.shape[0]
+        if FLOAT32_BACKWARD * (float(torch.diagonal(self.gram).sum()) + dim * quarter) <= quarter:
+            factor, info = shifted_cholesky(self.gram, quarter, torch.float32)
+            del factor
+            if info == 0:
+                self._certify(began, "float32 factorisation", 0.5 * ridge)
+                return True
+        factor, info = shifted_cholesky(self.gram, quarter)
         del factor
-        self.selection["certificate"] = "factorisation" if info == 0 else "none: G + γ/2·I has no Cholesky factor"
+        if info == 0:
+            self._certify(began, "float64 factorisation", quarter)
+            return True
+        self.selection["certificate"] = "none: G + γ/4·I has no Cholesky factor"
         self.selection["certificate_seconds"] = time.perf_counter() - began
-        return info == 0
+        return False
+
+    def _certify(self, began: float, how: str, bound: float) -> None:
+        self.selection["certificate"] = how
+        self.selection["certificate_seconds"] = time.perf_counter() - began
+        self.negative_bound = min(self.negative_bound, bound)
 
     def solve(self, num_seen: int, ridge: float | None, selection: str = "exact") -> tuple[Tensor, float, list[GCVRow]]:
         """(W over the first ``num_seen`` classes, γ, GCV table): ``ridge`` None selects γ by GCV,
