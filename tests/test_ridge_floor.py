@@ -28,6 +28,7 @@ from fcl_flower.analytic.ridge import (
     select_ridge_gcv,
     solve_ridge,
     solve_ridge_psd,
+    sum_rounding_bound,
 )
 from fcl_flower.analytic.ridge_krylov import KrylovRow
 
@@ -393,3 +394,49 @@ def test_a_small_gamma_is_certified_in_float64_and_a_failed_float32_factorisatio
     weights, _, _ = large.solve(1, 1e4)
     assert dtypes[:2] == [torch.float32, torch.float64] and large.selection["certificate"] == "float64 factorisation"
     assert large.negative_bound == 2.5e3 and torch.equal(weights, solve_ridge(gram, sums, 1e4))
+
+
+def test_the_checks_certify_only_up_to_half_the_ridge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """β ≤ γ/2 is free; β just above it costs the factorisation of G + γ/4·I."""
+    import fcl_flower.analytic.ridge as ridge
+
+    shifts: list[float] = []
+    real = ridge.shifted_cholesky
+
+    def counting(gram, shift, *args):
+        shifts.append(shift)
+        return real(gram, shift, *args)
+
+    monkeypatch.setattr(ridge, "shifted_cholesky", counting)
+    gram, sums = torch.eye(3, dtype=torch.float64), torch.ones(3, 1, dtype=torch.float64)
+    for bound, certificate in ((0.5, "checks"), (0.5 + 1e-12, "float32 factorisation"), (1.0, "float32 factorisation")):
+        shifts.clear()
+        state = RidgeState(gram.clone(), sums.clone(), 3, bound)
+        state.solve(1, 1.0)
+        assert state.selection["certificate"] == certificate
+        assert shifts == ([1.0] if certificate == "checks" else [0.25, 1.0])
+
+
+def test_a_bound_that_lies_still_cannot_fail_the_stage() -> None:
+    """A state that claims β = 0 for an indefinite G (a bug, or a bound the checks got wrong): the
+    certificate passes, the solve finds no factor, and the fixed γ is kept on the projection."""
+    state = attacked_state()
+    lying = RidgeState(state.gram.clone(), state.class_sums.clone(), state.num_samples, 0.0)
+    weights, _, _ = lying.solve(2, float(default_ridge_grid()[0]))
+    assert lying.selection["certificate"] == "checks, but G + γI has no Cholesky factor"
+    assert_projected(lying, weights, float(default_ridge_grid()[0]))
+
+
+def test_the_rounding_bounds_at_their_edges() -> None:
+    unit = 2.0**-53
+    assert product_rounding_bound(0, 1.0) == product_rounding_bound(1, 1.0) == pytest.approx(unit, rel=1e-12)
+    assert product_rounding_bound(2**50, 6.0) == pytest.approx(1.0, rel=1e-12)  # γ_n = 1/7, / (1 − γ_n)
+    assert product_rounding_bound(2**52, 1.0) == math.inf  # n u = 1/2: no bound
+    assert sum_rounding_bound(0.0) == sum_rounding_bound(-3.0) == 0.0
+    assert sum_rounding_bound(0.5) == unit
+
+
+def test_a_zero_bound_survives_a_checkpoint() -> None:
+    state = RidgeState.empty(2, 1)
+    assert state.state_dict()["negative_bound"] == 0.0
+    assert RidgeState.from_state(state.state_dict()).negative_bound == 0.0
