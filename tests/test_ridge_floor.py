@@ -253,20 +253,25 @@ def test_a_fixed_gamma_just_above_the_attacked_spectrum_is_not_amplified(excess:
     assert float(weights.norm()) <= float(state.class_sums.norm()) / gamma  # ‖(P(G) + γI)⁻¹‖ ≤ 1/γ
 
 
-def test_a_gamma_the_checks_certify_costs_one_factorisation_and_one_they_do_not_two(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def count_factorisations(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The shift of every Cholesky factorisation ridge.py makes from now on (certificates and solves)."""
     import fcl_flower.analytic.ridge as ridge
 
-    calls: list[float] = []
+    shifts: list[float] = []
     real = ridge.shifted_cholesky
 
     def counting(gram, shift, *args):
-        calls.append(shift)
+        shifts.append(shift)
         return real(gram, shift, *args)
 
     monkeypatch.setattr(ridge, "shifted_cholesky", counting)
-    monkeypatch.setattr(ridge, "solve_ridge", lambda g, c, r: ridge.factor_solve(counting(g, r)[0], c))
+    return shifts
+
+
+def test_a_gamma_the_checks_certify_costs_one_factorisation_and_one_they_do_not_two(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = count_factorisations(monkeypatch)  # the solve's own included
     honest = RidgeState.empty(40, 2)
     for seed in range(3):
         packed, sums, counts = singular_client(seed)
@@ -398,16 +403,7 @@ def test_a_small_gamma_is_certified_in_float64_and_a_failed_float32_factorisatio
 
 def test_the_checks_certify_only_up_to_half_the_ridge(monkeypatch: pytest.MonkeyPatch) -> None:
     """β ≤ γ/2 is free; β just above it costs the factorisation of G + γ/4·I."""
-    import fcl_flower.analytic.ridge as ridge
-
-    shifts: list[float] = []
-    real = ridge.shifted_cholesky
-
-    def counting(gram, shift, *args):
-        shifts.append(shift)
-        return real(gram, shift, *args)
-
-    monkeypatch.setattr(ridge, "shifted_cholesky", counting)
+    shifts = count_factorisations(monkeypatch)
     gram, sums = torch.eye(3, dtype=torch.float64), torch.ones(3, 1, dtype=torch.float64)
     for bound, certificate in ((0.5, "checks"), (0.5 + 1e-12, "float32 factorisation"), (1.0, "float32 factorisation")):
         shifts.clear()
