@@ -10,16 +10,24 @@ The node's secrets of one round live only in its Flower ``context.state`` (recor
 * after the unmask round: nothing.
 
 Before it reveals anything a client checks the request (fcl_flower/privacy/secagg.py
-``check_unmask_request``): never both secrets of one participant, at least the threshold of
-survivors, and for every owed task whose statistics rode in the upload, at least
-``secagg-min-clients`` owing survivors (else a past task's class sums would open for one client).
-In signed-keys mode it also refuses peers whose keys are not signed by a SuperNode key the
-operator listed.
+``check_unmask_request``): never both secrets of one participant, survivors and dropped nodes
+partitioning exactly the participants it masked over, at least the threshold of survivors, and for
+every owed task whose statistics rode in the upload, at least ``secagg-min-clients`` owing
+survivors (else a past task's class sums would open for one client). In signed-keys mode it also
+refuses peers whose keys are not signed by a SuperNode key the operator listed, and an unmask
+request that does not carry every survivor's signature over this node's own view (one view per
+round). Then it writes the stage into its ledger (clients/ledger.py) and refuses if the stage was
+already opened over another set: each input is opened once.
+
+A share bundle that does not decrypt or match its dealer's commitment does not stop the node: it
+masks as usual and accuses the dealer in its upload, with the bundle's one-use key as evidence.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +36,7 @@ from flwr.app import ConfigRecord, Context
 from flwr.app.typing import ConfigRecordValues
 
 from clients.job import ClientJob
+from clients.ledger import FEDERATION_KEY, Ledger, ledger_folder
 from clients.node_data import NodeConfigError, node_data
 from fcl_flower.privacy.secagg import (
     SecureAggregationError,
@@ -41,13 +50,17 @@ from fcl_flower.privacy.secagg import (
     open_shares,
     round_context,
     sign_keys,
+    sign_view,
     threshold_for,
     verify_keys,
+    verify_view,
+    view_context,
 )
 from fcl_flower.protocol import (
     Header,
     KeysIns,
     KeysRes,
+    MaskedReport,
     PublicKeys,
     SharesIns,
     SharesRes,
@@ -166,7 +179,7 @@ def handle_shares(ins: SharesIns, context: Context) -> SharesRes:
     context_bytes = round_context(
         header.run_id, header.task, header.stage, header.server_round, header.attempt, ins.keys
     )
-    shares = make_shares(
+    dealt = make_shares(
         int(context.node_id),
         seed,
         _bytes(state, "s-private"),
@@ -178,33 +191,72 @@ def handle_shares(ins: SharesIns, context: Context) -> SharesRes:
     state["seed"] = seed
     state["round-nodes"] = sorted(ins.keys)
     partition = node_data(context.node_config, cfg).partition
-    return SharesRes(ins.header, partition, 0, shares=shares)
+    return SharesRes(
+        ins.header, partition, 0, shares=dealt.bundles, commitments=dealt.commitments, secrets=dealt.secrets
+    )
+
+
+def node_ledger(context: Context, signed: bool) -> Ledger:
+    """This node's ledger (clients/ledger.py) for the federation it serves: the node config's
+    ``federation`` name, else in signed-keys mode the operator's list of SuperNode keys, which
+    names the federation's members."""
+    federation = context.node_config.get(FEDERATION_KEY)
+    if not isinstance(federation, str) or not federation:
+        federation = "default"
+        if signed:
+            federation = "keys:" + hashlib.sha256(Path(_node_path(context, TRUSTED_KEYS)).read_bytes()).hexdigest()
+    return Ledger(ledger_folder(context.node_config), federation, int(context.node_id))
 
 
 def masked_upload(
-    job: ClientJob, arrays: Mapping[str, torch.Tensor], included: tuple[int, ...]
-) -> dict[str, np.ndarray]:
+    job: ClientJob,
+    arrays: Mapping[str, torch.Tensor],
+    included: tuple[int, ...],
+    contributed: Mapping[int, str],
+) -> tuple[dict[str, np.ndarray], MaskedReport]:
     """Encode and mask ``arrays`` for this round's participants; keep only what unmasking needs.
 
-    ``included``: the owed tasks whose statistics ride in the upload (checked again at unmasking).
+    ``included``: the owed tasks whose statistics ride in the upload (checked again at unmasking);
+    ``contributed``: task -> digest of the statistics this node itself puts in (its current task
+    and the owed ones it sends), which its ledger must allow over this view.
+    Returns the masked arrays and what rides beside them: the signature over the view (signed-keys
+    mode) and the dealers this node accuses.
     """
     ins = job.ins
     assert isinstance(ins, StatsIns) and ins.secagg is not None
     sec, header = ins.secagg, ins.header
+    signed = job.cfg.secagg_signed_keys
     state = _state(job.context, header)
     _check_peers(job.context, ins, sec.participants, header)
     if list(sec.round_nodes) != _list(state, "round-nodes", int):
         raise SecureAggregationError("the round's key-round participants changed since the shares round")
     if sec.threshold != threshold_for(len(sec.round_nodes), job.cfg.secagg_min_clients):
         raise SecureAggregationError(f"the server asks for threshold {sec.threshold}")
-    if set(sec.shares) != set(sec.participants):
-        raise SecureAggregationError("the shares of some participants are missing")
+    if set(sec.shares) != set(sec.participants) or set(sec.commitments) != set(sec.participants):
+        raise SecureAggregationError("the shares or commitments of some participants are missing")
+    view = sorted(sec.participants)
+    digests = {task: digest for task, digest in contributed.items() if digest}
+    ledger = node_ledger(job.context, signed)
+    for task in contributed:
+        earlier = ledger.contributed(header.run_id, task) if task != header.task else None
+        if earlier is not None:
+            raise SecureAggregationError(
+                f"the server asks this node to backfill stage {task + 1}, which it already contributed "
+                f"(opened over nodes {earlier}): refused"
+            )
+    ledger.check(header.run_id, contributed, view, digests)  # refuse early; recorded before revealing
     me = int(job.context.node_id)
     context = round_context(
         header.run_id, header.task, header.stage, header.server_round, header.attempt, sec.round_nodes
     )
-    received = open_shares(
-        me, _bytes(state, "c-private"), {n: k.c for n, k in sec.participants.items()}, sec.shares, context
+    masks = view_context(context, view)
+    received, accused = open_shares(
+        me,
+        _bytes(state, "c-private"),
+        {n: k.c for n, k in sec.participants.items()},
+        sec.shares,
+        sec.commitments,
+        context,
     )
     masked = mask_arrays(
         {name: t.detach().cpu().double().numpy() for name, t in arrays.items()},
@@ -212,14 +264,17 @@ def masked_upload(
         _bytes(state, "s-private"),
         _bytes(state, "seed"),
         {n: k.s for n, k in sec.participants.items()},
-        context,
+        masks,
         job.cfg.secagg_fraction_bits,
         job.cfg.secagg_min_clients,
     )
+    signature = sign_view(load_signing_key(_node_path(job.context, SIGNING_KEY)), masks) if signed else b""
     owing = [client for client, tasks in ins.backfill.items() if set(tasks) & set(included)]
     entries: dict[str, ConfigRecordValues] = {
         "round": _round_id(header),
-        "participants": sorted(sec.participants),
+        "participants": view,
+        "view": masks,
+        "signers": [sec.participants[n].signer for n in view],
         "threshold": sec.threshold,
         "share-src": sorted(received),
         "seed-share": [received[src][0] for src in sorted(received)],
@@ -229,21 +284,37 @@ def masked_upload(
         "included": list(included),
         "owing": owing,
         "owed": [",".join(str(t) for t in ins.backfill.get(c, ())) for c in owing],
+        "tasks": sorted(contributed),
+        "digests": [digests.get(t, "") for t in sorted(contributed)],
     }
     job.context.state.config_records[STATE_RECORD] = ConfigRecord(entries)  # the private keys and seed are gone
-    return masked
+    return masked, MaskedReport(signature, accused)
+
+
+def _check_view(ins: UnmaskIns, state: ConfigRecord, participants: list[int]) -> None:
+    """Signed-keys mode: every survivor signed the very view this node masked over."""
+    view = _bytes(state, "view")
+    signers = dict(zip(participants, _list(state, "signers", bytes), strict=True))
+    for node in ins.survivors:
+        signature = ins.signatures.get(node)
+        if signature is None:
+            raise SecureAggregationError(f"the unmask request carries no signature of survivor {node} over this view")
+        try:
+            verify_view(signers[node], signature, view)
+        except SecureAggregationError as err:
+            raise SecureAggregationError(f"survivor {node}: {err}: refused") from None
 
 
 def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
-    """Reveal the shares asked for, after checking the request; then forget the round."""
+    """Reveal the shares asked for, after checking the request and writing the ledger; then forget the round."""
     state = _state(context, ins.header)
     participants = _list(state, "participants", int)
     threshold = state.get("threshold")
     if not isinstance(threshold, int):
         raise SecureAggregationError("this node's secure-aggregation state has no threshold")
     check_unmask_request(ins.survivors, ins.dropped, participants, threshold)
-    if set(ins.survivors) | set(ins.dropped) != set(participants):
-        raise SecureAggregationError("the unmask request does not cover every participant")
+    if ins.config.secagg_signed_keys:
+        _check_view(ins, state, participants)
     clients = dict(zip(_list(state, "client-nodes", int), _list(state, "clients", int), strict=True))
     alive = {clients[node] for node in ins.survivors}
     owed = {
@@ -257,18 +328,18 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
                 f"only {len(owing_alive)} surviving participant(s) owe stage {task + 1}: "
                 "its class sums would open for too few clients; refused"
             )
-    sources = _list(state, "share-src", int)
+    sources = _list(state, "share-src", int)  # the dealers whose bundles opened (the accused are not among them)
     seed_share = dict(zip(sources, _list(state, "seed-share", bytes), strict=True))
     key_share = dict(zip(sources, _list(state, "key-share", bytes), strict=True))
-    missing = (set(ins.survivors) | set(ins.dropped)) - set(sources)
-    if missing:
-        raise SecureAggregationError(f"this node holds no shares of node(s) {sorted(missing)}")
+    tasks = _list(state, "tasks", int)
+    digests = {t: d for t, d in zip(tasks, _list(state, "digests", str), strict=True) if d}
+    node_ledger(context, ins.config.secagg_signed_keys).record(ins.header.run_id, tasks, participants, digests)
     del context.state.config_records[STATE_RECORD]  # nothing of the round stays on the node
     partition = node_data(context.node_config, ins.config).partition
     return UnmaskRes(
         ins.header,
         partition,
         0,
-        seed_shares={n: seed_share[n] for n in ins.survivors},
-        key_shares={n: key_share[n] for n in ins.dropped},
+        seed_shares={n: seed_share[n] for n in ins.survivors if n in seed_share},
+        key_shares={n: key_share[n] for n in ins.dropped if n in key_share},
     )

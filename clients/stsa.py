@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from clients.job import ClientJob
+from clients.ledger import input_digest
 from clients.secure import masked_upload
 from clients.statistics import (
     Statistics,
@@ -150,6 +151,19 @@ def masked_stats(job: ClientJob, secagg: SecAggRound) -> StatsRes:
     if noise is not None:  # on everything but the withheld count (0 under differential privacy)
         gram, all_sums, all_counts = noise.gram_packed(gram), noise.sums(all_sums), noise.counts(all_counts)
     all_counts = torch.cat([all_counts, torch.tensor([float(withheld)], dtype=torch.float64)])
-    ring = masked_upload(job, {"gram-packed": gram, "class-sums": all_sums, "counts": all_counts}, included)
+    mine = {job.task: current, **late}  # what this node itself puts in: its ledger must allow it over this view
+    signed = job.cfg.secagg_signed_keys  # statistics are known by digest where a malicious server is in scope
+    contributed = {task: _digest(stats) if signed else "" for task, stats in mine.items()}
+    ring, report = masked_upload(
+        job, {"gram-packed": gram, "class-sums": all_sums, "counts": all_counts}, included, contributed
+    )
     payload = MaskedStsaStats(ring["gram-packed"], ring["class-sums"], ring["counts"])
-    return job.stats_reply(0, arrays=payload.to_record())
+    return job.stats_reply(0, arrays=payload.to_record(), secagg=report)
+
+
+def _digest(stats: Statistics) -> str:
+    """What the node's ledger knows one task's statistics by (clients/ledger.py)."""
+    p = stats.payload
+    return input_digest(
+        *(t.detach().cpu().double().contiguous().numpy().tobytes() for t in (p.gram_packed, p.class_sums, p.counts))
+    )

@@ -200,6 +200,13 @@ class RunConfig:
         "Secure aggregation: every client signs its round keys with its SuperNode key and checks its peers' "
         "signatures against the operator's list (node config secagg-signing-key, secagg-trusted-keys).",
     )
+    secagg_failed_sum: str = _knob(
+        "skip",
+        "Secure aggregation: what the run does when an opened sum fails its checks. It is never opened again "
+        "over another set (that would reveal a client by difference): 'skip' goes on without that stage's "
+        "statistics (the previous classifier is kept), 'stop' ends the run with the reason.",
+        ("skip", "stop"),
+    )
     min_class_count: int = _knob(
         1,
         "Clients upload statistics only of classes with at least this many samples (1: all; 3 makes single samples unidentifiable).",

@@ -124,7 +124,13 @@ SGD_KNOBS = ("stage1-rounds", "local-epochs", "lr", "momentum", "weight-decay", 
 GRADIENT_KNOBS = (*SGD_KNOBS, "rounds-per-task")
 RIDGE_KNOBS = (*SGD_KNOBS, "rf-dim", "ridge", "head", "min-class-count", "feature-clip")
 DENSE_RIDGE_KNOBS = (*RIDGE_KNOBS, "ridge-selection")  # the M × M solves (FedRAN's is in its subspace)
-SECURE_KNOBS = ("secure-aggregation", "secagg-fraction-bits", "secagg-min-clients", "secagg-signed-keys")
+SECURE_KNOBS = (
+    "secure-aggregation",
+    "secagg-fraction-bits",
+    "secagg-min-clients",
+    "secagg-signed-keys",
+    "secagg-failed-sum",
+)
 #: Knobs of the server's data-free generator (TARGET, LANDER).
 GENERATOR_KNOBS = (
     "generator-rounds",

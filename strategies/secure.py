@@ -21,6 +21,14 @@ over the same inputs, and nothing is opened unless at least ``threshold`` (a maj
 least ``secagg-min-clients``) survive. A round that cannot be opened fails the stage cleanly
 (:class:`~strategies.base.StageFailed`): the previous classifier is kept.
 
+Against misbehaving clients (blame instead of stall): every dealer commits to the shares it deals
+and to its secrets; a recipient whose bundle does not open accuses the dealer in its masked upload
+with the bundle's one-use key, which the server checks (a false accusation is its accuser's
+doing); every revealed share is checked against its commitment and every rebuilt secret against
+the dealer's. Whoever provably broke the protocol is named in the stage's ``left_out`` with the
+evidence and is not admitted to later secure rounds of the run (:attr:`SecureRounds.barred`);
+with ``threshold`` honest nodes left the round opens, and a round that cannot names who stopped it.
+
 The component knows nothing of the method: the strategy (:class:`SecureHost`) builds the
 instructions, identifies nodes and screens replies.
 """
@@ -39,12 +47,25 @@ from flwr.serverapp import Grid
 
 from fcl_flower.config import RunConfig
 from fcl_flower.methods import Kind
-from fcl_flower.privacy.secagg import KEY_BYTES, SecureAggregationError, reconstruct, round_context, threshold_for
+from fcl_flower.privacy.secagg import (
+    KEY_BYTES,
+    MASK_KEY,
+    SEED,
+    SecretNotRebuilt,
+    SecureAggregationError,
+    open_bundle,
+    rebuild_secret,
+    round_context,
+    threshold_for,
+    verify_view,
+    view_context,
+)
 from fcl_flower.protocol import (
     Header,
     Instruction,
     KeysIns,
     KeysRes,
+    MaskedReport,
     ProtocolError,
     PublicKeys,
     Reply,
@@ -54,9 +75,11 @@ from fcl_flower.protocol import (
     StatsIns,
     UnmaskIns,
     UnmaskRes,
+    UploadError,
     message_bytes,
     parse_reply,
 )
+from fcl_flower.protocol.base import SECAGG
 from strategies.accounting import StageAccounting
 from strategies.base import StageFailed
 from strategies.nodes import NodeDirectory
@@ -107,16 +130,47 @@ class Opening:
     context: bytes
 
 
+UNSIGNED_WARNING = (
+    "secure aggregation without signed keys protects against an honest-but-curious server only: a server "
+    "that deviates from the protocol can open one client's statistics; set secagg-signed-keys=true "
+    "(docs/privacy.md)"
+)
+COMMITMENT_BYTES = 64  # SHA-256 of the seed share (or seed) ‖ of the key share (or key)
+
+
 class SecureRounds:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
+        if not cfg.secagg_signed_keys:
+            log(WARNING, UNSIGNED_WARNING)
         self.current: SecAggRound | None = None  # the round whose masked replies are being read
         self.opening: Opening | None = None
+        self.barred: dict[int, str] = {}  # client -> why it is not admitted to secure rounds any more
+        self._commitments: dict[int, Mapping[int, bytes]] = {}  # dealer -> recipient -> commitment
+        self._secrets: dict[int, bytes] = {}  # dealer -> its secret commitment
+        self._accused: set[int] = set()  # dealers of this round accused with checked evidence
+        self.revealed: set[str] = set()  # clients asked to reveal their shares in this round: opened once
+        self.blame: dict[str, list[str]] = {}  # this round's evidence: client -> what it was named for
+
+    def bar(self, host: SecureHost, node: int, why: str) -> None:
+        """Name ``node``'s client with the evidence and keep it out of later secure rounds."""
+        client = host.nodes.client_of.get(node)
+        name = self._name(host, node)
+        log(WARNING, "round %d: %s is barred from secure rounds of this run: %s", host.server_round, name, why)
+        self.blame.setdefault(name, []).append(f"barred: {why}")
+        host.accounting.reject(name, f"barred from secure aggregation: {why}")
+        if client is not None:
+            self.barred.setdefault(client, why)
+
+    def _barred_nodes(self, host: SecureHost) -> set[int]:
+        return {node for node, client in host.nodes.client_of.items() if client in self.barred}
 
     def run(self, host: SecureHost, grid: Grid, plan: Any, timeout: float) -> Iterator[Message]:
         """The screened masked replies of the survivors, as they arrive; once the last one is
         handed on, the unmask step runs and :attr:`opening` opens their sum."""
         self.current, self.opening = None, None
+        self._commitments, self._secrets, self._accused, self.revealed = {}, {}, set(), set()
+        self.blame = {}
         header = host.header(plan, 0)
         keys = self._collect_keys(host, grid, plan, header, timeout)
         if len(keys) < self.cfg.secagg_min_clients:
@@ -130,6 +184,7 @@ class SecureRounds:
             raise StageFailed(f"{len(bundles)} node(s) shared their secrets, the threshold is {threshold}")
         context = round_context(header.run_id, header.task, header.stage, header.server_round, header.attempt, keys)
         participants = {node: keys[node] for node in bundles}
+        view = view_context(context, participants)  # what every mask and every view signature binds
         self.current = SecAggRound(tuple(sorted(keys)), participants, {n: clients[n] for n in bundles}, threshold)
         stats_ins = host.instruction(plan, header)
         assert isinstance(stats_ins, StatsIns)
@@ -137,19 +192,24 @@ class SecureRounds:
         def build(node: int) -> Instruction:
             assert self.current is not None
             shares = {src: bundles[src][node] for src in bundles}
-            return dataclasses.replace(stats_ins, secagg=dataclasses.replace(self.current, shares=shares))
+            commitments = {src: self._commitments[src][node] for src in bundles}
+            secagg = dataclasses.replace(self.current, shares=shares, commitments=commitments)
+            return dataclasses.replace(stats_ins, secagg=secagg)
 
         def messages(attempt: int, nodes: list[int]) -> list[Message]:
             return host.messages(grid, plan, 0, set(), build=build, only=set(nodes))
 
         good: dict[int, str] = {}
+        signatures: dict[int, bytes] = {}
         for message in ReplyStream(grid, messages, host.in_client_order(list(bundles)), timeout=timeout):
             try:
                 item = host.accept(plan, message, set(good.values()))
+                node = message.metadata.src_node_id
+                signatures[node] = self._screen(host, message, item.client, participants, bundles, context, view)
             except ProtocolError as err:
                 host.reject(message, err, host.server_round)
                 continue
-            good[message.metadata.src_node_id] = item.client
+            good[node] = item.client
             yield message  # summed in the ring by the strategy, then dropped
         if len(good) < threshold:
             raise StageFailed(f"{len(good)} valid masked upload(s), the threshold is {threshold}: nothing is opened")
@@ -167,8 +227,86 @@ class SecureRounds:
                 host.server_round,
                 ", ".join(map(str, dropped)),
             )
-        seeds, dropped_keys = self._unmask(host, grid, plan, header, sorted(good), dropped, threshold, timeout)
-        self.opening = Opening(seeds, dropped_keys, {n: k.s for n, k in participants.items()}, context)
+        survivors = sorted(good)
+        self.revealed = set(good.values())
+        seeds, dropped_keys = self._unmask(
+            host,
+            grid,
+            plan,
+            header,
+            survivors,
+            dropped,
+            {n: signatures[n] for n in survivors},
+            threshold,
+            context,
+            timeout,
+        )
+        self.opening = Opening(seeds, dropped_keys, {n: k.s for n, k in participants.items()}, view)
+
+    def _screen(
+        self,
+        host: SecureHost,
+        message: Message,
+        client: str,
+        participants: Mapping[int, PublicKeys],
+        bundles: Mapping[int, Mapping[int, bytes]],
+        context: bytes,
+        view: bytes,
+    ) -> bytes:
+        """What rides beside a masked upload: its view signature (checked in signed-keys mode: the
+        node masked over this round's view) and its accusations, each checked against the bundle
+        the server relayed. A false accusation is a ProtocolError of its accuser, who is barred; a
+        founded one names the dealer. Returns the signature; raises UploadError naming ``client``."""
+        node = message.metadata.src_node_id
+        record = message.content.config_records.get(SECAGG)
+        try:
+            if record is None:
+                raise ProtocolError(f"masked upload without its '{SECAGG}' record")
+            report = MaskedReport.from_entries(record)
+            if self.cfg.secagg_signed_keys:
+                try:
+                    verify_view(participants[node].signer, report.view_signature, view)
+                except SecureAggregationError as err:
+                    raise ProtocolError(f"masked upload: {err}") from None
+            self._check_accusations(host, node, report, bundles, context)
+        except ProtocolError as err:
+            rejected = UploadError(str(err))
+            rejected.client = client
+            raise rejected from None
+        return report.view_signature
+
+    def _check_accusations(
+        self,
+        host: SecureHost,
+        node: int,
+        report: MaskedReport,
+        bundles: Mapping[int, Mapping[int, bytes]],
+        context: bytes,
+    ) -> None:
+        for dealer, (reason, key) in sorted(report.accused.items()):
+            if dealer not in bundles or dealer == node:
+                raise ProtocolError(f"masked upload accuses node {dealer}, which dealt it no shares")
+            try:
+                open_bundle(key, bundles[dealer][node], dealer, node, self._commitments[dealer][node], context)
+            except SecureAggregationError:
+                log(
+                    WARNING,
+                    "round %d: %s accuses %s: %s (evidence: the bundle's key, checked)",
+                    host.server_round,
+                    self._name(host, node),
+                    self._name(host, dealer),
+                    reason,
+                )
+                host.accounting.reject(
+                    self._name(host, dealer), f"accused by {self._name(host, node)}: {reason} (evidence checked)"
+                )
+                self._accused.add(dealer)
+                self.blame.setdefault(self._name(host, dealer), []).append(
+                    f"accused by {self._name(host, node)}: {reason} (evidence checked)"
+                )
+                continue
+            self.bar(host, node, f"accused node {dealer} falsely: its bundle opens and matches the commitment")
+            raise ProtocolError(f"masked upload: a false accusation against node {dealer}")
 
     # ---------------------------------------------------------------- the steps
     def _exchange(
@@ -181,10 +319,12 @@ class SecureRounds:
         timeout: float,
         kind: Kind,
         header: Header,
+        exclude: set[int] | None = None,
     ) -> dict[int, Reply]:
         """Send one step, parse and identify every reply; bad ones are logged and left out."""
         answers: dict[int, Reply] = {}
-        for message in exchange(grid, host.messages(grid, plan, 0, set(), build=build, only=only, side=True), timeout):
+        sent = host.messages(grid, plan, 0, exclude or set(), build=build, only=only, side=True)
+        for message in exchange(grid, sent, timeout):
             node = message.metadata.src_node_id
             try:
                 reply = parse_reply(message, header, kind)
@@ -192,6 +332,11 @@ class SecureRounds:
             except ProtocolError as err:
                 log(WARNING, "Rejected %s from node %d in round %d: %s", header.phase, node, host.server_round, err)
                 host.accounting.reject(self._name(host, node), f"{header.phase}: {err}")
+                continue
+            if host.nodes.client_of.get(node) in self.barred:
+                host.accounting.reject(
+                    client, f"barred from secure aggregation: {self.barred[host.nodes.client_of[node]]}"
+                )
                 continue
             host.accounting.accept(client, 0, message_bytes(message.content))
             answers[node] = reply
@@ -207,7 +352,11 @@ class SecureRounds:
     ) -> dict[int, PublicKeys]:
         keys_header = dataclasses.replace(header, phase=KEYS_PHASE)
         instruction = KeysIns(keys_header, self.cfg)
-        answers = self._exchange(host, grid, plan, lambda node: instruction, None, timeout, Kind.KEYS, keys_header)
+        answers = self._exchange(
+            host, grid, plan, lambda node: instruction, None, timeout, Kind.KEYS, keys_header, self._barred_nodes(host)
+        )
+        for client, why in sorted(self.barred.items()):
+            host.accounting.reject(f"client-{client}", f"barred from secure aggregation: {why}")
         keys: dict[int, PublicKeys] = {}
         for node, reply in answers.items():
             assert isinstance(reply, KeysRes)
@@ -237,10 +386,20 @@ class SecureRounds:
         bundles = {}
         for node, reply in answers.items():
             assert isinstance(reply, SharesRes)
-            if set(reply.shares) != set(keys):
-                host.accounting.reject(self._name(host, node), "secure shares round: not one share per participant")
+            if set(reply.shares) != set(keys) or set(reply.commitments) != set(keys):
+                host.accounting.reject(
+                    self._name(host, node), "secure shares round: not one share and one commitment per participant"
+                )
+                continue
+            lengths = {len(c) for c in reply.commitments.values()} | {len(reply.secrets)}
+            if lengths != {COMMITMENT_BYTES}:
+                host.accounting.reject(
+                    self._name(host, node), f"secure shares round: commitments are not {COMMITMENT_BYTES} bytes"
+                )
                 continue
             bundles[node] = reply.shares
+            self._commitments[node] = reply.commitments
+            self._secrets[node] = reply.secrets
         return bundles
 
     def _unmask(
@@ -251,28 +410,49 @@ class SecureRounds:
         header: Header,
         survivors: list[int],
         dropped: list[int],
+        signatures: Mapping[int, bytes],
         threshold: int,
+        context: bytes,
         timeout: float,
     ) -> tuple[dict[int, bytes], dict[int, bytes]]:
         unmask_header = dataclasses.replace(header, phase=UNMASK_PHASE)
-        instruction = UnmaskIns(unmask_header, self.cfg, survivors=tuple(survivors), dropped=tuple(dropped))
+        instruction = UnmaskIns(
+            unmask_header, self.cfg, survivors=tuple(survivors), dropped=tuple(dropped), signatures=signatures
+        )
         answers = self._exchange(
             host, grid, plan, lambda node: instruction, set(survivors), timeout, Kind.UNMASK, unmask_header
         )
-        seed_shares: dict[int, list[bytes]] = {node: [] for node in survivors}
-        key_shares: dict[int, list[bytes]] = {node: [] for node in dropped}
+        seed_shares: dict[int, dict[int, bytes]] = {node: {} for node in survivors}
+        key_shares: dict[int, dict[int, bytes]] = {node: {} for node in dropped}
         for node, reply in answers.items():
             assert isinstance(reply, UnmaskRes)
-            if set(reply.seed_shares) != set(survivors) or set(reply.key_shares) != set(dropped):
-                host.accounting.reject(self._name(host, node), "secure unmask round: not the shares asked for")
+            if not set(reply.seed_shares) <= set(survivors) or not set(reply.key_shares) <= set(dropped):
+                host.accounting.reject(self._name(host, node), "secure unmask round: shares that were not asked for")
                 continue
             for target, share in reply.seed_shares.items():
-                seed_shares[target].append(share)
+                seed_shares[target][node] = share
             for target, share in reply.key_shares.items():
-                key_shares[target].append(share)
-        try:
-            seeds = {node: reconstruct(shares, threshold) for node, shares in seed_shares.items()}
-            keys = {node: reconstruct(shares, threshold) for node, shares in key_shares.items()}
-        except SecureAggregationError as err:
-            raise StageFailed(f"the secure sum cannot be opened: {err}") from None
-        return seeds, keys
+                key_shares[target][node] = share
+        rebuilt: dict[str, dict[int, bytes]] = {SEED: {}, MASK_KEY: {}}
+        for what, revealed in ((SEED, seed_shares), (MASK_KEY, key_shares)):
+            for dealer, shares in revealed.items():
+                try:
+                    result = rebuild_secret(
+                        dealer, what, shares, self._commitments[dealer], self._secrets[dealer], threshold, context
+                    )
+                except SecretNotRebuilt as err:
+                    self._blame_opening(host, dealer, err)
+                    raise StageFailed(f"the secure sum cannot be opened: {err}") from None
+                for liar in result.liars:
+                    self.bar(host, liar, f"revealed a share of node {dealer}'s secret that is not the one dealt")
+                rebuilt[what][dealer] = result.secret
+        return rebuilt[SEED], rebuilt[MASK_KEY]
+
+    def _blame_opening(self, host: SecureHost, dealer: int, err: SecretNotRebuilt) -> None:
+        """A secret that cannot be rebuilt: bar whoever provably caused it: a revealer of a wrong
+        share; the dealer, where its checked shares do not rebuild its committed secret, or where
+        bundles of it were accused with checked evidence (too few nodes hold its shares)."""
+        for liar in err.liars:
+            self.bar(host, liar, f"revealed a share of node {dealer}'s secret that is not the one dealt")
+        if err.dealer_at_fault or dealer in self._accused:
+            self.bar(host, dealer, str(err))

@@ -73,6 +73,7 @@ from strategies.analytic import (
 )
 from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundFold, RoundPlan, StageFailed
+from strategies.loop import RunFailed
 from strategies.secure import SecureRounds
 from strategies.stream import InOrder
 
@@ -402,7 +403,10 @@ class STSAStrategy(AnalyticStrategy):
                 **self.feature_bounds,
             )
         except StatisticsRejected as err:
-            raise StageFailed(f"the opened secure sum fails its checks: {err}") from None
+            reason = f"the opened secure sum fails its checks: {err}; it is never opened again over another set"
+            if self.cfg.secagg_failed_sum == "stop":
+                raise RunFailed(f"stage {plan.task + 1}: {reason} (secagg-failed-sum=stop)") from None
+            raise StageFailed(reason) from None
         for position, task in enumerate(tasks):
             width = len(self.split.tasks[task])
             block = slice(column, column + width)
@@ -434,7 +438,13 @@ class STSAStrategy(AnalyticStrategy):
             weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
         if self.cfg.secure_aggregation:
             extra["secure_aggregation"] = True
-        return weights, {**extra, **self.backfill.extras()}
+        return weights, {**extra, **self.secure_extras(), **self.backfill.extras()}
+
+    def secure_extras(self) -> dict[str, Any]:
+        """Who the stage's secure round named, with the evidence (``secagg_blame``)."""
+        if self.secure is None or not self.secure.blame:
+            return {}
+        return {"secagg_blame": {name: list(items) for name, items in sorted(self.secure.blame.items())}}
 
     def kernel_solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]] | None:
         """W through the stacked factors (fcl_flower/analytic/kernel.py: equal to the G solve, N × N
@@ -454,11 +464,16 @@ class STSAStrategy(AnalyticStrategy):
         extra = super().stage_failed(task, reason)
         if task in self._in_ridge:
             return {**extra, "statistics_kept": True, **self.backfill.extras()}
+        revealed = self.secure.revealed if self.secure is not None else set()
         for client in range(self.cfg.num_clients):
+            if client_name(client) in revealed:
+                continue  # it revealed its shares for this stage: opened once, never asked again
             owed = self.backfill.missing.setdefault(client_name(client), [])
             if task not in owed:
                 owed.append(task)
-        return {**extra, **self.backfill.extras()}
+        if revealed:
+            extra["statistics_lost"] = sorted(revealed)
+        return {**extra, **self.secure_extras(), **self.backfill.extras()}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "ridge": self.ridge.state_dict(), "missing": self.backfill.state_dict()}

@@ -29,6 +29,15 @@ from strategies.base import StagedStrategy
 NODE_BASE = 2**64 - 1000  # node ids differ from partition ids and, as on a real SuperLink, use all 64 bits
 
 
+@pytest.fixture(autouse=True)
+def secagg_ledger(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test's nodes keep their secure-aggregation ledger (clients/ledger.py) in a folder of
+    their own: two tests never see each other's openings, and none writes under the user's home."""
+    folder = tmp_path_factory.mktemp("secagg-ledger")
+    monkeypatch.setenv("FCL_SECAGG_LEDGER", str(folder))
+    return folder
+
+
 def small_config(tmp: Path, **changes) -> RunConfig:
     """A fast run: digits, frozen seeded backbone, small random-feature dimension, CPU."""
     base = RunConfig(

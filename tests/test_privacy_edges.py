@@ -29,6 +29,9 @@ from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_
 from fcl_flower.privacy.disclosure import disclosable, per_class_counts, withheld_cells
 from fcl_flower.privacy.secagg import (
     KEY_BYTES,
+    MASK_KEY,
+    SEED,
+    Dealt,
     SecureAggregationError,
     agree,
     check_unmask_request,
@@ -48,7 +51,9 @@ from fcl_flower.privacy.secagg import (
     pairwise_mask,
     reconstruct,
     round_context,
+    secret_commitment,
     self_mask,
+    share_commitment,
     sign_keys,
     threshold_for,
     unmask_sum,
@@ -418,8 +423,14 @@ class Sharing:
         self.c_public = {n: self.c[n][1] for n in self.nodes}
         self.threshold = threshold
 
-    def shares_of(self, src: int, context: bytes = CONTEXT) -> dict[int, bytes]:
+    def dealt(self, src: int, context: bytes = CONTEXT) -> Dealt:
         return make_shares(src, self.seed[src], self.s[src][0], self.c[src][0], self.c_public, self.threshold, context)
+
+    def shares_of(self, src: int, context: bytes = CONTEXT) -> dict[int, bytes]:
+        return self.dealt(src, context).bundles
+
+    def commitments_to(self, dst: int, context: bytes = CONTEXT) -> dict[int, bytes]:
+        return {src: self.dealt(src, context).commitments[dst] for src in self.nodes}
 
 
 def test_share_bundles_by_hand() -> None:
@@ -444,24 +455,37 @@ def test_share_bundles_by_hand() -> None:
 def test_open_shares_returns_what_each_source_sent() -> None:
     r = Sharing()
     dst = r.nodes[2]
-    received = {src: r.shares_of(src)[dst] for src in r.nodes}
-    opened = open_shares(dst, r.c[dst][0], r.c_public, received, CONTEXT)
-    assert sorted(opened) == r.nodes
+    dealt = {src: r.dealt(src) for src in r.nodes}
+    received = {src: dealt[src].bundles[dst] for src in r.nodes}
+    commitments = {src: dealt[src].commitments[dst] for src in r.nodes}
+    opened, bad = open_shares(dst, r.c[dst][0], r.c_public, received, commitments, CONTEXT)
+    assert sorted(opened) == r.nodes and bad == {}
     for src in r.nodes:
         plain = Fernet(_fernet_key(r.c[dst][0], r.c_public[src], CONTEXT, src, dst)).decrypt(received[src])
         size = int.from_bytes(plain[16:20], "little")
         assert opened[src] == (plain[20 : 20 + size], plain[20 + size :])
-    assert open_shares(dst, r.c[dst][0], r.c_public, {}, CONTEXT) == {}
+        seed_share, key_share = opened[src]
+        assert commitments[src] == share_commitment(CONTEXT, src, dst, SEED, seed_share) + share_commitment(
+            CONTEXT, src, dst, MASK_KEY, key_share
+        )
+    assert dealt[r.nodes[0]].secrets == secret_commitment(CONTEXT, r.nodes[0], SEED, r.seed[r.nodes[0]]) + (
+        secret_commitment(CONTEXT, r.nodes[0], MASK_KEY, r.s[r.nodes[0]][0])
+    )
+    assert open_shares(dst, r.c[dst][0], r.c_public, {}, {}, CONTEXT) == ({}, {})
 
 
 @pytest.mark.parametrize("threshold, ok", [(1, False), (2, True), (3, True), (4, False), (0, False)])
 def test_make_shares_threshold_range(threshold: int, ok: bool) -> None:
     r = Sharing(threshold)
     if ok:
-        bundles = r.shares_of(r.nodes[1])
-        assert len(bundles) == 3
+        dealt = r.dealt(r.nodes[1])
+        assert len(dealt.bundles) == 3
+        src = r.nodes[1]
         shares = [
-            open_shares(d, r.c[d][0], r.c_public, {r.nodes[1]: bundles[d]}, CONTEXT)[r.nodes[1]][0] for d in r.nodes
+            open_shares(d, r.c[d][0], r.c_public, {src: dealt.bundles[d]}, {src: dealt.commitments[d]}, CONTEXT)[0][
+                src
+            ][0]
+            for d in r.nodes
         ]
         assert reconstruct(shares[:threshold], threshold) == r.seed[r.nodes[1]]
     else:
@@ -476,33 +500,51 @@ def test_make_shares_refuses_a_round_without_its_node() -> None:
     )
 
 
-def test_open_shares_refusals() -> None:
+def test_open_shares_accuses_instead_of_refusing() -> None:
+    """A bundle that does not decrypt, is addressed to another pair or does not match its dealer's
+    commitment does not stop the node: it is returned as an accusation, with the one-use key of
+    that bundle as evidence (the key opens that bundle and no other)."""
     r = Sharing()
     src, dst, other = r.nodes
-    good = r.shares_of(src)[dst]
+    dealt = r.dealt(src)
+    good, commitment = dealt.bundles[dst], dealt.commitments[dst]
     key = _fernet_key(r.c[dst][0], r.c_public[src], CONTEXT, src, dst)  # what dst derives for src's bundle
 
     def forged(plaintext: bytes) -> dict[int, bytes]:
         return {src: Fernet(key).encrypt(plaintext)}
 
+    with pytest.raises(SecureAggregationError, match="a share from node 9, which is not a participant"):
+        open_shares(dst, r.c[dst][0], r.c_public, {9: good}, {9: commitment}, CONTEXT)
     cases = [
-        ({9: good}, "a share from node 9, which is not a participant"),
-        ({src: b"garbage"}, f"the share from node {src} does not decrypt for this round"),
-        ({src: r.shares_of(src)[other]}, f"the share from node {src} does not decrypt for this round"),
+        ({src: b"garbage"}, f"the share bundle from node {src} does not decrypt for this round"),
+        ({src: r.shares_of(src)[other]}, f"the share bundle from node {src} does not decrypt for this round"),
         (
             {src: r.shares_of(src, round_context("r", 0, 1, 2, 0, r.nodes))[dst]},
-            f"the share from node {src} does not decrypt for this round",
+            f"the share bundle from node {src} does not decrypt for this round",
         ),
         (forged(b"\x00" * 19), "a share bundle is too short"),
-        (forged(_bundle(other, dst, b"s", b"k")), f"the share from node {src} is addressed {other}->{dst}"),
-        (forged(_bundle(src, other, b"s", b"k")), f"the share from node {src} is addressed {src}->{other}"),
+        (forged(_bundle(other, dst, b"s", b"k")), f"the share bundle from node {src} is addressed {other}->{dst}"),
+        (forged(_bundle(src, other, b"s", b"k")), f"the share bundle from node {src} is addressed {src}->{other}"),
+        (
+            forged(_bundle(src, dst, b"\x00" * 33, b"\x00" * 33)),
+            f"the shares from node {src} do not match its commitment",
+        ),
     ]
     for received, message in cases:
-        _refused(lambda received=received: open_shares(dst, r.c[dst][0], r.c_public, received, CONTEXT), message)
-    layout = open_shares(dst, r.c[dst][0], r.c_public, forged(_bundle(src, dst, b"abc", b"defg")), CONTEXT)
-    assert layout == {src: (b"abc", b"defg")}
-    shortest = open_shares(dst, r.c[dst][0], r.c_public, forged(_bundle(src, dst, b"", b"")), CONTEXT)
-    assert shortest == {src: (b"", b"")}  # exactly 20 bytes: a header and two empty shares
+        opened, bad = open_shares(dst, r.c[dst][0], r.c_public, received, {src: commitment}, CONTEXT)
+        assert opened == {} and bad == {src: (message, key)}
+    assert open_shares(dst, r.c[dst][0], r.c_public, {src: good}, {src: b"x" * 64}, CONTEXT)[1][src][0] == (
+        f"the shares from node {src} do not match its commitment"
+    )
+    layout = _bundle(src, dst, b"abc", b"defg")
+    made = share_commitment(CONTEXT, src, dst, SEED, b"abc") + share_commitment(CONTEXT, src, dst, MASK_KEY, b"defg")
+    assert open_shares(dst, r.c[dst][0], r.c_public, forged(layout), {src: made}, CONTEXT) == (
+        {src: (b"abc", b"defg")},
+        {},
+    )
+    empty = share_commitment(CONTEXT, src, dst, SEED, b"") + share_commitment(CONTEXT, src, dst, MASK_KEY, b"")
+    shortest = open_shares(dst, r.c[dst][0], r.c_public, forged(_bundle(src, dst, b"", b"")), {src: empty}, CONTEXT)
+    assert shortest == ({src: (b"", b"")}, {})  # exactly 20 bytes: a header and two empty shares
 
 
 UNMASK_BAD = [
@@ -512,7 +554,19 @@ UNMASK_BAD = [
     ([1, 2, 3, 9], [], "asked about node(s) [9] outside the round"),
     ([1, 2, 3], [8, 7], "asked about node(s) [7, 8] outside the round"),
     ([1, 2], [3, 4, 5], "2 survivor(s), fewer than the threshold 3: refused"),
-    ([], [1], "0 survivor(s), fewer than the threshold 3: refused"),
+    ([], [1, 2, 3, 4, 5], "0 survivor(s), fewer than the threshold 3: refused"),
+    (
+        [1, 2, 3],
+        [4],
+        "the unmask request leaves out node(s) [5] of the participants this node masked over: "
+        "another view of the round; refused",
+    ),
+    (
+        [1, 2, 3],
+        [],
+        "the unmask request leaves out node(s) [4, 5] of the participants this node masked over: "
+        "another view of the round; refused",
+    ),
 ]
 
 
@@ -525,7 +579,7 @@ def test_unmask_requests_an_honest_participant_answers() -> None:
     everyone = [1, 2, 3, 4, 5]
     check_unmask_request([1, 2, 3], [4, 5], everyone, 3)  # exactly the threshold
     check_unmask_request(everyone, [], everyone, 3)
-    check_unmask_request(iter([2, 4]), iter([]), iter(everyone), 2)  # any iterables
+    check_unmask_request(iter([2, 4]), iter([1, 3, 5]), iter(everyone), 2)  # any iterables
 
 
 def test_reconstruct_needs_t_shares_and_uses_the_first_t() -> None:

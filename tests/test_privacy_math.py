@@ -57,12 +57,19 @@ class Round:
         self.seed = {n: new_seed() for n in self.nodes}
         self.threshold = threshold_for(count, min_clients)
         c_public = {n: self.c[n][1] for n in self.nodes}
-        bundles = {
+        self.dealt = {
             n: make_shares(n, self.seed[n], self.s[n][0], self.c[n][0], c_public, self.threshold, self.context)
             for n in self.nodes
         }
         self.held = {
-            d: open_shares(d, self.c[d][0], c_public, {src: bundles[src][d] for src in self.nodes}, self.context)
+            d: open_shares(
+                d,
+                self.c[d][0],
+                c_public,
+                {src: self.dealt[src].bundles[d] for src in self.nodes},
+                {src: self.dealt[src].commitments[d] for src in self.nodes},
+                self.context,
+            )[0]
             for d in self.nodes
         }
 
@@ -170,11 +177,11 @@ def test_shares_bind_their_round_and_their_recipient() -> None:
     r = Round(3)
     c_public = {n: r.c[n][1] for n in r.nodes}
     src, dst, other = r.nodes
-    bundle = make_shares(src, r.seed[src], r.s[src][0], r.c[src][0], c_public, 2, r.context)
-    with pytest.raises(SecureAggregationError, match="does not decrypt"):
-        open_shares(dst, r.c[dst][0], c_public, {src: bundle[dst]}, round_context("run", 1, 2, 4, 0, r.nodes))
-    with pytest.raises(SecureAggregationError, match="does not decrypt"):
-        open_shares(other, r.c[other][0], c_public, {src: bundle[dst]}, r.context)
+    dealt = make_shares(src, r.seed[src], r.s[src][0], r.c[src][0], c_public, 2, r.context)
+    bundle, commitment = {src: dealt.bundles[dst]}, {src: dealt.commitments[dst]}
+    for node, context in ((dst, round_context("run", 1, 2, 4, 0, r.nodes)), (other, r.context)):
+        opened, accused = open_shares(node, r.c[node][0], c_public, bundle, commitment, context)
+        assert opened == {} and "does not decrypt" in accused[src][0]
 
 
 def test_a_participant_refuses_too_small_a_round_and_rounds_it_is_not_part_of() -> None:

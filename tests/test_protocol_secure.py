@@ -16,12 +16,14 @@ from fcl_flower.methods import Kind
 from fcl_flower.protocol import (
     KeysIns,
     KeysRes,
+    MaskedReport,
     ProtocolError,
     PublicKeys,
     SecAggRound,
     SharesIns,
     SharesRes,
     StatsIns,
+    StatsRes,
     UnmaskIns,
     UnmaskRes,
     parse_instruction,
@@ -34,12 +36,14 @@ KEYS = {
     LOW: PublicKeys(b"c" * 32, b"s" * 32),
     TOP: PublicKeys(b"C" * 32, b"S" * 32, b"signer-der", b"signature"),
 }
-SECAGG = SecAggRound((LOW, MID, TOP), KEYS, {LOW: 0, TOP: 2}, 2, {LOW: b"from-low", TOP: b"from-top"})
+SECAGG = SecAggRound(
+    (LOW, MID, TOP), KEYS, {LOW: 0, TOP: 2}, 2, {LOW: b"from-low", TOP: b"from-top"}, {LOW: b"L" * 64, TOP: b"T" * 64}
+)
 STATS_INS = StatsIns(HEADER, CFG, num_seen=6, model=MODEL, secagg=SECAGG)
 SHARES_INS = SharesIns(
     HEADER, CFG, keys={**KEYS, MID: PublicKeys(b"m" * 32, b"n" * 32)}, clients={LOW: 0, MID: 1, TOP: 2}, threshold=3
 )
-UNMASK_INS = UnmaskIns(HEADER, CFG, survivors=(LOW, TOP), dropped=(MID,))
+UNMASK_INS = UnmaskIns(HEADER, CFG, survivors=(LOW, TOP), dropped=(MID,), signatures={LOW: b"sig-low", TOP: b"sig-top"})
 
 
 def _raises(call, message: str) -> None:
@@ -144,6 +148,9 @@ STATS_BAD = [
     ({"secagg-share": [1, 2]}, "'round' entry 'secagg-share' is not a list of bytes"),
     ({"secagg-share-src": [LOW, LOW]}, "'round' entry 'secagg-share-src' lists a node twice"),
     ({"secagg-share": None}, "'round' record lacks 'secagg-share'"),
+    ({"secagg-commit": None}, "'round' record lacks 'secagg-commit'"),
+    ({"secagg-commit": [b"x"]}, "'round' entry 'secagg-commit' has 1 items, expected 2"),
+    ({"secagg-commit-src": [LOW, LOW]}, "'round' entry 'secagg-commit-src' lists a node twice"),
 ]
 
 
@@ -169,6 +176,9 @@ SHARES_BAD = [
     (_round(UNMASK_INS, {"survivors": None}), "'round' record lacks 'survivors'"),
     (_round(UNMASK_INS, {"dropped": ["x"]}), "'round' entry 'dropped' is not a list of int"),
     (_round(UNMASK_INS, {"dropped": None}), "'round' record lacks 'dropped'"),
+    (_round(UNMASK_INS, {"signatures": None}), "'round' record lacks 'signatures'"),
+    (_round(UNMASK_INS, {"signatures": ["x", "y"]}), "'round' entry 'signatures' is not a list of bytes"),
+    (_round(UNMASK_INS, {"signature-nodes": [LOW]}), "'round' entry 'signatures' has 2 items, expected 1"),
 ]
 
 
@@ -209,7 +219,14 @@ def _reply(reply, *, entries: dict | None = None, **records) -> Message:
 
 
 KEYS_RES = KeysRes(HEADER, 3, 0, keys=PublicKeys(b"c" * 32, b"s" * 32, b"signer-der", b"signature"))
-SHARES_RES = SharesRes(HEADER, 3, 0, shares={LOW: b"to-low", TOP: b"to-top"})
+SHARES_RES = SharesRes(
+    HEADER,
+    3,
+    0,
+    shares={LOW: b"to-low", TOP: b"to-top"},
+    commitments={LOW: b"l" * 64, TOP: b"t" * 64},
+    secrets=b"x" * 64,
+)
 UNMASK_RES = UnmaskRes(HEADER, 3, 0, seed_shares={LOW: b"b-low", TOP: b"b-top"}, key_shares={MID: b"s-mid"})
 
 
@@ -270,12 +287,69 @@ REPLY_BAD = [
     ),
     (_reply(UNMASK_RES, entries={"nodes": [1]}), Kind.UNMASK, "unexpected secagg entries: nodes"),
     (_reply(UNMASK_RES, secagg=None), Kind.UNMASK, "reply has no 'secagg' record"),
-    (_reply(SHARES_RES), Kind.UNMASK, "unexpected secagg entries: nodes, shares"),
-    (_reply(SHARES_RES), Kind.KEYS, "unexpected secagg entries: nodes, shares"),
-    (_reply(SHARES_RES, entries={"nodes": None, "shares": None}), Kind.KEYS, "'secagg' record lacks 'c'"),
+    (_reply(SHARES_RES), Kind.UNMASK, "unexpected secagg entries: commit-nodes, commits, nodes, secrets, shares"),
+    (_reply(SHARES_RES), Kind.KEYS, "unexpected secagg entries: commit-nodes, commits, nodes, secrets, shares"),
+    (
+        _reply(
+            SHARES_RES, entries={"nodes": None, "shares": None, "commit-nodes": None, "commits": None, "secrets": None}
+        ),
+        Kind.KEYS,
+        "'secagg' record lacks 'c'",
+    ),
+    (_reply(SHARES_RES, entries={"secrets": "x"}), Kind.SHARES, "shares reply: the secret commitment must be bytes"),
+    (_reply(SHARES_RES, entries={"secrets": None}), Kind.SHARES, "'secagg' record lacks 'secrets'"),
+    (_reply(SHARES_RES, entries={"commits": [b"a"]}), Kind.SHARES, "'secagg' entry 'commits' has 1 items, expected 2"),
+    (_reply(SHARES_RES, entries={"commit-nodes": None}), Kind.SHARES, "'secagg' record lacks 'commit-nodes'"),
 ]
 
 
 @pytest.mark.parametrize("message, kind, reason", REPLY_BAD, ids=[f"{i}-{r}" for i, (_, _, r) in enumerate(REPLY_BAD)])
 def test_bad_secure_replies_are_refused(message, kind, reason) -> None:
     _raises(lambda: parse_reply(message, HEADER, kind), reason)
+
+
+# =============================================================================== what rides beside a masked upload
+REPORT = MaskedReport(b"view-signature", {MID: ("does not decrypt", b"k" * 44), TOP: ("does not match", b"K" * 44)})
+
+
+def _stats_reply(report: MaskedReport | None, entries: dict | None = None) -> Message:
+    message = StatsRes(HEADER, 3, 0, arrays=MODEL, secagg=report).reply_to(_deliver(STATS_INS))
+    for key, value in (entries or {}).items():
+        if value is None:
+            del message.content.config_records["secagg"][key]
+        else:
+            message.content.config_records["secagg"][key] = value
+    return message
+
+
+def test_a_masked_uploads_report_survives_the_wire() -> None:
+    message = _stats_reply(REPORT)
+    wired = Message(recorddict_from_proto(recorddict_to_proto(message.content)), reply_to=_deliver(STATS_INS))
+    parsed = parse_reply(wired, HEADER, Kind.STATS)
+    assert isinstance(parsed, StatsRes) and parsed.secagg == REPORT
+    plain = parse_reply(_stats_reply(None), HEADER, Kind.STATS)
+    assert isinstance(plain, StatsRes) and plain.secagg is None
+
+
+REPORT_BAD = [
+    ({"view-signature": "x"}, "masked upload: the view signature must be bytes"),
+    ({"view-signature": None}, "'secagg' record lacks 'view-signature'"),
+    ({"accused": [MID, MID]}, "'secagg' entry 'accused' lists a node twice"),
+    ({"accused": ["a"]}, "'secagg' entry 'accused' is not a list of int"),
+    ({"accused-keys": [b"k"]}, "'secagg' entry 'accused-keys' has 1 items, expected 2"),
+    ({"accused-reasons": [1, 2]}, "'secagg' entry 'accused-reasons' is not a list of str"),
+    ({"other": 1}, "unexpected secagg entries: other"),
+]
+
+
+@pytest.mark.parametrize("entries, reason", REPORT_BAD, ids=[r for _, r in REPORT_BAD])
+def test_bad_masked_upload_reports_are_refused(entries, reason) -> None:
+    _raises(lambda: parse_reply(_stats_reply(REPORT, entries), HEADER, Kind.STATS), reason)
+
+
+def test_an_accusations_reason_is_cut_to_300_characters() -> None:
+    long = MaskedReport(b"", {MID: ("x" * 1000, b"k")})
+    parsed = parse_reply(_stats_reply(long), HEADER, Kind.STATS)
+    assert (
+        isinstance(parsed, StatsRes) and parsed.secagg is not None and parsed.secagg.accused[MID] == ("x" * 300, b"k")
+    )

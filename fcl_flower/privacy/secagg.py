@@ -21,8 +21,25 @@ clients/secure.py run them):
    With ≥ t shares the server rebuilds those secrets, removes PRG(b_k) and the dropped ones'
    pairwise masks, and opens exactly Σ_{k ∈ U3} x_k.
 
+Against a server that deviates from the protocol (Bonawitz et al.'s active setting, with the
+node's long-term SuperNode key as the PKI: signed-keys mode):
+
+* **One view per round.** Every mask is derived from :func:`view_context`, which binds the
+  participant set the node masked over (U2), so masks computed over different views never
+  cancel; the node signs that view (:func:`sign_view`) and the signature rides in its masked
+  upload. The unmask request relays every survivor's signature; a node reveals nothing unless
+  all of them sign its own view and survivors and dropped nodes partition it
+  (:func:`check_unmask_request`). With a majority threshold and one answer per node, the server
+  cannot obtain both secrets of any node.
+* **Commitments, so a cheat is named.** The dealer of the shares commits to each share
+  (:func:`share_commitment`) and to its secrets (:func:`secret_commitment`); a recipient checks
+  its share on receipt and accuses the dealer with evidence (the one-use key of that bundle) if it
+  does not decrypt or match; the server checks every revealed share against its commitment and
+  every rebuilt secret against the dealer's, so a wrong share names its revealer and an
+  inconsistent sharing its dealer.
+
 Every key derivation binds :func:`round_context` (run id, task, stage, round, attempt and the
-participant set) and the array name, so no keystream is ever used twice; keys are fresh per
+key round's nodes) and the array name, so no keystream is ever used twice; keys are fresh per
 round and dropped after it. A rejected upload keeps its self-mask: the server can remove its
 pairwise masks but never b_k, so it learns nothing about it; there is never a second attempt
 over the same inputs. Threat model and what still travels in clear: docs/privacy.md.
@@ -32,8 +49,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +124,12 @@ def round_context(
         f"fcl-flower/secagg/v2|run={run_id}|task={task}|stage={stage}|round={server_round}"
         f"|attempt={attempt}|participants={ids}"
     ).encode()
+
+
+def view_context(context: bytes, participants: Iterable[int]) -> bytes:
+    """The round's context with the participant set a node masks over (U2) bound in: masks derived
+    over two different views never cancel, and a signature over it fixes the view."""
+    return context + b"|view=" + ",".join(str(i) for i in sorted(participants)).encode()
 
 
 def derive_key(secret: bytes, context: bytes, label: str) -> bytes:
@@ -195,9 +220,41 @@ def threshold_for(participants: int, min_clients: int) -> int:
     return max(min_clients, participants // 2 + 1)
 
 
-def _share_key(c_private: bytes, peer_c_public: bytes, context: bytes, src: int, dst: int) -> bytes:
+def share_key(c_private: bytes, peer_c_public: bytes, context: bytes, src: int, dst: int) -> bytes:
+    """The one-use Fernet key of the bundle ``src`` sends ``dst`` (one direction only: revealing it
+    as evidence opens that bundle and nothing else)."""
     key = derive_key(agree(c_private, peer_c_public), context, f"shares|{src}|{dst}")
-    return base64.urlsafe_b64encode(key)  # a Fernet key
+    return base64.urlsafe_b64encode(key)
+
+
+SEED, MASK_KEY = "b", "s"  # what a share or secret commitment is of: the self-mask seed, the mask key
+
+
+def _digest(*parts: bytes) -> bytes:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little") + part)
+    return h.digest()
+
+
+def share_commitment(context: bytes, src: int, dst: int, what: str, share: bytes) -> bytes:
+    """SHA-256 commitment of the dealer ``src`` to one share it deals ``dst`` (a share is a uniform
+    field element of over 256 bits, so the hash hides it)."""
+    return _digest(b"fcl-flower/secagg-share", context, f"{src}|{dst}|{what}".encode(), share)
+
+
+def secret_commitment(context: bytes, src: int, what: str, secret: bytes) -> bytes:
+    """SHA-256 commitment of ``src`` to a secret it shares (32 uniform bytes: the hash hides it)."""
+    return _digest(b"fcl-flower/secagg-secret", context, f"{src}|{what}".encode(), secret)
+
+
+@dataclass(frozen=True)
+class Dealt:
+    """What a dealer sends in the shares step: the encrypted bundles and its commitments."""
+
+    bundles: dict[int, bytes]  # recipient -> encrypted bundle
+    commitments: dict[int, bytes]  # recipient -> commitment to its seed share ‖ to its key share (64 bytes)
+    secrets: bytes  # commitment to b ‖ to s (64 bytes)
 
 
 def make_shares(
@@ -208,8 +265,9 @@ def make_shares(
     c_publics: Mapping[int, bytes],
     threshold: int,
     context: bytes,
-) -> dict[int, bytes]:
-    """Shamir shares of (b_i, s_i) for every participant, each encrypted for its recipient."""
+) -> Dealt:
+    """Shamir shares of (b_i, s_i) for every participant, each encrypted for its recipient, with
+    a commitment to every share and to both secrets."""
     nodes = sorted(c_publics)
     if own_id not in c_publics:
         raise SecureAggregationError(f"this node ({own_id}) is not among the round's participants")
@@ -217,30 +275,62 @@ def make_shares(
         raise SecureAggregationError(f"threshold {threshold} is not in [2, {len(nodes)}]")
     seed_shares = create_shares(seed, threshold, len(nodes))
     key_shares = create_shares(s_private, threshold, len(nodes))
-    out = {}
+    bundles, commitments = {}, {}
     for dst, seed_share, key_share in zip(nodes, seed_shares, key_shares, strict=True):
         plaintext = _bundle(own_id, dst, seed_share, key_share)
-        out[dst] = encrypt(_share_key(c_private, c_publics[dst], context, own_id, dst), plaintext)
-    return out
+        bundles[dst] = encrypt(share_key(c_private, c_publics[dst], context, own_id, dst), plaintext)
+        commitments[dst] = share_commitment(context, own_id, dst, SEED, seed_share) + share_commitment(
+            context, own_id, dst, MASK_KEY, key_share
+        )
+    secrets = secret_commitment(context, own_id, SEED, seed) + secret_commitment(context, own_id, MASK_KEY, s_private)
+    return Dealt(bundles, commitments, secrets)
+
+
+def open_bundle(
+    key: bytes, ciphertext: bytes, src: int, dst: int, commitment: bytes, context: bytes
+) -> tuple[bytes, bytes]:
+    """(share of b_src, share of s_src) from the bundle ``src`` sent ``dst``, decrypted with its
+    one-use ``key`` and checked against the dealer's ``commitment``; raises SecureAggregationError."""
+    try:
+        plaintext = decrypt(key, ciphertext)
+    except Exception:  # InvalidToken: forged, corrupted or meant for another round
+        raise SecureAggregationError(f"the share bundle from node {src} does not decrypt for this round") from None
+    bundle_src, bundle_dst, seed_share, key_share = _unbundle(plaintext)
+    if (bundle_src, bundle_dst) != (src, dst):
+        raise SecureAggregationError(f"the share bundle from node {src} is addressed {bundle_src}->{bundle_dst}")
+    expected = share_commitment(context, src, dst, SEED, seed_share) + share_commitment(
+        context, src, dst, MASK_KEY, key_share
+    )
+    if not hmac.compare_digest(expected, commitment):
+        raise SecureAggregationError(f"the shares from node {src} do not match its commitment")
+    return seed_share, key_share
 
 
 def open_shares(
-    own_id: int, c_private: bytes, c_publics: Mapping[int, bytes], received: Mapping[int, bytes], context: bytes
-) -> dict[int, tuple[bytes, bytes]]:
-    """Decrypt the shares addressed to this node: src -> (share of b_src, share of s_src)."""
-    out = {}
+    own_id: int,
+    c_private: bytes,
+    c_publics: Mapping[int, bytes],
+    received: Mapping[int, bytes],
+    commitments: Mapping[int, bytes],
+    context: bytes,
+) -> tuple[dict[int, tuple[bytes, bytes]], dict[int, tuple[str, bytes]]]:
+    """Decrypt and check the shares addressed to this node.
+
+    Returns (src -> (share of b_src, share of s_src), src -> (reason, evidence key)) for the
+    bundles that open and match their dealer's commitment, and for those that do not: a bad bundle
+    accuses its dealer instead of stopping the round (the key is the evidence: it opens that one
+    bundle and nothing else)."""
+    good: dict[int, tuple[bytes, bytes]] = {}
+    bad: dict[int, tuple[str, bytes]] = {}
     for src, ciphertext in received.items():
         if src not in c_publics:
             raise SecureAggregationError(f"a share from node {src}, which is not a participant")
+        key = share_key(c_private, c_publics[src], context, src, own_id)
         try:
-            plaintext = decrypt(_share_key(c_private, c_publics[src], context, src, own_id), ciphertext)
-        except Exception:  # InvalidToken: forged, corrupted or meant for another round
-            raise SecureAggregationError(f"the share from node {src} does not decrypt for this round") from None
-        bundle_src, bundle_dst, seed_share, key_share = _unbundle(plaintext)
-        if (bundle_src, bundle_dst) != (src, own_id):
-            raise SecureAggregationError(f"the share from node {src} is addressed {bundle_src}->{bundle_dst}")
-        out[src] = (seed_share, key_share)
-    return out
+            good[src] = open_bundle(key, ciphertext, src, own_id, commitments.get(src, b""), context)
+        except SecureAggregationError as err:
+            bad[src] = (str(err), key)
+    return good, bad
 
 
 def _bundle(src: int, dst: int, seed_share: bytes, key_share: bytes) -> bytes:
@@ -272,14 +362,22 @@ def check_unmask_request(
 ) -> None:
     """What an honest participant verifies before it reveals shares (raises SecureAggregationError).
 
-    Never a b-share and an s-share of the same participant; both sets within the participants;
-    at least ``threshold`` survivors (else the round cannot be opened and nothing is revealed).
+    Never a b-share and an s-share of the same participant; survivors and dropped nodes partition
+    the participants this node masked over (its view: any other set is another view of the
+    round); at least ``threshold`` survivors (else the round cannot be opened and nothing is
+    revealed). In signed-keys mode the caller also checks every survivor's signature over the view
+    (:func:`verify_view`).
     """
     alive, gone, everyone = set(survivors), set(dropped), set(participants)
     if alive & gone:
         raise SecureAggregationError(f"asked for both secrets of node(s) {sorted(alive & gone)}: refused")
     if not (alive | gone) <= everyone:
         raise SecureAggregationError(f"asked about node(s) {sorted((alive | gone) - everyone)} outside the round")
+    if alive | gone != everyone:
+        raise SecureAggregationError(
+            f"the unmask request leaves out node(s) {sorted(everyone - alive - gone)} of the participants this node "
+            "masked over: another view of the round; refused"
+        )
     if len(alive) < threshold:
         raise SecureAggregationError(f"{len(alive)} survivor(s), fewer than the threshold {threshold}: refused")
 
@@ -295,6 +393,70 @@ def reconstruct(shares: Sequence[bytes], threshold: int) -> bytes:
     if len(secret) != KEY_BYTES:
         raise SecureAggregationError(f"a rebuilt secret has {len(secret)} bytes, expected {KEY_BYTES}")
     return secret
+
+
+class SecretNotRebuilt(SecureAggregationError):
+    """A secret that cannot be rebuilt, with who provably caused it."""
+
+    def __init__(self, message: str, liars: Sequence[int], dealer_at_fault: bool) -> None:
+        super().__init__(message)
+        self.liars = tuple(liars)
+        self.dealer_at_fault = dealer_at_fault
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """A secret rebuilt from revealed shares, and who revealed a share that is not the one dealt."""
+
+    secret: bytes
+    liars: tuple[int, ...]
+
+
+def rebuild_secret(
+    dealer: int,
+    what: str,
+    revealed: Mapping[int, bytes],
+    commitments: Mapping[int, bytes],
+    secrets: bytes,
+    threshold: int,
+    context: bytes,
+) -> Rebuilt:
+    """``dealer``'s secret (``what``: :data:`SEED` or :data:`MASK_KEY`) from the shares revealed to
+    the server (revealer -> share), each checked against the commitment the dealer made to it
+    (``commitments``: revealer -> the 64-byte commitment of the bundle it was dealt; ``secrets``:
+    the dealer's 64-byte secret commitment).
+
+    A share that does not match is its revealer's doing (it checked the dealer's commitment on
+    receipt, or accused the dealer then) and is left out; a secret rebuilt from checked shares
+    that does not match the dealer's commitment is the dealer's (shares not on one polynomial).
+    Raises SecureAggregationError naming who stopped the opening."""
+    half = 0 if what == SEED else 32
+    good, liars = [], []
+    for revealer, share in sorted(revealed.items()):
+        expected = commitments.get(revealer, b"")[half : half + 32]
+        if hmac.compare_digest(share_commitment(context, dealer, revealer, what, share), expected):
+            good.append(share)
+        else:
+            liars.append(revealer)
+    if len(good) < threshold:
+        named = f"; node(s) {liars} revealed shares that are not the ones dealt" if liars else ""
+        raise SecretNotRebuilt(
+            f"node {dealer}'s {'seed' if what == SEED else 'mask key'}: {len(good)} checked share(s), "
+            f"{threshold} needed{named}",
+            liars,
+            dealer_at_fault=False,
+        )
+    try:
+        secret = reconstruct(good, threshold)
+    except SecureAggregationError:
+        secret = b""
+    if not hmac.compare_digest(secret_commitment(context, dealer, what, secret), secrets[half : half + 32]):
+        raise SecretNotRebuilt(
+            f"node {dealer} dealt shares that do not rebuild the secret it committed to (not one polynomial)",
+            liars,
+            dealer_at_fault=True,
+        )
+    return Rebuilt(secret, tuple(liars))
 
 
 # ------------------------------------------------------------------------------ opening the sum
@@ -353,6 +515,29 @@ def load_trusted_keys(path: str) -> list[bytes]:
     if not out:
         raise SecureAggregationError(f"{path} lists no public key")
     return out
+
+
+def _view_payload(view: bytes) -> bytes:
+    return b"fcl-flower/secagg-view|" + hashlib.sha256(view).digest()
+
+
+def sign_view(key: ec.EllipticCurvePrivateKey, view: bytes) -> bytes:
+    """ECDSA-SHA256 signature of the node's long-term key over its view (:func:`view_context`)."""
+    return key.sign(_view_payload(view), ec.ECDSA(hashes.SHA256()))
+
+
+def verify_view(signer: bytes, signature: bytes, view: bytes) -> None:
+    """Raise SecureAggregationError unless ``signer`` (DER) signed exactly this view."""
+    try:
+        public = serialization.load_der_public_key(signer)
+    except ValueError:
+        raise SecureAggregationError("the signer of a view is not a public key") from None
+    if not isinstance(public, ec.EllipticCurvePublicKey):
+        raise SecureAggregationError("the signer of a view is not an elliptic-curve key")
+    try:
+        public.verify(signature, _view_payload(view), ec.ECDSA(hashes.SHA256()))
+    except InvalidSignature:
+        raise SecureAggregationError("its signature is not over this node's view of the round") from None
 
 
 def _signed_payload(c_public: bytes, s_public: bytes, context: bytes) -> bytes:

@@ -38,6 +38,7 @@ from fcl_flower.protocol.messages import (
 from fcl_flower.protocol.secure import (
     KeysIns,
     KeysRes,
+    MaskedReport,
     PublicKeys,
     SecAggRound,
     SharesIns,
@@ -60,6 +61,7 @@ __all__ = [
     "KeysRes",
     "Kind",
     "LGAReport",
+    "MaskedReport",
     "ProtocolError",
     "PublicKeys",
     "Reply",

@@ -56,6 +56,7 @@ from fcl_flower.protocol.base import (
     OLD_MODEL,
     RIDGE,
     ROUND,
+    SECAGG,
     SYNTHETIC,
     TEACHER,
     Header,
@@ -73,6 +74,7 @@ from fcl_flower.protocol.base import (
 )
 from fcl_flower.protocol.errors import ProtocolError
 from fcl_flower.protocol.secure import (
+    MaskedReport,
     SecAggRound,
     parse_secure_instruction,
     parse_secure_reply,
@@ -321,6 +323,7 @@ class StatsRes(Reply):
     withheld: int = 0  # samples left out under min-class-count (this and every backfilled task)
     backfill: Mapping[int, Backfill] = field(default_factory=dict)  # task -> late statistics
     fedran: FedranReport | None = None
+    secagg: MaskedReport | None = None  # a masked upload's view signature and accusations
 
     def metrics(self) -> dict[str, MetricRecordValues]:
         out: dict[str, MetricRecordValues] = {**super().metrics(), "withheld-samples": self.withheld}
@@ -342,6 +345,8 @@ class StatsRes(Reply):
         content[MODEL] = self.arrays
         for task, late in sorted(self.backfill.items()):
             content[f"{BACKFILL_PREFIX}{task}"] = late.arrays
+        if self.secagg is not None:
+            content[SECAGG] = ConfigRecord(self.secagg.entries())
 
 
 @dataclass(frozen=True)
@@ -435,7 +440,8 @@ def _parse_train(content: RecordDict, metrics: MetricRecord, base: ReplyBase) ->
 
 
 def _parse_stats(content: RecordDict, metrics: MetricRecord, base: ReplyBase) -> StatsRes:
-    only(content.config_records, {HEADER}, "config records")
+    only(content.config_records, {HEADER, SECAGG}, "config records")
+    report = content.config_records.get(SECAGG)
     if MODEL not in content.array_records:
         raise ProtocolError(f"reply has no '{MODEL}' record")
     backfill: dict[int, Backfill] = {}
@@ -463,4 +469,5 @@ def _parse_stats(content: RecordDict, metrics: MetricRecord, base: ReplyBase) ->
         withheld=metric_int(metrics, "withheld-samples", 0),
         backfill=dict(sorted(backfill.items())),
         fedran=fedran,
+        secagg=None if report is None else MaskedReport.from_entries(report),
     )

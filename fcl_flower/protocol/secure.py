@@ -78,6 +78,7 @@ class SecAggRound:
     clients: Mapping[int, int]  # node -> client, as the server mapped them
     threshold: int  # shares needed to rebuild a secret
     shares: Mapping[int, bytes] = field(default_factory=dict)  # source node -> its bundle for this node
+    commitments: Mapping[int, bytes] = field(default_factory=dict)  # source node -> its commitment to that bundle
 
     def entries(self) -> dict[str, Any]:
         return {
@@ -86,6 +87,7 @@ class SecAggRound:
             **node_map_entries(self.clients, "secagg-client-nodes", "secagg-clients"),
             "secagg-threshold": self.threshold,
             **node_map_entries(self.shares, "secagg-share-src", "secagg-share"),
+            **node_map_entries(self.commitments, "secagg-commit-src", "secagg-commit"),
         }
 
     @classmethod
@@ -101,6 +103,7 @@ class SecAggRound:
             clients,
             read_int(entry(record, "secagg-threshold", ROUND), "secagg-threshold", minimum=2),
             node_map(record, "secagg-share-src", "secagg-share", ROUND, bytes),
+            node_map(record, "secagg-commit-src", "secagg-commit", ROUND, bytes),
         )
 
     def backfill_tasks(self, backfill: Mapping[int, tuple[int, ...]], min_clients: int) -> tuple[int, ...]:
@@ -141,14 +144,57 @@ class SharesIns(Instruction):
 
 @dataclass(frozen=True)
 class UnmaskIns(Instruction):
-    """The last step: reveal your shares of the survivors' b and of the dropped nodes' s."""
+    """The last step: reveal your shares of the survivors' b and of the dropped nodes' s.
+
+    ``signatures``: every survivor's signature over the view it masked over, relayed from its
+    masked upload (signed-keys mode): the consistency check, with no extra exchange."""
 
     kind: ClassVar[Kind] = Kind.UNMASK
     survivors: tuple[int, ...] = ()
     dropped: tuple[int, ...] = ()
+    signatures: Mapping[int, bytes] = field(default_factory=dict)  # survivor -> its signature over its view
 
     def _fill(self, content: RecordDict) -> None:
-        content[ROUND] = ConfigRecord({"survivors": list(self.survivors), "dropped": list(self.dropped)})
+        content[ROUND] = ConfigRecord(
+            {
+                "survivors": list(self.survivors),
+                "dropped": list(self.dropped),
+                **node_map_entries(self.signatures, "signature-nodes", "signatures"),
+            }
+        )
+
+
+@dataclass(frozen=True)
+class MaskedReport:
+    """What rides beside a masked upload (record ``secagg`` of its reply): the node's signature over
+    its view (signed-keys mode; empty otherwise) and its accusations: the dealers whose bundle to
+    it did not decrypt or match their commitment, each with the reason and the bundle's one-use
+    key as evidence."""
+
+    view_signature: bytes = b""
+    accused: Mapping[int, tuple[str, bytes]] = field(default_factory=dict)  # dealer -> (reason, bundle key)
+
+    def entries(self) -> dict[str, Any]:
+        nodes = sorted(self.accused)
+        return {
+            "view-signature": self.view_signature,
+            "accused": nodes,
+            "accused-reasons": [self.accused[n][0] for n in nodes],
+            "accused-keys": [self.accused[n][1] for n in nodes],
+        }
+
+    @classmethod
+    def from_entries(cls, record: Mapping[str, Any]) -> MaskedReport:
+        only(record, {"view-signature", "accused", "accused-reasons", "accused-keys"}, "secagg entries")
+        signature = entry(record, "view-signature", SECAGG)
+        if not isinstance(signature, bytes):
+            raise ProtocolError("masked upload: the view signature must be bytes")
+        nodes = read_list(record, "accused", SECAGG, int)
+        if len(set(nodes)) != len(nodes):
+            raise ProtocolError(f"'{SECAGG}' entry 'accused' lists a node twice")
+        reasons = read_list(record, "accused-reasons", SECAGG, str, len(nodes))
+        keys = read_list(record, "accused-keys", SECAGG, bytes, len(nodes))
+        return cls(signature, {n: (r[:300], k) for n, r, k in zip(nodes, reasons, keys, strict=True)})
 
 
 @dataclass(frozen=True)
@@ -165,9 +211,17 @@ class KeysRes(Reply):
 class SharesRes(Reply):
     kind: ClassVar[Kind] = Kind.SHARES
     shares: Mapping[int, bytes] = field(default_factory=dict)  # destination node -> encrypted bundle
+    commitments: Mapping[int, bytes] = field(default_factory=dict)  # destination node -> commitment to its shares
+    secrets: bytes = b""  # commitment to the dealer's seed and mask key
 
     def _fill(self, content: RecordDict) -> None:
-        content[SECAGG] = ConfigRecord(node_map_entries(self.shares, "nodes", "shares"))
+        content[SECAGG] = ConfigRecord(
+            {
+                **node_map_entries(self.shares, "nodes", "shares"),
+                **node_map_entries(self.commitments, "commit-nodes", "commits"),
+                "secrets": self.secrets,
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -198,7 +252,8 @@ def parse_secure_instruction(kind: Kind, base: Instruction, round_: Mapping[str,
         return SharesIns(base.header, base.config, keys=keys, clients=clients, threshold=threshold)
     survivors = tuple(read_list(round_, "survivors", ROUND, int))
     dropped = tuple(read_list(round_, "dropped", ROUND, int))
-    return UnmaskIns(base.header, base.config, survivors=survivors, dropped=dropped)
+    signatures = node_map(round_, "signature-nodes", "signatures", ROUND, bytes)
+    return UnmaskIns(base.header, base.config, survivors=survivors, dropped=dropped, signatures=signatures)
 
 
 def parse_secure_reply(kind: Kind, content: RecordDict, base: ReplyBase) -> Reply:
@@ -214,8 +269,16 @@ def parse_secure_reply(kind: Kind, content: RecordDict, base: ReplyBase) -> Repl
             raise ProtocolError("keys reply: the keys and signature must be bytes")
         return KeysRes(*base, keys=PublicKeys(*values))
     if kind is Kind.SHARES:
-        only(record, {"nodes", "shares"}, "secagg entries")
-        return SharesRes(*base, shares=node_map(record, "nodes", "shares", SECAGG, bytes))
+        only(record, {"nodes", "shares", "commit-nodes", "commits", "secrets"}, "secagg entries")
+        secrets = entry(record, "secrets", SECAGG)
+        if not isinstance(secrets, bytes):
+            raise ProtocolError("shares reply: the secret commitment must be bytes")
+        return SharesRes(
+            *base,
+            shares=node_map(record, "nodes", "shares", SECAGG, bytes),
+            commitments=node_map(record, "commit-nodes", "commits", SECAGG, bytes),
+            secrets=secrets,
+        )
     only(record, {"seed-nodes", "seed-shares", "key-nodes", "key-shares"}, "secagg entries")
     return UnmaskRes(
         *base,
