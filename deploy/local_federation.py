@@ -202,6 +202,24 @@ class LocalFederation:
             env=self.env,
         )
 
+    def write_trusted_keys(self) -> Path:
+        """The operator's list of the federation's SuperNode public keys (the registered ones, not
+        the spare): what every node checks its peers' secure-aggregation signatures against."""
+        path = self.keys / "trusted.pub"
+        lines = [(self.keys / f"supernode-{k}.pub").read_text().strip() for k in range(len(self.node_configs))]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def secagg_node_config(self, name: str, trusted: Path) -> str:
+        """Node-config entries for signed keys by default (each node signs with the key it already has
+        for SuperNode authentication) and the node's own secure-aggregation ledger folder."""
+        entries = {
+            "secagg-signing-key": self.keys / name,
+            "secagg-trusted-keys": trusted,
+            "secagg-ledger": self.workdir / "ledger" / name,
+        }
+        return " ".join(f"{key}={json.dumps(str(value))}" for key, value in entries.items())
+
     def start_superlink(self, timeout: float = 60.0) -> None:
         self.write_connection()
         self._spawn(
@@ -282,11 +300,13 @@ class LocalFederation:
         self.make_credentials()
         say("starting the SuperLink (TLS, SuperNode authentication) ...")
         self.start_superlink()
+        trusted = self.write_trusted_keys()
         for k, node_config in enumerate(self.node_configs):
             self.register(self.keys / f"supernode-{k}.pub")
             name = f"supernode-{k}"
             say(f"registered {name}'s key; starting it ({node_config})")
-            self.core[name] = self.start_supernode(name, node_config, self.keys / name)
+            signed = self.secagg_node_config(name, trusted)
+            self.core[name] = self.start_supernode(name, f"{node_config} {signed}", self.keys / name)
         say(f"waiting for {len(self.node_configs)} SuperNodes to come online ...")
         self.wait_online(len(self.node_configs))
         say(f"federation up in {time.monotonic() - began:.0f} s")
@@ -300,7 +320,7 @@ class LocalFederation:
             str(app),
             CONNECTION,
             "--run-config",
-            format_run_config(run_config),
+            with_signed_keys(format_run_config(run_config)),
             "--format",
             "json",
             timeout=timeout,
@@ -479,6 +499,14 @@ def write_certificates(out: Path, hosts: Sequence[str] = ("localhost", "127.0.0.
         path.chmod(mode)
 
 
+def with_signed_keys(run_config: str) -> str:
+    """Secure aggregation here signs with the SuperNode keys by default (a malicious server is in
+    scope wherever SuperNodes authenticate): ``secagg-signed-keys=true`` unless the run names it."""
+    if "secure-aggregation=true" in run_config.replace(" ", "") and "secagg-signed-keys" not in run_config:
+        return f"{run_config} secagg-signed-keys=true"
+    return run_config
+
+
 def node_configs_for(num_nodes: int, data: Path | None, sites: Sequence[Path] = ()) -> list[str]:
     """SuperNode k's node config: its own image folder ``sites[k]`` (``dataset = custom``) with client
     id k; else ``<data>/client-k`` (an exported folder); else partition k of the public dataset."""
@@ -538,7 +566,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             print("submitting the run (flwr run builds and ships the app) ...", flush=True)
             run_id = federation.flwr(
-                "run", str(APP_DIR), CONNECTION, "--run-config", args.run, "--format", "json", timeout=300
+                "run",
+                str(APP_DIR),
+                CONNECTION,
+                "--run-config",
+                with_signed_keys(args.run),
+                "--format",
+                "json",
+                timeout=300,
             ).stdout
             run_id = int(json.loads(run_id[run_id.index("{") :])["run-id"])
             print(f"run {run_id} submitted; its log follows ({env} flwr log {run_id} {CONNECTION})", flush=True)

@@ -327,3 +327,27 @@ def _kill_tree(process: subprocess.Popen) -> None:
         for pid in [process.pid, *federation_module.descendants([process.pid])]:
             federation_module._signal(pid, 9)
         process.wait(timeout=30)
+
+
+def test_the_local_federation_signs_secure_rounds_by_default(tmp_path) -> None:
+    """Wherever SuperNodes authenticate, a malicious server is in scope: the deployment signs the
+    secure rounds with the keys the nodes already have, unless the run says otherwise, and gives
+    each node its own ledger folder."""
+    sign = federation_module.with_signed_keys
+    assert (
+        sign("num-clients=3 secure-aggregation=true") == "num-clients=3 secure-aggregation=true secagg-signed-keys=true"
+    )
+    assert sign("secure-aggregation=true secagg-signed-keys=false").endswith("secagg-signed-keys=false")
+    assert sign("num-clients=3") == "num-clients=3"
+    federation = federation_module.LocalFederation(tmp_path, ["partition-id=0 num-partitions=2"] * 2, 0)
+    federation.keys.mkdir(parents=True)
+    for k in range(3):  # two nodes and the spare key
+        (federation.keys / f"supernode-{k}.pub").write_text(f"ecdsa-sha2-nistp384 KEY{k} fcl-flower supernode-{k}\n")
+    trusted = federation.write_trusted_keys()
+    assert trusted.read_text().splitlines() == [
+        f"ecdsa-sha2-nistp384 KEY{k} fcl-flower supernode-{k}" for k in range(2)
+    ]
+    entries = federation.secagg_node_config("supernode-1", trusted)
+    assert f'secagg-signing-key="{federation.keys / "supernode-1"}"' in entries
+    assert f'secagg-trusted-keys="{trusted}"' in entries
+    assert f'secagg-ledger="{tmp_path / "ledger" / "supernode-1"}"' in entries
