@@ -35,11 +35,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
+from logging import INFO
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message
+from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fcl_flower.analytic import packed_length
@@ -62,7 +64,8 @@ from fcl_flower.privacy.secagg import unmask_sum
 from fcl_flower.protocol import WIRE_DTYPES, Instruction, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaFactorStats, StsaStats
 from fcl_flower.results import ResultsRecorder
-from strategies.accounting import client_name
+from fcl_flower.state_io import StateError, load_state, save_state
+from strategies.accounting import client_name, client_order
 from strategies.analytic import (
     AnalyticStrategy,
     noisy_total,
@@ -183,6 +186,9 @@ class MaskedFold:
         self.strategy.open_masked(self.plan, self.sums, self.clients)
 
 
+OPENED_SUM = "secagg-opened"  # the run folder's copy of the last opened secure sum (for an honest resume)
+
+
 class STSAStrategy(AnalyticStrategy):
     stats_phase = "stsa-stats"
 
@@ -194,6 +200,7 @@ class STSAStrategy(AnalyticStrategy):
         self._request: dict[int, tuple[int, ...]] = {}  # the backfill request of the round in progress
         self._round_sums: dict[int, TaskSum] = {}  # running sums per task of the plain round in progress
         self._in_ridge: set[int] = set()  # tasks whose own stage's statistics went into the ridge state
+        self._resumed_opening: dict[str, Any] | None = None  # a secure sum opened before an interruption
         # every factor upload's rows, for the N x N kernel solve while N <= M / 2 (None: G solves)
         self.stack = (
             FactorStack.empty(self.rf_dim, split.num_classes, self.rf_dim // 2) if cfg.stats_form == "factor" else None
@@ -207,9 +214,32 @@ class STSAStrategy(AnalyticStrategy):
         return ins
 
     def run_round(self, grid: Grid, plan: RoundPlan, timeout: float) -> Iterable[Message]:
+        self._resumed_opening = self.saved_opening(plan)
+        if self._resumed_opening is not None:
+            return []  # the sum was opened before the interruption: nobody is asked again
         if self.secure is not None and plan.phase == self.stats_phase:
             return InOrder(self.secure.run(self, grid, plan, timeout))
         return super().run_round(grid, plan, timeout)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        saved, self._resumed_opening = self._resumed_opening, None
+        if saved is None:
+            return super().aggregate_train(server_round, replies)
+        plan = self._require_plan()
+        survivors = set(saved["survivors"])
+        assert self.secure is not None
+        self.secure.revealed = set(survivors)  # if the sum fails its checks now, it is still never re-opened
+        log(
+            INFO,
+            "[stage %d] the secure sum opened before the interruption is taken from %s; nobody is asked again",
+            plan.task + 1,
+            self.checkpoints.folder / f"{OPENED_SUM}.json",
+        )
+        self.accounting.contributed(server_round, sorted(survivors, key=client_order))
+        self.fold_opened(plan, saved["sums"], survivors, list(saved["tasks"]), int(saved["threshold"]))
+        return self.global_arrays(), MetricRecord({"num-clients": len(survivors), "num-examples": 0})
 
     def masked(self) -> bool:
         """Whether the replies being read are masked (a secure statistics round is under way)."""
@@ -356,8 +386,9 @@ class STSAStrategy(AnalyticStrategy):
             self._in_ridge.add(task)
 
     def open_masked(self, plan: RoundPlan, sums: dict[str, np.ndarray], survivors: set[str]) -> None:
-        """Open Σ over the survivors, check it like one upload, add it column block by column block."""
-        assert self.secure is not None and self.secure.opening is not None
+        """Open Σ over the survivors, checkpoint it before anything else (an honest resume never asks
+        the clients again: their ledgers would refuse another set), then check and add it."""
+        assert self.secure is not None and self.secure.opening is not None and self.secure.current is not None
         opening = self.secure.opening
         opened = {
             name: torch.from_numpy(
@@ -373,6 +404,47 @@ class STSAStrategy(AnalyticStrategy):
             )
             for name in MASKED_NAMES
         }
+        tasks, threshold = self.secure_columns(plan.task), self.secure.current.threshold
+        save_state(
+            self.checkpoints.folder,
+            OPENED_SUM,
+            {
+                "task": plan.task,
+                "survivors": sorted(survivors),
+                "tasks": tasks,
+                "threshold": threshold,
+                "sums": opened,
+            },
+        )
+        self.fold_opened(plan, opened, survivors, tasks, threshold)
+
+    def saved_opening(self, plan: RoundPlan) -> dict[str, Any] | None:
+        """On resume: the secure sum of ``plan``'s stage opened before the interruption, if any."""
+        path = self.checkpoints.folder / f"{OPENED_SUM}.json"
+        if not (self.cfg.resume and self.secure is not None and plan.phase == self.stats_phase and path.exists()):
+            return None
+        try:
+            saved = load_state(path)
+        except StateError as err:
+            raise RunFailed(f"resume: {err}") from None
+        ok = (
+            isinstance(saved, dict)
+            and saved.get("task") == plan.task
+            and isinstance(saved.get("survivors"), list)
+            and all(isinstance(c, str) for c in saved["survivors"])
+            and isinstance(saved.get("tasks"), list)
+            and all(isinstance(t, int) and 0 <= t <= plan.task for t in saved["tasks"])
+            and isinstance(saved.get("threshold"), int)
+            and isinstance(saved.get("sums"), dict)
+            and set(saved["sums"]) == set(MASKED_NAMES)
+            and all(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in saved["sums"].values())
+        )
+        return saved if ok else None
+
+    def fold_opened(
+        self, plan: RoundPlan, opened: dict[str, torch.Tensor], survivors: set[str], tasks: list[int], threshold: int
+    ) -> None:
+        """Check the opened sum like one upload and add it column block by column block."""
         # Integer counts are exact in fixed point, so their opened sum is exactly integral: a
         # garbage upload is caught here (and a rounding would let random counts through). Noised
         # counts are not integral; the withheld count, never noised, still is.
@@ -380,8 +452,8 @@ class STSAStrategy(AnalyticStrategy):
         counts, withheld = opened["counts"][:-1], float(opened["counts"][-1])
         gram = opened["gram-packed"]
         sums_c = opened["class-sums"].reshape(self.rf_dim, -1)
-        column, tasks = 0, self.secure_columns(plan.task)
-        share = secure_share(self.cfg, self.secure.current.threshold) if self.secure.current is not None else 1.0
+        column = 0
+        share = secure_share(self.cfg, threshold)
         factor = share * len(survivors) ** 0.5  # the opened sum's noise: |U3| shares
         for client in sorted(survivors):  # one release of each survivor's data: the current task and the owed ones
             owed = [t for t in tasks[1:] if t in self.backfill.missing.get(client, [])]

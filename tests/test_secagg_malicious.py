@@ -364,3 +364,39 @@ def test_a_false_accusation_bars_the_accuser(tmp_path, monkeypatch) -> None:
     assert any("falsely" in why for why in first.extra["secagg_blame"]["client-3"])
     assert "client-3" not in first.clients and "barred" in strategy.recorder.stages[1].left_out["client-3"]
     assert "client-1" in first.clients
+
+
+# ------------------------------------------------------------------------------ 3'. an honest resume asks nobody again
+class Killed(Exception):
+    """Stands in for the server process dying right after it opened a secure sum."""
+
+
+def test_an_honest_resume_takes_the_opened_sum_from_the_checkpoint(tmp_path, monkeypatch) -> None:
+    """The server dies right after opening stage 2's sum (before its stage checkpoint). On resume it
+    takes the opened sum from the run folder: no secure round is run again for stage 2 (the
+    clients' ledgers would refuse another set anyway), and the run ends exactly like an
+    uninterrupted one."""
+    from strategies.stsa import STSAStrategy
+
+    settings = {**SETTINGS, "num_tasks": 5}
+    uninterrupted = run_on(LocalGrid(client_app, 5, first_node_id=NODE_BASE), small_config(tmp_path / "u", **settings))
+    fold = STSAStrategy.fold_opened
+
+    def die_at_stage_2(self, plan, *args):
+        if plan.task == 1:
+            raise Killed
+        return fold(self, plan, *args)
+
+    monkeypatch.setattr(STSAStrategy, "fold_opened", die_at_stage_2)
+    cfg = small_config(tmp_path / "r", **settings)
+    grid = LocalGrid(client_app, 5, first_node_id=NODE_BASE)
+    with pytest.raises(Killed):
+        run_on(grid, cfg)
+    monkeypatch.undo()
+    grid.sent.clear()
+    resumed = run_on(grid, cfg.replace(resume=True))  # the same nodes, their ledgers and all
+    asked = {(Header.from_record(m.content.config_records["header"]).task, m.metadata.message_type) for m in grid.sent}
+    assert (1, "query.stats") not in asked and (1, "query.keys") not in asked  # stage 2: nobody asked again
+    assert (2, "query.stats") in asked
+    assert np.array_equal(resumed.weights.numpy(), uninterrupted.weights.numpy())
+    assert [s.accuracy for s in resumed.recorder.stages] == [s.accuracy for s in uninterrupted.recorder.stages]
