@@ -400,3 +400,52 @@ def test_an_honest_resume_takes_the_opened_sum_from_the_checkpoint(tmp_path, mon
     assert (2, "query.stats") in asked
     assert np.array_equal(resumed.weights.numpy(), uninterrupted.weights.numpy())
     assert [s.accuracy for s in resumed.recorder.stages] == [s.accuracy for s in uninterrupted.recorder.stages]
+
+
+# ------------------------------------------------------------------------------ refusals, one by one
+class NoSignaturesGrid(LocalGrid):
+    """A server that asks for the unmask shares without relaying the survivors' view signatures."""
+
+    def deliver(self, messages):
+        out = []
+        for message in messages:
+            if message.metadata.message_type == "query.unmask":
+                ins = parse_instruction(message)
+                message = dataclasses.replace(ins, signatures={}).to_message(message.metadata.dst_node_id)
+            out.append(message)
+        return super().deliver(out)
+
+
+def test_an_unmask_request_without_the_survivors_signatures_is_refused(tmp_path) -> None:
+    grid = signed_grid(tmp_path, NoSignaturesGrid(client_app, 5, first_node_id=NODE_BASE))
+    strategy = run_on(grid, small_config(tmp_path / "run", **{**SETTINGS, "num_tasks": 1}, secagg_signed_keys=True))
+    refusals = errors(grid, "query.unmask")
+    assert len(refusals) == 5
+    assert all("the unmask request carries no signature of survivor" in e for e in refusals)
+    assert "cannot be opened" in strategy.recorder.stages[0].extra["failed"]
+
+
+def test_an_upload_whose_view_signature_does_not_verify_is_left_out(tmp_path) -> None:
+    """The server checks each upload's view signature too: a forged one is a rejected upload
+    (recovered in the attempt like a dropout), named, and the stage opens over the others."""
+
+    def forge(task, phase, replies):
+        if phase == "stsa-stats":
+            for m in replies:
+                if not m.has_error() and reply_partition(m) == 0:
+                    m.content.config_records["secagg"]["view-signature"] = b"forged"
+        return replies
+
+    grid = signed_grid(tmp_path, LocalGrid(client_app, 5, first_node_id=NODE_BASE, tamper=_by_header(forge)))
+    strategy = run_on(grid, small_config(tmp_path / "run", **{**SETTINGS, "num_tasks": 1}, secagg_signed_keys=True))
+    stage = strategy.recorder.stages[0]
+    assert "failed" not in stage.extra and "client-0" not in stage.clients
+    assert "its signature is not over this node's view of the round" in stage.left_out["client-0"]
+
+
+def _by_header(tamper):
+    def hook(sent, replies):
+        header = Header.from_record(sent[0].content.config_records["header"])
+        return tamper(header.task, header.phase, replies)
+
+    return hook
