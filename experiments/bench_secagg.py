@@ -191,30 +191,22 @@ def secure_round(
             ) -> dict[str, np.ndarray]:
                 for k in survivors:
                     verify_view(signer[k], signatures[k], view)
-                rebuilt_seeds = {
-                    k: rebuild_secret(
-                        k,
-                        SEED,
-                        {d: held[d][k][0] for d in responders},
-                        dealt[k].commitments,
-                        dealt[k].secrets,
-                        threshold,
-                        context,
-                    ).secret
-                    for k in survivors
-                }
-                rebuilt_keys = {
-                    j: rebuild_secret(
-                        j,
-                        MASK_KEY,
-                        {d: held[d][j][1] for d in responders},
-                        dealt[j].commitments,
-                        dealt[j].secrets,
-                        threshold,
-                        context,
-                    ).secret
-                    for j in dropped
-                }
+
+                def rebuilt(what: str, targets: list[int], half: int) -> dict[int, bytes]:
+                    return {
+                        k: rebuild_secret(
+                            k,
+                            what,
+                            {d: held[d][k][half] for d in responders},
+                            dealt[k].commitments,
+                            dealt[k].secrets,
+                            threshold,
+                            context,
+                        ).secret
+                        for k in targets
+                    }
+
+                rebuilt_seeds, rebuilt_keys = rebuilt(SEED, survivors, 0), rebuilt(MASK_KEY, dropped, 1)
                 opened = {
                     name: unmask_sum(
                         (masked[nodes.index(k)][name] for k in survivors),

@@ -202,20 +202,33 @@ def test_split_view_is_refused_with_signed_keys(tmp_path, unscreened) -> None:
 
 
 # ------------------------------------------------------------------------------ 2 and 4. backfill of an opened stage
-class BackfillClaimGrid(LocalGrid):
-    """A server that, in stage 2, claims every client owes stage 1 (which they all contributed)."""
+class RewritingGrid(LocalGrid):
+    """A server that rewrites the instructions of one message type before they go out."""
+
+    kind = ""
+
+    def rewrite(self, ins):
+        return ins
 
     def deliver(self, messages):
-        out = []
-        for message in messages:
-            if message.metadata.message_type == "query.stats":
-                ins = parse_instruction(message)
-                if isinstance(ins, StatsIns) and ins.header.task == 1:
-                    message = dataclasses.replace(ins, backfill=dict.fromkeys(range(5), (0,))).to_message(
-                        message.metadata.dst_node_id
-                    )
-            out.append(message)
+        out = [
+            self.rewrite(parse_instruction(m)).to_message(m.metadata.dst_node_id)
+            if m.metadata.message_type == self.kind
+            else m
+            for m in messages
+        ]
         return super().deliver(out)
+
+
+class BackfillClaimGrid(RewritingGrid):
+    """A server that, in stage 2, claims every client owes stage 1 (which they all contributed)."""
+
+    kind = "query.stats"
+
+    def rewrite(self, ins):
+        if isinstance(ins, StatsIns) and ins.header.task == 1:
+            return dataclasses.replace(ins, backfill=dict.fromkeys(range(5), (0,)))
+        return ins
 
 
 def test_a_false_backfill_of_a_contributed_stage_is_refused(tmp_path) -> None:
@@ -403,17 +416,13 @@ def test_an_honest_resume_takes_the_opened_sum_from_the_checkpoint(tmp_path, mon
 
 
 # ------------------------------------------------------------------------------ refusals, one by one
-class NoSignaturesGrid(LocalGrid):
+class NoSignaturesGrid(RewritingGrid):
     """A server that asks for the unmask shares without relaying the survivors' view signatures."""
 
-    def deliver(self, messages):
-        out = []
-        for message in messages:
-            if message.metadata.message_type == "query.unmask":
-                ins = parse_instruction(message)
-                message = dataclasses.replace(ins, signatures={}).to_message(message.metadata.dst_node_id)
-            out.append(message)
-        return super().deliver(out)
+    kind = "query.unmask"
+
+    def rewrite(self, ins):
+        return dataclasses.replace(ins, signatures={})
 
 
 def test_an_unmask_request_without_the_survivors_signatures_is_refused(tmp_path) -> None:
