@@ -4,7 +4,7 @@
     python -m experiments.bench_gpu --skip-runs      # throughput only
     python -m experiments.bench_gpu --quick          # small counts: checks the script end to end
 
-**Throughput** (images/s) of the two backbones the README names, on every device this machine
+**Throughput** (images/s) of the two backbones docs/benchmarks.md names, on every device this machine
 has (``cpu``, and ``cuda`` when a GPU is visible):
 
 * ``app path``: what a client does for its statistics, :func:`fcl_flower.runtime.iter_features`

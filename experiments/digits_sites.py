@@ -4,7 +4,7 @@
 
 writes ``/tmp/sites/site-0``, ``site-1`` and ``site-2``: 8x8 grayscale PNG files, one folder per
 class, named ``zero`` .. ``nine`` -- a stand-in for "each site has a folder of images", used by the
-deployment story in the README and by tests/test_deployment.py. The sites are deliberately
+deployment story in docs/federations.md and by tests/test_deployment.py. The sites are deliberately
 unlike each other, as real sites are:
 
 * ``site-0`` holds every class, as a plain ``<class-name>/*.png`` tree (its held-out samples are

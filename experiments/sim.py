@@ -8,7 +8,7 @@ the same default; ``--num-cpus``/``--num-gpus`` set the resources each simulated
 The ServerApp and ClientApp are exactly the ones ``flwr run .`` uses.
 
 ``--ray-address HOST:PORT`` joins a Ray cluster that is already running (``ray start --head`` on
-one machine, ``ray start --address HOST:PORT`` on the others; README "A Ray cluster") instead of
+one machine, ``ray start --address HOST:PORT`` on the others; docs/simulation.md, "A Ray cluster") instead of
 starting Ray on this machine: the simulated clients are spread over the cluster's nodes as their
 resources allow, and the run gives the same results as on one machine.
 """
@@ -145,7 +145,7 @@ def simulate(
 
     Flower 1.41 deprecates ``flwr.simulation.run_simulation`` in favour of the ``flwr run`` CLI and
     offers no supported Python launcher (its simulation runtime needs a SuperLink); this is the
-    one place that calls it (README, "The Python launcher").
+    one place that calls it (docs/simulation.md, "The Python launcher").
     """
     from flwr.simulation import run_simulation
 

@@ -2,13 +2,13 @@
 
 * Ray's FutureWarning "Tip: In future versions of Ray, Ray will no longer override accelerator
   visible devices env var if num_gpus=0": this app relies on today's behaviour (a simulated client
-  without a GPU share sees no GPU, see the README's GPU section), and Ray's default keeps it.
+  without a GPU share sees no GPU, see docs/simulation.md, "GPUs"), and Ray's default keeps it.
 * Flower's "Manually terminating ClientAppActor" when the simulation shuts its Ray actors down: a
   normal shutdown, logged as a warning by every actor.
 * Flower's DEPRECATED FEATURE notice for ``run_simulation`` in experiments/sim.py: Flower 1.41 has
-  no supported Python launcher (the README explains; ``flwr run`` is the supported path).
+  no supported Python launcher (docs/simulation.md explains; ``flwr run`` is the supported path).
 
-What cannot be silenced from here is documented in the README ("Known messages").
+What cannot be silenced from here is documented in docs/getting_started.md ("Known messages").
 """
 
 from __future__ import annotations
