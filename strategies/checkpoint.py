@@ -7,7 +7,8 @@ configuration is the same (operational keys such as the timeout may change). A c
 is corrupted, of another format or of another run is refused with one line naming the file.
 
 :func:`open_run_folder` makes the folder and checks it before any work: it must be writable, and it
-must not hold the results of another configuration (unless ``resume`` or ``overwrite``). It then
+must not hold the results of another configuration (unless ``overwrite``; ``resume`` is checked
+against the checkpoint instead). It then
 holds an exclusive lock on the folder for the whole run: a second server on the same folder stops
 at once with one line instead of overwriting the first's results.
 """
@@ -91,11 +92,12 @@ def writable_folder(folder: Path) -> Path:
 
 
 def check_not_foreign(cfg: RunConfig) -> None:
-    """Refuse a run folder that holds another configuration's results, unless resume or overwrite.
+    """Refuse a run folder that holds another configuration's results, unless overwrite.
 
     The configuration a folder holds is the one in its results.json (written when a run starts).
     A folder with the same result knobs is this configuration's: running it again replaces the
-    same numbers.
+    same numbers. Under ``resume`` the checkpoint decides (:meth:`CheckpointStore.load` refuses
+    another configuration's), so the hint offers only what can work: another folder, or overwrite.
     """
     path = cfg.output_dir / RESULTS_FILE
     if cfg.resume or cfg.overwrite or not path.exists():
@@ -113,7 +115,7 @@ def check_not_foreign(cfg: RunConfig) -> None:
         more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
         raise ConfigError(
             f"{cfg.output_dir} holds the results of another configuration ({shown}{more}); "
-            "choose another run-name, or pass resume or overwrite"
+            "choose another out/run-name, or pass overwrite to replace them (resume continues only the same configuration)"
         )
 
 

@@ -57,9 +57,14 @@ def test_a_run_never_writes_into_another_configurations_folder(tmp_path) -> None
     run_local(first)
     before = (first.output_dir / "results.json").read_bytes()
     other = first.replace(rf_dim=70)
-    with pytest.raises(ConfigError, match=r"holds the results of another configuration \(rf-dim: 60 -> 70\)"):
+    with pytest.raises(ConfigError, match=r"holds the results of another configuration \(rf-dim: 60 -> 70\)") as err:
         run_local(other)
     assert (first.output_dir / "results.json").read_bytes() == before  # untouched
+    # the hint offers only what works: resume of another configuration is refused, overwrite is not
+    assert "\n" not in str(err.value) and "pass overwrite" in str(err.value) and "pass resume" not in str(err.value)
+    with pytest.raises(ConfigError, match="resume: config differs from the checkpoint in: rf-dim"):
+        run_local(other.replace(resume=True))
+    assert (first.output_dir / "results.json").read_bytes() == before
     run_local(other.replace(overwrite=True))
     assert results(other)["config"]["rf-dim"] == 70 and results(other)["status"] == "completed"
 
