@@ -10,7 +10,9 @@ arrays. :func:`save_state` writes
 The JSON file is replaced last and atomically, so a crash at any point leaves the previous
 complete checkpoint; files of older checkpoints are removed afterwards. :func:`load_state`
 never executes anything from disk: safetensors holds raw numbers, JSON holds data. A truncated,
-garbled or foreign file raises :class:`StateError` with one line naming the file.
+garbled or foreign file raises :class:`StateError` with one line naming the file; a digest
+mismatch says which side is wrong (the tensors file is named by its digest, so a damaged
+``sha256`` field in the JSON is told apart from a damaged tensors file).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 FORMAT = "fcl-flower-state/1"
+DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class StateError(ValueError):
@@ -157,8 +161,22 @@ def load_state(path: Path) -> Any:
     data_file = path.parent / str(document.get("tensors", ""))
     if "/" in str(document.get("tensors", "")) or not data_file.is_file():
         raise StateError(f"{path} refers to a missing tensors file {data_file.name}; {advice}")
-    if hashlib.sha256(data_file.read_bytes()).hexdigest() != document.get("sha256"):
-        raise StateError(f"{data_file} does not match the digest in {path.name} (corrupted); {advice}")
+    digest = document.get("sha256")
+    if not isinstance(digest, str) or not DIGEST.fullmatch(digest):
+        shown = repr(digest) if len(repr(digest)) <= 20 else repr(digest)[:17] + "..."
+        raise StateError(
+            f"{path}: its sha256 field is malformed ({shown}, not 64 hex digits): {path.name} was edited "
+            f"or damaged, not {data_file.name}; {advice}"
+        )
+    actual = hashlib.sha256(data_file.read_bytes()).hexdigest()
+    if actual != digest:
+        named = data_file.stem.rpartition("-")[2]  # save_state names the file by its digest's first 16 digits
+        if len(named) == 16 and actual.startswith(named):
+            raise StateError(
+                f"{path}: its sha256 field does not match {data_file.name}, which is intact (its content "
+                f"matches its name): the digest in {path.name} was altered; {advice}"
+            )
+        raise StateError(f"{data_file} does not match the sha256 in {path.name}: the tensors file is damaged; {advice}")
     try:
         tensors = load_file(str(data_file))
         return _decode(document.get("state"), tensors)

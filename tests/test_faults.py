@@ -473,3 +473,35 @@ def test_a_state_that_shares_tensors_round_trips_and_shares_them_again(tmp_path:
     loaded = load_state(save_state(tmp_path, "ck", state))
     assert torch.equal(loaded["model"]["w"], weight) and loaded["model"]["w"] is loaded["teacher"]["w"]
     assert torch.equal(loaded["row"], weight[1]) and torch.equal(loaded["ids"], torch.arange(5))
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        ("malformed digest", "sha256 field is malformed ('not-a-digest', not 64 hex digits)"),
+        ("altered digest", "its sha256 field does not match"),
+        ("damaged tensors", "the tensors file is damaged"),
+    ],
+)
+def test_a_digest_mismatch_names_the_side_that_is_wrong(tmp_path: Path, damage: str, says: str) -> None:
+    """A damaged sha256 field in checkpoint.json is not reported as a corrupted tensors file."""
+    from fcl_flower.state_io import StateError, save_state
+
+    path = save_state(tmp_path, "checkpoint", {"w": torch.randn(3, 2)})
+    tensors = next(tmp_path.glob("checkpoint-*.safetensors"))
+    document = json.loads(path.read_text())
+    if damage == "malformed digest":
+        document["sha256"] = "not-a-digest"
+    elif damage == "altered digest":
+        document["sha256"] = document["sha256"][:-1] + ("0" if document["sha256"][-1] != "0" else "1")
+    else:
+        tensors.write_bytes(tensors.read_bytes()[:-8] + b"\0" * 8)
+    path.write_text(json.dumps(document))
+    with pytest.raises(StateError) as err:
+        load_state(path)
+    message = str(err.value)
+    assert "\n" not in message and says in message and "restore a backup" in message
+    if damage == "damaged tensors":
+        assert message.startswith(str(tensors))
+    else:
+        assert message.startswith(f"{path}: its sha256 field") and "tensors file is damaged" not in message
