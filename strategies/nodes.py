@@ -7,7 +7,9 @@
   SuperNode authentication, a node id is bound to a registered key). A node is mapped to the
   client it claims once, at first contact -- a tiny ``query.info`` message to every node the
   server has not heard from, before any round that carries data -- and the map is one-to-one
-  and checkpointed. A node claiming a second client, or a client already served by another
+  and checkpointed (a resumed run keeps it while any of its nodes is still connected, and warns
+  when none is; the simulation engine gives its nodes new ids every run, so there it starts
+  afresh without a warning). A node claiming a second client, or a client already served by another
   node, is rejected; two unknown nodes claiming the same client in the same discovery leave
   that client *contested*: neither node is mapped, both are named, and the client is left out
   (so an impostor that answers first cannot take over a client, it can only get it excluded).
@@ -22,7 +24,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
@@ -37,6 +39,14 @@ from fcl_flower.protocol import UploadError
 from strategies.accounting import client_name
 
 RECONNECT_GRACE_S = 30.0  # after the first round: how long to wait for a node that went away
+
+
+def simulated(grid: Grid) -> bool:
+    """Whether ``grid`` is Flower's simulation engine (``run_simulation`` and ``flwr run`` on a
+    simulation federation), whose nodes get new random ids on every run, resumed runs included."""
+    from flwr.superlink.grid import InMemoryGrid
+
+    return isinstance(grid, InMemoryGrid)
 
 
 @dataclass(frozen=True)
@@ -135,11 +145,14 @@ class NodeDirectory:
         if self._restored:
             self._restored = False
             if self.client_of and not set(self.client_of) & set(node_ids):
-                log(
-                    WARNING,
-                    "resume: none of the checkpoint's nodes is connected (a new federation): "
-                    "the node -> client map starts afresh",
-                )
+                if simulated(grid):  # the engine gives its nodes new ids every run: nothing to warn about
+                    log(INFO, "resume: the simulated nodes have new ids, as in every run: clients are mapped afresh")
+                else:
+                    log(
+                        WARNING,
+                        "resume: none of the checkpoint's nodes is connected (a new federation): "
+                        "the node -> client map starts afresh",
+                    )
                 self.client_of, self.contested = {}, {}
         return node_ids
 

@@ -11,6 +11,7 @@ References are either the fault-free run or a direct ridge on the data of the an
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -505,3 +506,34 @@ def test_a_digest_mismatch_names_the_side_that_is_wrong(tmp_path: Path, damage: 
         assert message.startswith(str(tensors))
     else:
         assert message.startswith(f"{path}: its sha256 field") and "tensors file is damaged" not in message
+
+
+@pytest.mark.parametrize("engine", ["simulation", "supernodes"])
+def test_a_resume_warns_of_a_new_federation_only_where_node_ids_persist(tmp_path, monkeypatch, engine: str) -> None:
+    """The simulation engine gives its nodes new ids every run: a resumed simulation maps its
+    clients afresh without a warning; real SuperNodes none of which is back still warn."""
+    from flwr.superlink.grid import InMemoryGrid
+
+    import strategies.nodes
+    from strategies.nodes import NodeDirectory
+
+    class SimulationGrid(InMemoryGrid):
+        def __init__(self) -> None:  # no link state: only the node ids are asked for
+            pass
+
+        def get_node_ids(self) -> list[int]:
+            return [21, 22]
+
+    cfg = RunConfig(dataset="digits", num_clients=2, out=str(tmp_path)).validated()
+    nodes = NodeDirectory(cfg, federated_split(cfg))
+    nodes.load_state_dict({"client_of": {"11": 0, "12": 1}})
+    logged: list[tuple[int, str]] = []
+    monkeypatch.setattr(strategies.nodes, "log", lambda level, msg, *args: logged.append((level, msg % args)))
+    grid = SimulationGrid() if engine == "simulation" else SimpleNamespace(get_node_ids=lambda: [21, 22])
+    assert nodes.connected(grid) == [21, 22]
+    assert nodes.client_of == {}  # mapped afresh either way
+    warned = [msg for level, msg in logged if level >= logging.WARNING]
+    if engine == "simulation":
+        assert warned == [] and any("new ids" in msg for _, msg in logged)
+    else:
+        assert len(warned) == 1 and "none of the checkpoint's nodes is connected" in warned[0]
