@@ -91,12 +91,14 @@ def run_local(cfg: RunConfig, node_configs: Sequence[Mapping[str, Any]] | None =
 
 def check_before_start(cfg: RunConfig) -> None:
     """Everything that can fail before any training, checked before the engine starts (ConfigError
-    and friends, one line): the run folder is writable and not another configuration's, the tracking
-    backends are installed, the dataset loads and splits."""
+    and friends, one line): the run folder is writable, not locked by another server and not another
+    configuration's, under resume its checkpoint is this configuration's, the tracking backends are
+    installed, the dataset loads and splits. The server checks the folder again when it starts, and
+    holds its lock while it runs."""
     from fcl_flower.config import ConfigError
     from fcl_flower.runtime import federated_split
     from fcl_flower.tracking import require_tracking_packages
-    from strategies.checkpoint import check_not_foreign, writable_folder
+    from strategies.checkpoint import LOCK_FILE, check_run_folder
 
     if cfg.dataset == "custom":
         raise ConfigError(
@@ -106,13 +108,15 @@ def check_before_start(cfg: RunConfig) -> None:
 
     folder = cfg.output_dir
     created = [p for p in (folder, *folder.parents) if not p.exists()]
-    writable_folder(folder)
     try:
-        check_not_foreign(cfg)
+        check_run_folder(cfg)
         require_tracking_packages(cfg)
         federated_split(cfg)
     except BaseException:
-        for path in created:  # leave no empty folders behind a run that never started
+        if created:  # leave no empty folders behind a run that never started
+            with contextlib.suppress(OSError):
+                (folder / LOCK_FILE).unlink(missing_ok=True)
+        for path in created:
             with contextlib.suppress(OSError):
                 path.rmdir()
         raise

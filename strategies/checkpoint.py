@@ -10,7 +10,8 @@ is corrupted, of another format or of another run is refused with one line namin
 must not hold the results of another configuration (unless ``overwrite``; ``resume`` is checked
 against the checkpoint instead). It then
 holds an exclusive lock on the folder for the whole run: a second server on the same folder stops
-at once with one line instead of overwriting the first's results.
+at once with one line instead of overwriting the first's results. :func:`check_run_folder` runs
+the same checks (and the resume's) without keeping the lock, for a launcher before its engine starts.
 """
 
 from __future__ import annotations
@@ -117,6 +118,18 @@ def check_not_foreign(cfg: RunConfig) -> None:
             f"{cfg.output_dir} holds the results of another configuration ({shown}{more}); "
             "choose another out/run-name, or pass overwrite to replace them (resume continues only the same configuration)"
         )
+
+
+def check_run_folder(cfg: RunConfig) -> None:
+    """Everything :func:`open_run_folder` and a resume will check, checked now: for a launcher,
+    before its engine starts (experiments/sim.py: seconds, not after Ray's start). The folder is
+    writable, no other server holds its lock, it is not another configuration's, and under
+    ``resume`` it holds a checkpoint of this configuration. The lock is released again: the
+    server takes it (and checks all of this once more) when it starts."""
+    with run_folder_lock(writable_folder(cfg.output_dir)):
+        check_not_foreign(cfg)
+        if cfg.resume:
+            CheckpointStore(cfg.output_dir).load(cfg)
 
 
 @contextmanager

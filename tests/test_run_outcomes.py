@@ -121,24 +121,92 @@ def test_the_server_app_raises_so_flower_records_a_failed_run(tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-def test_sim_exits_non_zero_and_prints_no_results_path_on_failure(tmp_path) -> None:
-    """A resume that does not match the checkpoint: exit 2, one error line, no 'results:' line."""
-    flags = ["--num-tasks", "2", "--num-clients", "2", "--stage1-rounds", "0", "--rf-dim", "60", "--device", "cpu"]
-    flags += ["--out", str(tmp_path), "--run-name", "r"]
-    run_local(
-        RunConfig(num_tasks=2, num_clients=2, stage1_rounds=0, rf_dim=60, device="cpu", out=str(tmp_path), run_name="r")
+SIM_FLAGS = ["--num-tasks", "2", "--num-clients", "2", "--stage1-rounds", "0", "--rf-dim", "60", "--device", "cpu"]
+
+
+def _sim_config(tmp_path: Path) -> RunConfig:
+    return RunConfig(
+        num_tasks=2, num_clients=2, stage1_rounds=0, rf_dim=60, device="cpu", out=str(tmp_path), run_name="r"
     )
+
+
+def _sim(*flags: str) -> tuple[subprocess.CompletedProcess, float]:
+    began = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(SIM), *flags, "--rf-dim", "61", "--resume"],
+        [sys.executable, "-m", "experiments.sim", *flags],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
         stdin=subprocess.DEVNULL,
         env={**os.environ, "CI": "true"},
     )
+    return proc, time.monotonic() - began
+
+
+def _engine_never_starts(monkeypatch) -> None:
+    import flwr.simulation
+
+    def refuse(**_: object) -> None:
+        raise AssertionError("the simulation engine started")
+
+    monkeypatch.setattr(flwr.simulation, "run_simulation", refuse)
+
+
+def test_sim_exits_non_zero_and_prints_no_results_path_on_failure(tmp_path) -> None:
+    """A resume that does not match the checkpoint: exit 2, one error line, no 'results:' line,
+    before the simulation engine starts (no Ray: a couple of seconds past Python's imports)."""
+    flags = [*SIM_FLAGS, "--out", str(tmp_path), "--run-name", "r"]
+    run_local(_sim_config(tmp_path))
+    before = (tmp_path / "r" / "results.json").read_bytes()
+    imports, _ = _sim("--help")
+    _, startup = _sim("--help")  # Python and the imports alone, warm
+    assert imports.returncode == 0
+    proc, seconds = _sim(*flags, "--rf-dim", "61", "--resume")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == "error: resume: config differs from the checkpoint in: rf-dim"
+    assert proc.stderr.strip().splitlines() == ["error: resume: config differs from the checkpoint in: rf-dim"]
     assert "results:" not in proc.stdout
+    assert seconds < startup + 8.0, (seconds, startup)
+    assert (tmp_path / "r" / "results.json").read_bytes() == before
+
+
+def test_sim_on_a_folder_another_server_holds_stops_before_the_engine_starts(tmp_path) -> None:
+    """A second fcl-sim on a locked run folder: exit 2 and one line within seconds, not after Ray's start."""
+    from strategies.checkpoint import run_folder_lock
+
+    cfg = _sim_config(tmp_path)
+    _, startup = _sim("--help")
+    with run_folder_lock(cfg.output_dir):  # the first server, in this process
+        proc, seconds = _sim(*SIM_FLAGS, "--out", str(tmp_path), "--run-name", "r")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: another server is running in {cfg.output_dir}")
+    assert seconds < startup + 8.0, (seconds, startup)
+    assert sorted(p.name for p in cfg.output_dir.iterdir()) == [".lock"]  # nothing written
+
+
+def test_sim_checks_the_lock_and_the_resume_before_the_engine_starts(tmp_path, monkeypatch, capsys) -> None:
+    """In process: the engine is never started for a locked folder or a resume of another
+    configuration; checks that pass leave the lock to the server."""
+    from experiments import sim
+    from strategies.checkpoint import run_folder_lock
+
+    cfg = _sim_config(tmp_path)
+    flags = [*SIM_FLAGS, "--out", str(tmp_path), "--run-name", "r"]
+    _engine_never_starts(monkeypatch)
+    with run_folder_lock(cfg.output_dir):
+        assert sim.main(flags) == 2
+    assert capsys.readouterr().err.startswith("error: another server is running in")
+    run_local(cfg)
+    assert sim.main([*flags, "--rf-dim", "61", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: resume: config differs from the checkpoint in: rf-dim\n"
+
+    # checks that pass leave the lock free: the server takes it when it starts and holds it while it
+    # runs (tests/test_trust_boundaries.py: a second server on the same folder stops at once)
+    sim.check_before_start(cfg.replace(resume=True))
+    with run_folder_lock(cfg.output_dir):
+        pass
 
 
 # ------------------------------------------------------------------------------ a run reports itself
