@@ -6,9 +6,10 @@
 Indexes the folder exactly as the client will (fcl_flower/data/own.py: image folders, per-task
 folders, a CSV/JSON manifest or a Hugging Face ``datasets`` folder), decodes every image once, and
 prints the samples per class per task, for training and held out (given by the folder, or drawn
-with the run seed). Exit 0 when the folder can run; 2 with one ``error:`` line naming the file or
-folder when it cannot: a class that is not in the run's class list, an unreadable or corrupt image,
-an empty class or task folder, a class in another task than the plan's.
+with the run seed). Exit 0 when the folder can run; 2 when it cannot, with one ``error:`` line for
+every problem of the folder (all of them in one run), each naming the file or folder: a class that
+is not in the run's class list, an unreadable or corrupt image, an empty class or task folder, a
+class in another task than the plan's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from clients.own_data import START_HINT, own_settings
 from experiments.benchlib import OneLineErrorParser
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import DatasetError
-from fcl_flower.data.own import IMAGE_SUFFIXES, OwnData, load_own
+from fcl_flower.data.own import IMAGE_SUFFIXES, OwnData, Problems, index_folder, verify_images
 from fcl_flower.runtime import task_plan
 
 ERRORS = (ConfigError, DatasetError, NodeConfigError)
@@ -55,14 +56,29 @@ def parse_node_config(text: list[str]) -> dict[str, Any]:
         raise NodeConfigError(f"cannot parse the node config: {err}") from None
 
 
+class FolderProblems(DatasetError):
+    """Every problem of a folder, one line each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
 def check_folder(folder: str, cfg: RunConfig, node_config: Mapping[str, Any]) -> tuple[OwnData, float]:
-    """Index and decode every image of ``folder`` as the client will; (data, seconds)."""
+    """Index and decode every image of ``folder`` as the client will; (data, seconds). Every
+    problem of the folder is found before it raises :class:`FolderProblems` with all of them (one
+    that stops the reading, such as a folder that is not one, raises alone)."""
     began = time.perf_counter()
     if "partition-id" in node_config:
         partition_of(node_config, cfg.num_clients)
-    data = load_own(folder, task_plan(cfg), own_settings(node_config, cfg))
-    data.verify()
-    return data, time.perf_counter() - began
+    plan, settings = task_plan(cfg), own_settings(node_config, cfg)
+    problems = Problems(collect=True)
+    index = index_folder(Path(folder).expanduser().resolve(), plan, settings, problems)
+    assert index.reader is not None
+    verify_images(index.reader, problems)
+    if problems.found:
+        raise FolderProblems(problems.found)
+    return OwnData(index, plan, settings), time.perf_counter() - began
 
 
 def report(data: OwnData, cfg: RunConfig, node_config: Mapping[str, Any], seconds: float) -> str:
@@ -123,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_run_config(args.run_config)
         node_config = {**parse_node_config(args.node_config), "data-dir": str(args.folder)}
         data, seconds = check_folder(str(args.folder), cfg, node_config)
+    except FolderProblems as err:
+        for problem in err.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
     except ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -394,7 +394,8 @@ def _manifest_missing_file(site: Path) -> str:
 
 
 def _manifest_wrong_task(site: Path) -> str:
-    rows = [f"{p.relative_to(site).as_posix()},{p.parent.name},0" for p in sorted(site.rglob("*.png"))]
+    rows = [f"{p.relative_to(site).as_posix()},{p.parent.name}," for p in sorted(site.rglob("*.png"))]
+    rows[0] += "0"  # one mistake, one line (the check reports every row that has one)
     (site / "manifest.csv").write_text("file,class,task\n" + "\n".join(rows) + "\n")
     return f"{site / 'manifest.csv'} line 2"  # five/..., the first row
 
@@ -555,3 +556,39 @@ def test_hugging_face_datasets_folder(sites, tmp_path) -> None:
     why = r"hf-bad \(row 1\): class 'uno' is not in the run's class list"
     with pytest.raises(DatasetError, match=why):
         node_data({"data-dir": str(tmp_path / "hf-bad"), "partition-id": 0}, cfg).train(0, eval_transform=True)
+
+
+def test_the_check_reports_every_problem_of_a_folder_in_one_run(
+    sites, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three problems in one folder: one ``error:`` line each, in one run, then exit 2; a site
+    still stops at the first."""
+    _, _, plan = sites
+    site = _one_site(tmp_path)
+    wheres = [_truncated(site), _unknown_class(site), _empty_class(site)]  # in three different classes
+    rc = check_data.main([str(site), "--run-config", f"task-plan='{plan}'", "--node-config", "partition-id=0"])
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert rc == 2 and captured.out == ""
+    assert len(lines) == 3 and all(line.startswith("error: ") for line in lines), lines
+    for where, why in zip(wheres, ["cannot read image", "is not in the run's class list", "empty class folder"]):
+        assert sum(where in line and why in line for line in lines) == 1, (where, lines)
+    data = node_data({"data-dir": str(site), "partition-id": 0}, own_config(tmp_path / "out", plan))
+    with pytest.raises(DatasetError) as info:
+        data.train(0, eval_transform=True)
+    assert "\n" not in str(info.value)
+
+
+def test_the_check_reports_every_bad_row_of_a_manifest(sites, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, _, plan = sites
+    site = _one_site(tmp_path)
+    rows = [f"{p.relative_to(site).as_posix()},{p.parent.name}" for p in sorted(site.rglob("*.png"))]
+    rows[2] = rows[2].rsplit(",", 1)[0] + ",uno"
+    rows.append("zero/nowhere.png,zero")
+    rows.append(rows[0])
+    (site / "manifest.csv").write_text("file,class\n" + "\n".join(rows) + "\n")
+    rc = check_data.main([str(site), "--run-config", f"task-plan='{plan}'"])
+    lines = capsys.readouterr().err.splitlines()
+    assert rc == 2 and len(lines) == 3, lines
+    assert "line 4" in lines[0] and "class 'uno'" in lines[0]
+    assert "nowhere.png does not exist" in lines[1] and "is listed twice" in lines[2]

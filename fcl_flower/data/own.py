@@ -31,7 +31,8 @@ are cached per process up to :data:`CACHE_BYTES`. Every problem a site can fix i
 :class:`~fcl_flower.data.errors.DatasetError` line that names the file or folder: an unknown
 class, an unreadable or corrupt image, an empty class or task folder, a class in the wrong task.
 Indexing a folder of files also opens every file once (:func:`check_files`), so all of these stop
-a site at its first use of the folder, not in a later task.
+a site at its first use of the folder, not in a later task. A site stops at its folder's first
+problem; a check (``fcl-check-data``) passes a collecting :class:`Problems` and gets them all.
 Pure I/O and indexing: nothing here knows about Flower.
 """
 
@@ -41,8 +42,9 @@ import csv
 import json
 import re
 import zlib
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,36 @@ DEFAULT_TEST_FRACTION = 0.2
 #: Decoded images (uint8 at the plan's size) kept per process; beyond it images are decoded on use.
 CACHE_BYTES = 512 * 2**20
 _SUFFIXES_TEXT = "/".join(IMAGE_SUFFIXES)
+
+
+# ---------------------------------------------------------------------------- problems
+@dataclass
+class Problems:
+    """Where reading a folder puts each problem it finds: raised at once (a site: its first problem
+    stops it), or, with ``collect``, kept and the next folder, row or file read, so that a check
+    reports every problem of a folder in one run (one line each)."""
+
+    collect: bool = False
+    found: list[str] = field(default_factory=list)
+    unreadable: set[str] = field(default_factory=set)  # images already reported, not decoded again
+
+    def add(self, err: DatasetError) -> None:
+        if not self.collect:
+            raise err
+        self.found.append(str(err))
+
+    @contextmanager
+    def each(self) -> Iterator[None]:
+        """Around one item (a class folder, a row, a file): its problem is added, the rest of the
+        item skipped and the caller goes on with the next item."""
+        try:
+            yield
+        except DatasetError as err:
+            self.add(err)
+
+
+def _raise() -> Problems:
+    return Problems()
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -142,16 +174,32 @@ def _open_file(path: Path) -> Image.Image:
     return image
 
 
-def check_files(files: Iterable[Path]) -> None:
+def check_files(files: Iterable[Path], problems: Problems | None = None) -> None:
     """Open every file and check it without decoding it (PIL's ``verify``: the header, and for PNG
     every chunk's checksum, so a truncated or damaged PNG fails too): a bad file stops the site at
     its first use of the folder, naming the file, rather than in a later task."""
+    problems = problems or _raise()
     for path in files:
         try:
             with Image.open(path) as image:
                 image.verify()
         except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
-            raise DatasetError(f"cannot read image {path}: {one_line(err)}") from None
+            problems.add(DatasetError(f"cannot read image {path}: {one_line(err)}"))
+            problems.unreadable.add(str(path))
+
+
+def verify_images(
+    reader: PlanImages, problems: Problems | None = None, progress: Callable[[int, int], None] | None = None
+) -> None:
+    """Decode every image once (a corrupt one raises, or is added to ``problems``, naming it);
+    images ``problems`` already holds as unreadable are skipped."""
+    problems = problems or _raise()
+    for j in range(len(reader)):
+        if reader.names[j] not in problems.unreadable:
+            with problems.each():
+                reader.array(j)
+        if progress is not None:
+            progress(j + 1, len(reader))
 
 
 # ---------------------------------------------------------------------------- the index
@@ -237,24 +285,33 @@ def _scan_class(out: _Collector, folder: Path, label: int, held_out: bool | None
         out.add(path, str(path), path.relative_to(root).as_posix(), label, held_out)
 
 
-def _scan_tree(out: _Collector, base: Path, children: list[Path], plan: TaskPlan, held_out: bool | None) -> None:
+def _scan_tree(
+    out: _Collector, base: Path, children: list[Path], plan: TaskPlan, held_out: bool | None, problems: Problems
+) -> None:
     """One image tree: class folders, or task-<t> folders of class folders."""
     stray = sorted(p for p in base.iterdir() if p.is_file() and _is_image(p))
     if stray:
-        raise DatasetError(f"{stray[0]}: an image outside any class folder (put it in {base}/<class-name>/)")
+        problems.add(DatasetError(f"{stray[0]}: an image outside any class folder (put it in {base}/<class-name>/)"))
     tasks = [c for c in children if TASK_FOLDER.fullmatch(c.name)]
     classes = [c for c in children if not TASK_FOLDER.fullmatch(c.name)]
     if tasks and classes:
-        raise DatasetError(
-            f"{base}: mixes task folders ({tasks[0].name}) and class folders ({classes[0].name}); use one layout"
+        problems.add(
+            DatasetError(
+                f"{base}: mixes task folders ({tasks[0].name}) and class folders ({classes[0].name}); use one layout"
+            )
         )
+        return
     if not children:
-        raise DatasetError(
-            f"{base}: no class folders (expected {base}/<class-name>/*.png or {base}/task-0/<class-name>/)"
+        problems.add(
+            DatasetError(
+                f"{base}: no class folders (expected {base}/<class-name>/*.png or {base}/task-0/<class-name>/)"
+            )
         )
+        return
     if not tasks:
         for folder in classes:
-            _scan_class(out, folder, _label(plan, folder.name, str(folder)), held_out)
+            with problems.each():
+                _scan_class(out, folder, _label(plan, folder.name, str(folder)), held_out)
         return
     for task_dir in tasks:
         match = TASK_FOLDER.fullmatch(task_dir.name)
@@ -262,18 +319,22 @@ def _scan_tree(out: _Collector, base: Path, children: list[Path], plan: TaskPlan
         task = int(match.group(1))
         stray = sorted(p for p in task_dir.iterdir() if p.is_file() and _is_image(p))
         if stray:
-            raise DatasetError(f"{stray[0]}: an image outside any class folder (put it in {task_dir}/<class-name>/)")
+            problems.add(
+                DatasetError(f"{stray[0]}: an image outside any class folder (put it in {task_dir}/<class-name>/)")
+            )
         class_dirs = _subdirs(task_dir)
         if not class_dirs:
-            raise DatasetError(f"{task_dir}: empty task folder (no class folders); remove it or add images")
+            problems.add(DatasetError(f"{task_dir}: empty task folder (no class folders); remove it or add images"))
         for folder in class_dirs:
-            label = _label(plan, folder.name, str(folder))
-            _check_task(plan, task, label, str(folder))
-            _scan_class(out, folder, label, held_out)
+            with problems.each():
+                label = _label(plan, folder.name, str(folder))
+                _check_task(plan, task, label, str(folder))
+                _scan_class(out, folder, label, held_out)
 
 
-def index_image_folder(root: Path, plan: TaskPlan) -> tuple[OwnIndex, list[Path]]:
+def index_image_folder(root: Path, plan: TaskPlan, problems: Problems | None = None) -> tuple[OwnIndex, list[Path]]:
     """Index an ImageFolder-style tree (see the module doc); returns the index and the files."""
+    problems = problems or _raise()
     out = _Collector(root, "imagefolder")
     top = _subdirs(root)
     names = {p.name for p in top}
@@ -284,17 +345,16 @@ def index_image_folder(root: Path, plan: TaskPlan) -> tuple[OwnIndex, list[Path]
         )
     if TRAIN in names or TEST in names:
         if TRAIN in names:
-            extra = sorted(names - {TRAIN, TEST})
-            if extra:
-                raise DatasetError(f"{root / extra[0]}: next to train/ and test/ no other folder is read; move it")
+            for extra in sorted(names - {TRAIN, TEST}):
+                problems.add(DatasetError(f"{root / extra}: next to train/ and test/ no other folder is read; move it"))
             given: bool | None = False if TEST in names else None  # train/ alone: held-out drawn
-            _scan_tree(out, root / TRAIN, _subdirs(root / TRAIN), plan, given)
+            _scan_tree(out, root / TRAIN, _subdirs(root / TRAIN), plan, given, problems)
         else:
-            _scan_tree(out, root, [p for p in top if p.name != TEST], plan, False)
+            _scan_tree(out, root, [p for p in top if p.name != TEST], plan, False, problems)
         if TEST in names:
-            _scan_tree(out, root / TEST, _subdirs(root / TEST), plan, True)
+            _scan_tree(out, root / TEST, _subdirs(root / TEST), plan, True, problems)
     else:
-        _scan_tree(out, root, top, plan, None)
+        _scan_tree(out, root, top, plan, None, problems)
     return out.index, list(out.sources)
 
 
@@ -302,7 +362,7 @@ def index_image_folder(root: Path, plan: TaskPlan) -> tuple[OwnIndex, list[Path]
 FILE_COLUMNS, CLASS_COLUMNS = ("file", "path"), ("class", "label")
 
 
-def _manifest_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+def _manifest_rows(path: Path, problems: Problems) -> list[tuple[str, dict[str, Any]]]:
     """(where, row) of every sample of a CSV or JSON manifest; keys lower-cased."""
     try:
         text = path.read_text(encoding="utf-8-sig")
@@ -313,7 +373,8 @@ def _manifest_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
         rows = []
         for row in reader:
             if None in row:
-                raise DatasetError(f"{path.name} line {reader.line_num}: more values than columns")
+                problems.add(DatasetError(f"{path} line {reader.line_num}: more values than columns"))
+                continue
             rows.append((f"{path} line {reader.line_num}", {(k or "").strip().lower(): v for k, v in row.items()}))
         return rows
     if path.suffix.lower() == ".json":
@@ -337,45 +398,59 @@ def _column(row: dict[str, Any], names: tuple[str, ...]) -> Any:
     return None
 
 
-def index_manifest(root: Path, manifest: Path, plan: TaskPlan) -> tuple[OwnIndex, list[Path]]:
+def index_manifest(
+    root: Path, manifest: Path, plan: TaskPlan, problems: Problems | None = None
+) -> tuple[OwnIndex, list[Path]]:
     """Index the samples a manifest lists (see the module doc)."""
+    problems = problems or _raise()
     out = _Collector(root, "manifest")
-    rows = _manifest_rows(manifest)
-    if not rows:
+    rows = _manifest_rows(manifest, problems)
+    if not rows and not problems.found:
         raise DatasetError(f"manifest {manifest}: no samples")
+    if rows and (_column(rows[0][1], FILE_COLUMNS) is None or _column(rows[0][1], CLASS_COLUMNS) is None):
+        where, row = rows[0]  # the columns are missing: one line, not one per row
+        raise DatasetError(f"{where}: needs columns file and class (optional: task, split); has {', '.join(row)}")
     seen: dict[Path, str] = {}
     for where, row in rows:
-        file, name = _column(row, FILE_COLUMNS), _column(row, CLASS_COLUMNS)
-        if file is None or name is None:
-            raise DatasetError(f"{where}: needs columns file and class (optional: task, split); has {', '.join(row)}")
-        file, name = str(file).strip(), str(name).strip()
-        if not file:
-            raise DatasetError(f"{where}: empty file")
-        path = Path(file).expanduser()
-        path = path if path.is_absolute() else root / path
-        if not path.is_file():
-            raise DatasetError(f"{where}: {path} does not exist")
-        if path in seen:
-            raise DatasetError(f"{where}: {path} is listed twice (also at {seen[path]})")
-        seen[path] = where
-        label = _label(plan, name, where)
-        task = row.get("task")
-        if task is not None and str(task).strip() != "":
-            try:
-                task_id = int(str(task).strip())
-            except ValueError:
-                raise DatasetError(f"{where}: task must be a whole number counted from 0 (got {task!r})") from None
-            _check_task(plan, task_id, label, where)
-        held_out: bool | None = None
-        if "split" in row:
-            split = str(row["split"] or "").strip().lower()
-            if split not in (TRAIN, TEST):
-                raise DatasetError(f"{where}: split must be train or test (got {row['split']!r})")
-            held_out = split == TEST
-        out.add(path, str(path), file, label, held_out)
+        with problems.each():
+            _manifest_row(out, root, plan, where, row, seen)
     if out.index.given_split and any(h is None for h in out.index.held_out):
-        raise DatasetError(f"manifest {manifest}: some rows have a split and some not; give every row one")
+        problems.add(DatasetError(f"manifest {manifest}: some rows have a split and some not; give every row one"))
     return out.index, list(out.sources)
+
+
+def _manifest_row(
+    out: _Collector, root: Path, plan: TaskPlan, where: str, row: dict[str, Any], seen: dict[Path, str]
+) -> None:
+    """One manifest row: added to ``out``, or a DatasetError naming the row."""
+    file, name = _column(row, FILE_COLUMNS), _column(row, CLASS_COLUMNS)
+    if file is None or name is None:
+        raise DatasetError(f"{where}: needs columns file and class (optional: task, split); has {', '.join(row)}")
+    file, name = str(file).strip(), str(name).strip()
+    if not file:
+        raise DatasetError(f"{where}: empty file")
+    path = Path(file).expanduser()
+    path = path if path.is_absolute() else root / path
+    if not path.is_file():
+        raise DatasetError(f"{where}: {path} does not exist")
+    if path in seen:
+        raise DatasetError(f"{where}: {path} is listed twice (also at {seen[path]})")
+    seen[path] = where
+    label = _label(plan, name, where)
+    task = row.get("task")
+    if task is not None and str(task).strip() != "":
+        try:
+            task_id = int(str(task).strip())
+        except ValueError:
+            raise DatasetError(f"{where}: task must be a whole number counted from 0 (got {task!r})") from None
+        _check_task(plan, task_id, label, where)
+    held_out: bool | None = None
+    if "split" in row:
+        split = str(row["split"] or "").strip().lower()
+        if split not in (TRAIN, TEST):
+            raise DatasetError(f"{where}: split must be train or test (got {row['split']!r})")
+        held_out = split == TEST
+    out.add(path, str(path), file, label, held_out)
 
 
 # ---------------------------------------------------------------------------- HF datasets
@@ -408,8 +483,11 @@ def _hf_columns(features: Any, where: str) -> tuple[str, str, Callable[[Any], st
     return image, label, lambda value: str(value).strip()
 
 
-def index_hf(root: Path, plan: TaskPlan) -> tuple[OwnIndex, list[tuple[Any, str, int]]]:
+def index_hf(
+    root: Path, plan: TaskPlan, problems: Problems | None = None
+) -> tuple[OwnIndex, list[tuple[Any, str, int]]]:
     """Index a ``save_to_disk`` folder (see the module doc); sources are (dataset, row)."""
+    problems = problems or _raise()
     try:
         import datasets
     except ImportError:
@@ -446,21 +524,22 @@ def index_hf(root: Path, plan: TaskPlan) -> tuple[OwnIndex, list[tuple[Any, str,
         images = ds.select_columns([image])
         for row, value in enumerate(labels):
             at = f"{root} ({split + ' ' if split else ''}row {row})"
-            try:
-                name = name_of(value)
-            except ValueError as err:
-                raise DatasetError(f"{at}: {err}") from None
-            label = _label(plan, name, at)
-            if tasks is not None and tasks[row] is not None and str(tasks[row]).strip() != "":
+            with problems.each():
                 try:
-                    task = int(tasks[row])
-                except (TypeError, ValueError):
-                    raise DatasetError(
-                        f"{at}: task must be a whole number counted from 0 (got {tasks[row]!r})"
-                    ) from None
-                _check_task(plan, task, label, at)
-            out.add((images, image, row), at, f"{split}/{row:012d}", label, held_out)
-    if not out.index.names:
+                    name = name_of(value)
+                except ValueError as err:
+                    raise DatasetError(f"{at}: {err}") from None
+                label = _label(plan, name, at)
+                if tasks is not None and tasks[row] is not None and str(tasks[row]).strip() != "":
+                    try:
+                        task = int(tasks[row])
+                    except (TypeError, ValueError):
+                        raise DatasetError(
+                            f"{at}: task must be a whole number counted from 0 (got {tasks[row]!r})"
+                        ) from None
+                    _check_task(plan, task, label, at)
+                out.add((images, image, row), at, f"{split}/{row:012d}", label, held_out)
+    if not out.index.names and not problems.found:
         raise DatasetError(f"{root}: the dataset has no rows")
     return out.index, list(out.sources)
 
@@ -575,12 +654,8 @@ class OwnData:
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Decode every image once (a corrupt file raises, naming it); for checking a folder."""
-        reader = self.index.reader
-        assert reader is not None
-        for j in range(len(reader)):
-            reader.array(j)
-            if progress is not None:
-                progress(j + 1, len(reader))
+        assert self.index.reader is not None
+        verify_images(self.index.reader, progress=progress)
 
 
 def detect_format(root: Path, settings: OwnSettings) -> str:
@@ -617,20 +692,22 @@ def manifest_of(root: Path, settings: OwnSettings) -> Path:
     return found[0]
 
 
-def index_folder(root: Path, plan: TaskPlan, settings: OwnSettings) -> OwnIndex:
-    """Index ``root`` in its format; the index's reader decodes the images lazily."""
+def index_folder(root: Path, plan: TaskPlan, settings: OwnSettings, problems: Problems | None = None) -> OwnIndex:
+    """Index ``root`` in its format; the index's reader decodes the images lazily. Its problems
+    raise (the first), or with a collecting ``problems`` are all added there (what was readable
+    is indexed)."""
     if not root.is_dir():
         raise DatasetError(f"data-dir {root} is not a folder")
     fmt = detect_format(root, settings)
     if fmt == "hf":
-        index, hf_sources = index_hf(root, plan)
+        index, hf_sources = index_hf(root, plan, problems)
         index.reader = PlanImages(index.names, lambda j: _hf_image(hf_sources[j]), plan.image_shape)
         return index
     if fmt == "manifest":
-        index, files = index_manifest(root, manifest_of(root, settings), plan)
+        index, files = index_manifest(root, manifest_of(root, settings), plan, problems)
     else:
-        index, files = index_image_folder(root, plan)
-    check_files(files)
+        index, files = index_image_folder(root, plan, problems)
+    check_files(files, problems)
     index.reader = PlanImages(index.names, lambda j: _open_file(files[j]), plan.image_shape)
     return index
 
