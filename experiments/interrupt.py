@@ -1,0 +1,149 @@
+"""Ctrl-C for the launchers (fcl-sim, fcl-compare): the first SIGINT stops the run within seconds,
+with one line and exit code 130.
+
+Flower 1.41's ``run_simulation`` installs no signal handler: a SIGINT raises KeyboardInterrupt in
+the main thread, which runs the Simulation Engine (``vce_api.run_api`` waiting on its worker
+threads), while the ServerApp runs in another, non-daemon thread (``run_simulation.run_serverapp_th``)
+that nobody tells to stop. Python prints the traceback, Ray is shut down by ``run_api``'s
+``finally``, and the process then waits at exit for the ServerApp thread, which waits for replies
+up to ``round-timeout``.
+
+:func:`sigint_stops` replaces that: the first SIGINT only asks the run to stop
+(:func:`fcl_flower.interrupt.request_stop`; the stage loop ends with ``RunInterrupted`` at the
+next round or poll, results.json says ``interrupted``, Flower's engine sees the ServerApp end and
+shuts Ray down) and mutes the engine's logs. If the process has not ended ``grace`` seconds later
+(a client still training, the engine's worker pool waiting on it), or on a second SIGINT, it ends
+itself: results.json marked ``interrupted``, every child process (Ray's raylet, GCS, workers)
+terminated, then killed, the line printed, ``os._exit(130)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+
+from fcl_flower import interrupt
+from fcl_flower.results import mark_interrupted
+
+EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process ended by Ctrl-C
+GRACE_S = 4.0  # seconds the engine gets to end by itself after the first Ctrl-C
+
+
+def resume_command(argv: Sequence[str], program: str = "fcl-sim") -> str:
+    """The command that continues the run: the same flags plus ``--resume`` (once)."""
+    args = [a for a in argv if a not in ("--resume", "--no-resume")]
+    return shlex.join([program, *args, "--resume"])
+
+
+def sim_line(results: Path, num_tasks: int, argv: Sequence[str]) -> str:
+    """fcl-sim's one line: what is saved and how to go on."""
+    stages = mark_interrupted(results)
+    folder = results.parent
+    if not stages:
+        return f"interrupted before stage 1 of {num_tasks} finished: nothing to resume ({folder}); run it again to start over"
+    return (
+        f"interrupted: {stages} of {num_tasks} stages saved in {folder} (results.json, checkpoint); "
+        f"continue with: {resume_command(argv)}"
+    )
+
+
+class Interruption:
+    """What the SIGINT handler knows: whether it fired, and how to end the process."""
+
+    def __init__(self, line: Callable[[], str], grace: float) -> None:
+        self.line = line
+        self.grace = grace
+        self.at: float | None = None  # time.monotonic() of the first SIGINT
+        self._lock = threading.Lock()
+        self._said = False
+        self._disarmed = threading.Event()
+
+    @property
+    def happened(self) -> bool:
+        return self.at is not None
+
+    def say(self) -> int:
+        """Print the one line (once, whoever comes first: the launcher or the watchdog); 130."""
+        with self._lock:
+            if not self._said:
+                self._said = True
+                try:
+                    text = self.line()
+                except Exception as err:  # the line must never turn into a traceback
+                    text = f"interrupted ({type(err).__name__}: {err})"
+                print(text, file=sys.stderr, flush=True)
+        return EXIT_CODE
+
+    def handle(self, _signum: int, _frame: FrameType | None) -> None:
+        if self.at is not None:  # the second Ctrl-C: no more waiting
+            self.force()
+        self.at = time.monotonic()
+        interrupt.request_stop()
+        mute_engine_logs()
+        threading.Thread(target=self._watchdog, name="fcl-interrupt", daemon=True).start()
+
+    def disarm(self) -> None:
+        """The process goes on after the run (tests): no forced end after ``grace``."""
+        self._disarmed.set()
+
+    def _watchdog(self) -> None:
+        if not self._disarmed.wait(self.grace):
+            self.force()
+
+    def force(self) -> None:
+        """End the process now: results.json, the line, no child process left, exit 130."""
+        self.say()
+        end_children()
+        os._exit(EXIT_CODE)
+
+
+def mute_engine_logs() -> None:
+    """After Ctrl-C the engine's and Ray's complaints about stopped clients are noise: only the one line."""
+    for name in ("flwr", "ray"):
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+
+def end_children(grace: float = 1.0) -> None:
+    """SIGTERM every descendant of this process (Ray's raylet, GCS server, workers...), then SIGKILL."""
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=grace)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(alive, timeout=grace)
+
+
+@contextmanager
+def sigint_stops(line: Callable[[], str], grace: float | None = None) -> Iterator[Interruption]:
+    """SIGINT handled as described in the module docstring while inside; ``line`` makes the one
+    line (and marks results.json); ``grace`` defaults to :data:`GRACE_S`. The watchdog stays armed
+    after the block (the process is about to end; its exit may hang on the engine's threads). In a
+    thread other than the main one nothing is installed."""
+    state = Interruption(line, GRACE_S if grace is None else grace)
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+    interrupt.clear()
+    previous = signal.signal(signal.SIGINT, state.handle)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGINT, previous)
