@@ -31,12 +31,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from fcl_flower import interrupt
+from fcl_flower.config import RunConfig
 from fcl_flower.results import mark_interrupted
 
 EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process ended by Ctrl-C
-GRACE_S = 4.0  # seconds the engine gets to end by itself after the first Ctrl-C
+GRACE_S = 3.0  # seconds the engine gets to end by itself after the first Ctrl-C
 
 
 def resume_command(argv: Sequence[str], program: str = "fcl-sim") -> str:
@@ -57,6 +59,21 @@ def sim_line(results: Path, num_tasks: int, argv: Sequence[str]) -> str:
     )
 
 
+def compare_line(started: Sequence[RunConfig], total: int, argv: Sequence[str]) -> str:
+    """fcl-compare's one line: the run that was stopped, the runs kept, how to go on."""
+    if not started:
+        return "interrupted before the first run started"
+    current = started[-1]
+    stages = mark_interrupted(current.output_dir / "results.json")
+    done = len(started) - 1
+    args = [*argv] if "--skip-existing" in argv else [*argv, "--skip-existing"]
+    return (
+        f"interrupted: run {current.output_dir.name} stopped after {stages or 0} of {current.num_tasks} stages "
+        f"({current.output_dir}); the {done} run(s) before it are kept; continue with: "
+        f"{shlex.join(['fcl-compare', *args])} (it starts the stopped run again)"
+    )
+
+
 class Interruption:
     """What the SIGINT handler knows: whether it fired, and how to end the process."""
 
@@ -67,6 +84,7 @@ class Interruption:
         self._lock = threading.Lock()
         self._said = False
         self._disarmed = threading.Event()
+        self._children: list[Any] = []  # psutil.Process of every descendant when Ctrl-C came
 
     @property
     def happened(self) -> bool:
@@ -88,6 +106,7 @@ class Interruption:
         if self.at is not None:  # the second Ctrl-C: no more waiting
             self.force()
         self.at = time.monotonic()
+        self._children = descendants()  # Ray's workers outlive the raylet, their parent, for a while
         interrupt.request_stop()
         mute_engine_logs()
         threading.Thread(target=self._watchdog, name="fcl-interrupt", daemon=True).start()
@@ -100,10 +119,14 @@ class Interruption:
         if not self._disarmed.wait(self.grace):
             self.force()
 
+    def end_children(self) -> None:
+        """No process left: this process's descendants now and when Ctrl-C came."""
+        end_processes([*self._children, *descendants()])
+
     def force(self) -> None:
         """End the process now: results.json, the line, no child process left, exit 130."""
         self.say()
-        end_children()
+        self.end_children()
         os._exit(EXIT_CODE)
 
 
@@ -113,14 +136,20 @@ def mute_engine_logs() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL + 1)
 
 
-def end_children(grace: float = 1.0) -> None:
-    """SIGTERM every descendant of this process (Ray's raylet, GCS server, workers...), then SIGKILL."""
+def descendants() -> list[Any]:
+    """psutil.Process of every descendant of this process (Ray's raylet, GCS server, workers...)."""
     import psutil
 
     try:
-        children = psutil.Process().children(recursive=True)
+        return list(psutil.Process().children(recursive=True))
     except psutil.Error:
-        return
+        return []
+
+
+def end_processes(children: Sequence[Any], grace: float = 0.5) -> None:
+    """SIGTERM ``children`` (psutil.Process: a reused PID is never hit), then SIGKILL what is left."""
+    import psutil
+
     for child in children:
         with contextlib.suppress(psutil.Error):
             child.terminate()

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     """0: completed; 2: bad flags, config, data or checkpoint (nothing run); 1: the run failed;
     130: stopped by Ctrl-C (one line: what is saved, how to continue; experiments/interrupt.py)."""
     args = build_parser().parse_args(argv)
-    from experiments.interrupt import end_children, sigint_stops, sim_line
+    from experiments.interrupt import sigint_stops, sim_line
     from strategies.app import USER_ERRORS
 
     try:
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     with sigint_stops(lambda: sim_line(cfg.output_dir / "results.json", cfg.num_tasks, argv)) as stop:
         code = _run(args, cfg)
         if stop.happened:  # whatever the engine ended on after Ctrl-C: the one line, nothing left behind
-            end_children()
+            stop.end_children()
             return stop.say()
     return code
 

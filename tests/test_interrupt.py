@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import signal
@@ -41,9 +42,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def no_stop_request():
+    """No stop request before or after a test, and Flower's and Ray's logs as they were (a handled
+    SIGINT mutes them for the rest of the process)."""
+    levels = {name: logging.getLogger(name).level for name in ("flwr", "ray")}
     interrupt.clear()
     yield
     interrupt.clear()
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 def results(cfg: RunConfig) -> dict:
@@ -117,7 +123,7 @@ def test_fcl_sim_main_after_sigint_prints_one_line_and_exits_130(tmp_path, monke
     Flower's does): exit 130, one line on stderr, results.json interrupted, the handler restored."""
     monkeypatch.setattr(launcher, "GRACE_S", 3600.0)  # the watchdog must not end pytest
     ended: list[bool] = []
-    monkeypatch.setattr(launcher, "end_children", lambda: ended.append(True))
+    monkeypatch.setattr(launcher.Interruption, "end_children", lambda self: ended.append(True))
 
     def engine(cfg: RunConfig, **_: object) -> Path:
         ResultsRecorder(cfg.output_dir, cfg.strategy, cfg.to_mapping()).start()
@@ -212,3 +218,16 @@ def test_ctrl_c_stops_a_real_fcl_sim_within_10_s_with_one_line_and_no_process_le
     time.sleep(0.5)
     left = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not left, [(c.pid, c.name()) for c in left]
+
+
+def test_fcl_compare_says_which_run_was_stopped_and_how_to_go_on(tmp_path) -> None:
+    first = small_config(tmp_path, run_name="one")
+    second = small_config(tmp_path, run_name="two")
+    ResultsRecorder(second.output_dir, "stsa", {"num-tasks": 5}).start()
+    line = launcher.compare_line([first, second], 3, ["--config", "x", "--offline"])
+    assert line == (
+        f"interrupted: run two stopped after 0 of 5 stages ({second.output_dir}); the 1 run(s) before it are kept; "
+        "continue with: fcl-compare --config x --offline --skip-existing (it starts the stopped run again)"
+    )
+    assert results(second)["status"] == "interrupted"
+    assert launcher.compare_line([], 3, []) == "interrupted before the first run started"
