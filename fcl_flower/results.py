@@ -215,18 +215,20 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
-def mark_interrupted(path: Path) -> int | None:
+def mark_interrupted(path: Path, *, over_failed: bool = False) -> int | None:
     """Set ``"status": "interrupted"`` in the results.json at ``path`` if it still says ``running``
-    (a run stopped before its ServerApp could say so itself); returns the number of stages it holds,
-    None if there is no readable results file."""
+    (a run stopped before its ServerApp could say so itself), or ``failed`` with ``over_failed`` (a
+    ServerApp that the stop ended with an error); returns the number of stages it holds, None if
+    there is no readable results file."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict):
         return None
-    if data.get("status") == "running":
+    if data.get("status") == "running" or (over_failed and data.get("status") == "failed"):
         data["status"] = "interrupted"
+        data.pop("error", None)
         write_json_atomic(path, data)
     stages = data.get("stages")
     return len(stages) if isinstance(stages, list) else 0
