@@ -22,7 +22,7 @@ from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import DatasetError
 from fcl_flower.interrupt import RunInterrupted
 from fcl_flower.models import ModelError
-from fcl_flower.quiet import quiet_known_noise
+from fcl_flower.quiet import OneLineError, quiet_known_noise
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import server_split
 from fcl_flower.state_io import StateError
@@ -39,10 +39,11 @@ RUN_ERRORS = (RunFailed,)
 INTERRUPTED = 130
 
 
-class RunAborted(RuntimeError):
+class RunAborted(OneLineError):
     """The run stopped on an error whose one-line message was logged; ``exit_code`` for launchers:
     2 for a configuration/data error (nothing was computed), 1 for a run that failed under way,
-    130 for a run stopped by Ctrl-C (nothing logged)."""
+    130 for a run stopped by Ctrl-C (nothing logged). A OneLineError: Flower's traceback of it is
+    left out of the log (fcl_flower/quiet.py); the run still ends ``finished:failed``."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)

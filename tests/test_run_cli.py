@@ -4,6 +4,7 @@ outcome of ``flwr run`` as an exit status, against a fake ``flwr`` on PATH (no S
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import subprocess
@@ -137,3 +138,45 @@ def test_fcl_config_answers_an_unparseable_string_with_one_line(capsys) -> None:
     assert check_config.main(["strategy='fedran"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: cannot parse the run config: ")
+
+
+def test_flowers_traceback_of_an_error_the_app_logged_in_one_line_is_left_out(tmp_path) -> None:
+    """Under flwr run a ServerApp that raises RunAborted is logged by Flower with its traceback and
+    an Exit Code notice (flwr/simulation/app.py, flwr/superlink/runtime/run_serverapp.py); the
+    app's filter leaves its own one line only, and Flower still records the run as failed."""
+    from flwr.app import Context, RecordDict
+    from flwr.supercore import log
+
+    from clients.app import app as client_app
+    from fcl_flower.local_grid import LocalGrid
+    from fcl_flower.quiet import quiet_known_noise
+    from strategies.app import RunAborted, build_server_app
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("flwr")
+    logger.addHandler(handler)
+    quiet_known_noise()
+    try:
+        app = build_server_app({"beta": 0.0, "out": str(tmp_path)})
+        with pytest.raises(RunAborted) as err:
+            app(
+                LocalGrid(client_app, 1),
+                Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+            )
+        log(logging.ERROR, "%s raised an exception", "Simulation", exc_info=err.value)  # what Flower does next
+        log(logging.ERROR, "Exit Code: 700\nAn unhandled exception occurred in the simulation.")
+        log(logging.ERROR, "Exit Code: 700\nanother failure is still shown")
+        try:
+            raise RuntimeError("a bug")
+        except RuntimeError as bug:
+            log(logging.ERROR, "%s raised an exception", "Simulation", exc_info=bug)
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == [
+        "fcl-flower: error: beta must be > 0 (got 0.0)",
+        "Exit Code: 700\nanother failure is still shown",
+        "Simulation raised an exception",
+    ]
+    assert records[-1].exc_info is not None  # a bug keeps its traceback
