@@ -8,7 +8,10 @@ that nobody tells to stop. Python prints the traceback, Ray is shut down by ``ru
 ``finally``, and the process then waits at exit for the ServerApp thread, which waits for replies
 up to ``round-timeout``.
 
-:func:`sigint_stops` replaces that: the first SIGINT only asks the run to stop
+:func:`sigint_stops` replaces that. Python runs a signal handler only when the main thread next
+executes Python code, which inside the engine (a thread join, a Ray call) can be seconds later;
+so the C-level handler's wakeup socket (``signal.set_wakeup_fd``) is read by a thread of ours,
+which acts at once. The first SIGINT only asks the run to stop
 (:func:`fcl_flower.interrupt.request_stop`; the stage loop ends with ``RunInterrupted`` at the
 next round or poll, results.json says ``interrupted``, Flower's engine sees the ServerApp end and
 shuts Ray down) and mutes the engine's logs. If the process has not ended ``grace`` seconds later
@@ -20,10 +23,12 @@ terminated, then killed, the line printed, ``os._exit(130)``.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 import threading
 import time
@@ -51,6 +56,8 @@ def sim_line(results: Path, num_tasks: int, argv: Sequence[str]) -> str:
     """fcl-sim's one line: what is saved and how to go on."""
     stages = mark_interrupted(results)
     folder = results.parent
+    if _status(results) == "completed":
+        return f"interrupted after the run completed: results in {results}"
     if not stages:
         return f"interrupted before stage 1 of {num_tasks} finished: nothing to resume ({folder}); run it again to start over"
     return (
@@ -72,6 +79,13 @@ def compare_line(started: Sequence[RunConfig], total: int, argv: Sequence[str]) 
         f"({current.output_dir}); the {done} run(s) before it are kept; continue with: "
         f"{shlex.join(['fcl-compare', *args])} (it starts the stopped run again)"
     )
+
+
+def _status(results: Path) -> Any:
+    try:
+        return json.loads(results.read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class Interruption:
@@ -99,17 +113,46 @@ class Interruption:
                     text = self.line()
                 except Exception as err:  # the line must never turn into a traceback
                     text = f"interrupted ({type(err).__name__}: {err})"
+                if sys.stderr.isatty():  # over a progress bar the run may have left on the line
+                    text = "\r\x1b[K" + text
                 print(text, file=sys.stderr, flush=True)
         return EXIT_CODE
 
     def handle(self, _signum: int, _frame: FrameType | None) -> None:
-        if self.at is not None:  # the second Ctrl-C: no more waiting
-            self.force()
-        self.at = time.monotonic()
+        """The Python-level handler: it runs only when the main thread next executes Python code,
+        which inside Flower's engine can be seconds later; :meth:`watch` has usually begun the stop."""
+        self.begin()
+
+    def begin(self) -> None:
+        """The first Ctrl-C: ask the run to stop, mute the engine, arm the watchdog (once)."""
+        with self._lock:
+            if self.at is not None:
+                return
+            self.at = time.monotonic()
         self._children = descendants()  # Ray's workers outlive the raylet, their parent, for a while
         interrupt.request_stop()
         mute_engine_logs()
         threading.Thread(target=self._watchdog, name="fcl-interrupt", daemon=True).start()
+
+    def watch(self, wakeup: socket.socket) -> None:
+        """Read the signal numbers that Python's C-level handler writes to the wakeup socket at
+        once, whichever thread the signal hit: the first SIGINT begins the stop, the second ends
+        the process."""
+        count = 0
+        while True:
+            try:
+                data = wakeup.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum == signal.SIGINT:
+                    count += 1
+                    if count == 1:
+                        self.begin()
+                    else:
+                        self.force()
 
     def disarm(self) -> None:
         """The process goes on after the run (tests): no forced end after ``grace``."""
@@ -126,8 +169,17 @@ class Interruption:
     def force(self) -> None:
         """End the process now: results.json, the line, no child process left, exit 130."""
         self.say()
+        silence()  # the main thread may still be printing (the end of a run that had just completed)
         self.end_children()
         os._exit(EXIT_CODE)
+
+
+def silence() -> None:
+    """Nothing more on stdout/stderr from this process: after the one line it only ends."""
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
 
 
 def mute_engine_logs() -> None:
@@ -171,8 +223,15 @@ def sigint_stops(line: Callable[[], str], grace: float | None = None) -> Iterato
         yield state
         return
     interrupt.clear()
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
     previous = signal.signal(signal.SIGINT, state.handle)
+    previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    threading.Thread(target=state.watch, args=(reader,), name="fcl-sigint", daemon=True).start()
     try:
         yield state
     finally:
+        signal.set_wakeup_fd(previous_fd)
         signal.signal(signal.SIGINT, previous)
+        writer.close()  # the watcher reads EOF and ends; it closes nothing else
+        reader.shutdown(socket.SHUT_RDWR)

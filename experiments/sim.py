@@ -233,6 +233,8 @@ def _run(args: argparse.Namespace, cfg: RunConfig) -> int:
         if not isinstance(err, Exception):
             raise
         return _failure(err)
+    if stop_requested():  # Ctrl-C as the run completed: main() says so, in one line
+        return 130
     if drawn:  # the bar replaced the log lines, the table among them
         print(format_stage_table(load_stages(path)))
     print(f"results: {path}\n         {path.with_suffix('.csv')}\n         {path.with_suffix('.png')}")

@@ -231,3 +231,15 @@ def test_fcl_compare_says_which_run_was_stopped_and_how_to_go_on(tmp_path) -> No
     )
     assert results(second)["status"] == "interrupted"
     assert launcher.compare_line([], 3, []) == "interrupted before the first run started"
+
+
+def test_ctrl_c_after_the_run_completed_says_so(tmp_path) -> None:
+    recorder = ResultsRecorder(tmp_path, "stsa", {"num-tasks": 5})
+    recorder.start()
+    recorder.finish()
+    assert launcher.sim_line(recorder.path, 5, []) == f"interrupted after the run completed: results in {recorder.path}"
+    assert results_of(recorder.path)["status"] == "completed"
+
+
+def results_of(path: Path) -> dict:
+    return json.loads(path.read_text())
