@@ -102,7 +102,7 @@ def execute(
     Ctrl-C (experiments/interrupt.py) the run in progress is not recorded and no other starts."""
     from tqdm import tqdm
 
-    from fcl_flower.interrupt import stop_requested
+    from fcl_flower.interrupt import RunInterrupted, stop_requested
 
     outcomes: list[RunOutcome] = []
     runs_bar = tqdm(
@@ -131,6 +131,8 @@ def execute(
                         run_ray(run.cfg, num_cpus=num_cpus, num_gpus=num_gpus, verbose=verbose)
                     path = completed_results(run.cfg)
                     error = ""
+                except RunInterrupted:  # Ctrl-C in a run of this process (--engine local)
+                    break
                 except (ConfigError, ValueError) as err:
                     error = f"{type(err).__name__}: {err}"
                 except Exception as err:  # keep going: one broken method must not lose the others

@@ -243,3 +243,41 @@ def test_ctrl_c_after_the_run_completed_says_so(tmp_path) -> None:
 
 def results_of(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def test_fcl_compare_local_engine_stops_after_ctrl_c_and_starts_no_other_run(tmp_path, monkeypatch, capsys) -> None:
+    """--engine local runs in this process: the stop request ends the run in progress
+    (RunInterrupted, not an error of that run), no other run starts, one line, exit 130."""
+    from experiments import compare
+
+    monkeypatch.setattr(launcher, "GRACE_S", 3600.0)
+    monkeypatch.setattr(launcher.Interruption, "end_children", lambda self: None)
+    started: list[str] = []
+
+    def run_local(cfg: RunConfig) -> Path:
+        started.append(cfg.output_dir.name)
+        ResultsRecorder(cfg.output_dir, cfg.strategy, cfg.to_mapping()).start()
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 5
+        while not interrupt.stop_requested() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise interrupt.RunInterrupted("interrupted")
+
+    monkeypatch.setattr(compare, "run_local", run_local)
+    argv = [
+        "--config",
+        "stsa_table1_cifar100",
+        "--offline",
+        "--engine",
+        "local",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
+    code = compare.main([*argv, "--seeds", "0", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130
+    assert len(started) == 1
+    assert err[-1].startswith(f"interrupted: run {started[0]} stopped after 0 of 5 stages")
+    assert "--skip-existing" in err[-1]
+    assert [line for line in err if "interrupted" in line or "Traceback" in line] == [err[-1]]
