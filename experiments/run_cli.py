@@ -9,7 +9,7 @@ with the app's own parsing (as ``fcl-config`` does): a bad key or value ends at 
 its log follows (``flwr log RUN_ID --stream``, which ends with the run), and one ``flwr ls`` reads
 the outcome (then one every ``--poll`` seconds if the SuperLink has not recorded it yet). The last
 line says how the run ended; the exit status is **0** completed, **1** failed (or stopped),
-**2** bad configuration.
+**2** bad configuration, **130** Ctrl-C (fcl-run stops waiting; the run goes on, ``flwr stop`` ends it).
 
 ``flwr run`` itself returns 0 whatever the run does (README, "Did the run work?").
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -146,7 +147,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         return BAD_CONFIG if "run configuration" in " ".join(said).lower() else FAILED
     print(f"fcl-run: run {run_id} submitted", file=sys.stderr, flush=True)
-    if not ours.no_log:
+    try:
+        return wait(flwr, run_id, superlink, follow=not ours.no_log, poll=ours.poll)
+    except KeyboardInterrupt:
+        stop = shlex.join(["flwr", "stop", str(run_id), *superlink])
+        print(f"\nfcl-run: stopped waiting; run {run_id} goes on (stop it with: {stop})", file=sys.stderr)
+        return 130
+
+
+def wait(flwr: Flwr, run_id: int, superlink: list[str], *, follow: bool, poll: float) -> int:
+    """Follow the run's log, then read its outcome (every ``poll`` s until it is recorded)."""
+    if follow:
         flwr.stream(["log", str(run_id), *superlink, "--stream"])
     while True:
         listed = flwr.run(["ls", *superlink, "--run-id", str(run_id), "--format", "json"])
@@ -161,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             tail = f" ({details})" if details and code != COMPLETED else ""
             print(f"fcl-run: run {run_id} {status}{tail}", file=sys.stderr)
             return code
-        time.sleep(ours.poll)
+        time.sleep(poll)
 
 
 if __name__ == "__main__":

@@ -180,3 +180,15 @@ def test_flowers_traceback_of_an_error_the_app_logged_in_one_line_is_left_out(tm
         "Simulation raised an exception",
     ]
     assert records[-1].exc_info is not None  # a bug keeps its traceback
+
+
+def test_ctrl_c_stops_waiting_with_one_line_and_130(fake_flwr, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("FAKE_FLWR_STATUS", "running")
+
+    def interrupted(_seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_cli.time, "sleep", interrupted)
+    assert run_cli.main([".", "--no-log"]) == 130
+    said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert said[-1] == "fcl-run: stopped waiting; run 42 goes on (stop it with: flwr stop 42)"
