@@ -5,7 +5,9 @@
         --run "num-tasks=3 first-task-classes=4 num-clients=3 stage1-rounds=0 out='/tmp/fcl-out'"
 
 The first form starts everything, prints how to submit a run, and stops every process on
-Ctrl-C. The second submits one run of this app, waits until it finishes and stops everything.
+Ctrl-C. The second submits one run of this app, waits until it finishes and stops everything;
+Ctrl-C stops it within seconds: every process ended, results.json marked ``interrupted``, one
+line (the stages saved, the command that resumes the run), exit code 130.
 ``--data`` is the output folder of ``experiments/export_partitions.py``: SuperNode k gets
 ``data-dir=<data>/client-k`` and nothing else; without ``--data`` SuperNode k gets
 ``partition-id=k num-partitions=N`` instead. ``--site FOLDER`` (once per site) federates the
@@ -118,6 +120,7 @@ class LocalFederation:
         self.keys = self.workdir / "keys"
         self.home = self.workdir / "flwr-home"
         self._known_pids: set[int] = set()
+        self._stopped = False
 
     # ------------------------------------------------------------------ environment
     @property
@@ -359,6 +362,7 @@ class LocalFederation:
             [str(self.bin_dir / "flwr"), "log", str(run_id), CONNECTION, "--stream"],
             env=self.env,
             stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C is ours to handle: no "Exiting logstream" after it
         )
         try:
             status = self.wait_run(run_id, timeout)
@@ -373,7 +377,11 @@ class LocalFederation:
 
     # ------------------------------------------------------------------ stop
     def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM every process this federation started and all their descendants, then SIGKILL."""
+        """SIGTERM every process this federation started and all their descendants, then SIGKILL.
+        Once: a second call (``__exit__`` after an explicit stop) does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         roots = [p.pid for p in self.processes]
         targets = set(roots) | descendants(roots) | self._known_pids
         for process in self.processes:
@@ -549,48 +557,94 @@ def main(argv: list[str] | None = None) -> int:
         stop["now"] = True
 
     signal.signal(signal.SIGTERM, on_signal)
-    with federation:
-        try:
-            federation.start(say=lambda line: print(line, flush=True))
-            env = f"FLWR_HOME={shlex.quote(str(federation.home))}"
-            print(
-                f"SuperLink {federation.address} (TLS, SuperNode auth on); "
-                f"{len(federation.node_configs)} SuperNodes online; logs in {federation.workdir / 'logs'}"
-            )
-            if args.run is None:
-                print(f'submit a run:  {env} flwr run {APP_DIR} {CONNECTION} --run-config "..." --stream')
-                print("Ctrl-C stops the SuperLink and every SuperNode.")
-                while not stop["now"]:
-                    time.sleep(0.5)
-                    federation.remember_descendants()
-                return 0
-            print("submitting the run (flwr run builds and ships the app) ...", flush=True)
-            run_id = federation.flwr(
-                "run",
-                str(APP_DIR),
-                CONNECTION,
-                "--run-config",
-                with_signed_keys(args.run),
-                "--format",
-                "json",
-                timeout=300,
-            ).stdout
-            run_id = int(json.loads(run_id[run_id.index("{") :])["run-id"])
-            print(f"run {run_id} submitted; its log follows ({env} flwr log {run_id} {CONNECTION})", flush=True)
-            status = federation.follow_run(run_id, args.timeout)
-            print(f"run {run_id}: {status}")
-            return 0 if status.endswith("completed") else 1
-        except KeyboardInterrupt:
-            return 130
-        except FederationError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
-        except subprocess.TimeoutExpired as err:
-            print(
-                f"error: {' '.join(map(str, err.cmd[:3]))} ... did not answer within {err.timeout:.0f} s",
-                file=sys.stderr,
-            )
-            return 1
+    run_id: int | None = None
+    try:
+        with federation:
+            try:
+                federation.start(say=lambda line: print(line, flush=True))
+                env = f"FLWR_HOME={shlex.quote(str(federation.home))}"
+                print(
+                    f"SuperLink {federation.address} (TLS, SuperNode auth on); "
+                    f"{len(federation.node_configs)} SuperNodes online; logs in {federation.workdir / 'logs'}"
+                )
+                if args.run is None:
+                    print(f'submit a run:  {env} flwr run {APP_DIR} {CONNECTION} --run-config "..." --stream')
+                    print("Ctrl-C stops the SuperLink and every SuperNode.")
+                    while not stop["now"]:
+                        time.sleep(0.5)
+                        federation.remember_descendants()
+                    return 0
+                print("submitting the run (flwr run builds and ships the app) ...", flush=True)
+                out = federation.flwr(
+                    "run",
+                    str(APP_DIR),
+                    CONNECTION,
+                    "--run-config",
+                    with_signed_keys(args.run),
+                    "--format",
+                    "json",
+                    timeout=300,
+                ).stdout
+                run_id = int(json.loads(out[out.index("{") :])["run-id"])
+                print(f"run {run_id} submitted; its log follows ({env} flwr log {run_id} {CONNECTION})", flush=True)
+                status = federation.follow_run(run_id, args.timeout)
+                print(f"run {run_id}: {status}")
+                return 0 if status.endswith("completed") else 1
+            except KeyboardInterrupt:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+                federation.stop(grace=2.0)
+            except FederationError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
+            except subprocess.TimeoutExpired as err:
+                print(
+                    f"error: {' '.join(map(str, err.cmd[:3]))} ... did not answer within {err.timeout:.0f} s",
+                    file=sys.stderr,
+                )
+                return 1
+    except KeyboardInterrupt:  # Ctrl-C while stopping after an error: the stop goes on below
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        federation.stop(grace=2.0)
+    print(interrupted_line(federation, args.run, run_id, argv), file=sys.stderr, flush=True)
+    return 130
+
+
+def interrupted_line(
+    federation: LocalFederation, run_config: str | None, run_id: int | None, argv: list[str] | None
+) -> str:
+    """The one line after Ctrl-C: what was stopped, what the run saved (results.json marked
+    ``interrupted``) and the command that resumes it."""
+    nodes = f"the SuperLink and {len(federation.node_configs)} SuperNodes stopped"
+    if run_config is None:
+        return f"interrupted: {nodes}"
+    if run_id is None:
+        return f"interrupted before the run was submitted: {nodes}"
+    try:  # the project's own parsing: the run folder the ServerApp wrote to
+        from flwr.common.config import parse_config_args
+
+        from fcl_flower.config import RunConfig
+        from fcl_flower.results import mark_interrupted
+
+        cfg = RunConfig.from_mapping(parse_config_args([with_signed_keys(run_config)]))
+        stages = mark_interrupted(cfg.output_dir / "results.json", over_failed=True)  # SIGTERM may fail it
+    except Exception as err:  # the line must never turn into a traceback
+        return f"interrupted: run {run_id} stopped, {nodes} (results not read: {type(err).__name__})"
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not stages:
+        return (
+            f"interrupted: run {run_id} stopped before stage 1 of {cfg.num_tasks} finished, {nodes}; nothing to resume"
+        )
+    if "resume=true" not in run_config.replace(" ", ""):
+        for at, arg in enumerate(args):
+            if arg.startswith("--run="):
+                args[at] = f"{arg} resume=true"
+            elif arg == "--run" and at + 1 < len(args):
+                args[at + 1] = f"{args[at + 1]} resume=true"
+    command = shlex.join(["python", "deploy/local_federation.py", *args])
+    return (
+        f"interrupted: run {run_id} stopped, {nodes}; {stages} of {cfg.num_tasks} stages saved in "
+        f"{cfg.output_dir} (results.json, checkpoint); continue with: {command}"
+    )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             values = parse_config_args(args.run_config)
-        except ValueError as err:
+        except Exception as err:  # ValueError, or click's ClickException (flwr 1.41) for a bad string
             raise ConfigError(f"cannot parse the run config: {err}") from None
         cfg = RunConfig.from_mapping(values)
         if args.data:

@@ -96,9 +96,13 @@ def execute(
     verbose: bool = False,
     skip_existing: bool = False,
     show_progress: bool = True,
+    on_start: Callable[[PlannedRun], None] | None = None,
 ) -> list[RunOutcome]:
-    """Run every planned run in turn; a failed run is recorded and the others still run."""
+    """Run every planned run in turn; a failed run is recorded and the others still run. After
+    Ctrl-C (experiments/interrupt.py) the run in progress is not recorded and no other starts."""
     from tqdm import tqdm
+
+    from fcl_flower.interrupt import RunInterrupted, stop_requested
 
     outcomes: list[RunOutcome] = []
     runs_bar = tqdm(
@@ -113,6 +117,8 @@ def execute(
             stage_bar.reset(total=run.cfg.num_tasks)
             path = run.cfg.output_dir / "results.json"
             began = time.perf_counter()
+            if on_start is not None:
+                on_start(run)
             if skip_existing and path.exists() and is_complete(path, run.cfg):
                 outcomes.append(RunOutcome(run, path, 0.0))
                 runs_bar.update(1)
@@ -125,12 +131,16 @@ def execute(
                         run_ray(run.cfg, num_cpus=num_cpus, num_gpus=num_gpus, verbose=verbose)
                     path = completed_results(run.cfg)
                     error = ""
+                except RunInterrupted:  # Ctrl-C in a run of this process (--engine local)
+                    break
                 except (ConfigError, ValueError) as err:
                     error = f"{type(err).__name__}: {err}"
                 except Exception as err:  # keep going: one broken method must not lose the others
                     error = f"{type(err).__name__}: {err}"
-                    if verbose:
+                    if verbose and not stop_requested():
                         traceback.print_exc()
+            if stop_requested():
+                break
             outcome = RunOutcome(run, None if error else path, time.perf_counter() - began, error, handler.rounds)
             if error:
                 tqdm.write(f"run {run.name} failed: {error}", file=sys.stderr)
@@ -509,15 +519,24 @@ def main(argv: list[str] | None = None, *, on_done: Callable[[Path], None] | Non
         return 0
     out.mkdir(parents=True, exist_ok=True)
     print(f"{experiment.name}: {len(runs)} run(s) -> {out}", file=sys.stderr)
-    outcomes = execute(
-        runs,
-        engine=args.engine,
-        num_cpus=args.num_cpus,
-        num_gpus=args.num_gpus,
-        verbose=args.verbose,
-        skip_existing=args.skip_existing,
-        show_progress=not args.no_progress,
-    )
+    from experiments.interrupt import compare_line, sigint_stops
+
+    started: list[PlannedRun] = []
+    argv = sys.argv[1:] if argv is None else argv
+    with sigint_stops(lambda: compare_line([r.cfg for r in started], len(runs), argv)) as stop:
+        outcomes = execute(
+            runs,
+            engine=args.engine,
+            num_cpus=args.num_cpus,
+            num_gpus=args.num_gpus,
+            verbose=args.verbose,
+            skip_existing=args.skip_existing,
+            show_progress=not args.no_progress,
+            on_start=started.append,
+        )
+        if stop.happened:  # no summary of a partial comparison: the one line says how to go on
+            stop.end_children()
+            return stop.say()
     summarise_outcomes(out, experiment, outcomes, args.engine)
     print((out / "summary.md").read_text())
     if on_done is not None:

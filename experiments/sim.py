@@ -199,12 +199,30 @@ def _visible_gpus() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """0: completed; 2: bad flags, config, data or checkpoint (nothing run); 1: the run failed."""
+    """0: completed; 2: bad flags, config, data or checkpoint (nothing run); 1: the run failed;
+    130: stopped by Ctrl-C (one line: what is saved, how to continue; experiments/interrupt.py)."""
     args = build_parser().parse_args(argv)
-    from strategies.app import USER_ERRORS, RunAborted
+    from experiments.interrupt import sigint_stops, sim_line
+    from strategies.app import USER_ERRORS
 
     try:
         cfg = config_from_args(args)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    argv = sys.argv[1:] if argv is None else argv
+    with sigint_stops(lambda: sim_line(cfg.output_dir / "results.json", cfg.num_tasks, argv)) as stop:
+        code = _run(args, cfg)
+        if stop.happened:  # whatever the engine ended on after Ctrl-C: the one line, nothing left behind
+            stop.end_children()
+            return stop.say()
+    return code
+
+
+def _run(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from fcl_flower.interrupt import stop_requested
+
+    try:
         with single_run_progress(cfg, verbose=args.ray_verbose) as drawn:
             path = simulate(
                 cfg,
@@ -213,23 +231,33 @@ def main(argv: list[str] | None = None) -> int:
                 verbose=args.ray_verbose,
                 ray_address=args.ray_address,
             )
-    except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except RunAborted as err:
-        print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
-    except RunIncomplete as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except Exception as err:  # a bug: show where, then one line
-        traceback.print_exc()
-        print(f"error: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
+    except BaseException as err:
+        if stop_requested():
+            return 130  # main() says what was saved
+        if not isinstance(err, Exception):
+            raise
+        return _failure(err)
+    if stop_requested():  # Ctrl-C as the run completed: main() says so, in one line
+        return 130
     if drawn:  # the bar replaced the log lines, the table among them
         print(format_stage_table(load_stages(path)))
     print(f"results: {path}\n         {path.with_suffix('.csv')}\n         {path.with_suffix('.png')}")
     return 0
+
+
+def _failure(err: Exception) -> int:
+    """The exit code of a run that ended on ``err``, after its one line (a traceback first for a bug)."""
+    from strategies.app import USER_ERRORS, RunAborted
+
+    if isinstance(err, USER_ERRORS):
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if isinstance(err, RunAborted | RunIncomplete):
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code if isinstance(err, RunAborted) else 1
+    traceback.print_exception(err)  # a bug: show where, then one line
+    print(f"error: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
+    return 1
 
 
 @contextmanager

@@ -2,8 +2,8 @@
 
 results.json and results.csv are rewritten atomically when the run starts and after every stage,
 so a run killed half-way still leaves a valid, complete record of the stages it finished.
-results.json says how the run went: ``status`` is ``running``, ``completed`` or ``failed`` (with
-``error``, one line). results.png is drawn when the run ends. Trackers (fcl_flower/tracking.py)
+results.json says how the run went: ``status`` is ``running``, ``completed``, ``failed`` (with
+``error``, one line) or ``interrupted`` (Ctrl-C; the checkpoint of the last finished stage stays). results.png is drawn when the run ends. Trackers (fcl_flower/tracking.py)
 get the same records; a tracker that fails is dropped with a warning, never the run.
 """
 
@@ -91,13 +91,14 @@ class ResultsRecorder:
         }
         self._track(lambda t: t.stage(record.stage, metrics))
 
-    def finish(self, error: str = "") -> Path | None:
-        """The run ended: ``completed``, or ``failed`` with ``error``; draws results.png. A run that
-        failed before :meth:`start` (e.g. a checkpoint it may not resume) leaves the folder as it was."""
+    def finish(self, error: str = "", *, interrupted: bool = False) -> Path | None:
+        """The run ended: ``completed``, ``failed`` with ``error``, or ``interrupted``; draws
+        results.png. A run that failed before :meth:`start` (e.g. a checkpoint it may not resume)
+        leaves the folder as it was."""
         if "status" not in self.info:
             return None
-        self.info["status"] = "failed" if error else "completed"
-        if error:
+        self.info["status"] = "interrupted" if interrupted else "failed" if error else "completed"
+        if error and not interrupted:
             self.info["error"] = error
         path = self.write()
         try:
@@ -212,6 +213,25 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} GiB"
+
+
+def mark_interrupted(path: Path, *, over_failed: bool = False) -> int | None:
+    """Set ``"status": "interrupted"`` in the results.json at ``path`` if it still says ``running``
+    (a run stopped before its ServerApp could say so itself), or ``failed`` with ``over_failed`` (a
+    ServerApp that the stop ended with an error); returns the number of stages it holds, None if
+    there is no readable results file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    if data.get("status") == "running" or (over_failed and data.get("status") == "failed"):
+        data["status"] = "interrupted"
+        data.pop("error", None)
+        write_json_atomic(path, data)
+    stages = data.get("stages")
+    return len(stages) if isinstance(stages, list) else 0
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -4,6 +4,8 @@ and hands it to the strategy of the chosen method.
 A run that cannot go on ends with one log line and :class:`RunAborted`, an exception, so that every
 launcher sees the failure: ``flwr run`` records the run as ``finished:failed`` (``flwr ls``), and
 experiments/sim.py exits non-zero. results.json then says ``"status": "failed"`` with the error.
+A run stopped by Ctrl-C (fcl_flower/interrupt.py) says ``"status": "interrupted"`` and ends with
+RunAborted of exit code 130, logged by no one: the launcher prints the one line.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import DatasetError
+from fcl_flower.interrupt import RunInterrupted
 from fcl_flower.models import ModelError
-from fcl_flower.quiet import quiet_known_noise
+from fcl_flower.quiet import OneLineError, quiet_known_noise
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import server_split
 from fcl_flower.state_io import StateError
@@ -32,11 +35,15 @@ from strategies.loop import RunFailed
 USER_ERRORS = (ConfigError, DatasetError, ModelError, StateError)
 #: Errors the run ends on by design (require-all-clients and a client missing): one line too.
 RUN_ERRORS = (RunFailed,)
+#: The exit code of a run stopped by Ctrl-C (128 + SIGINT, as shells report it).
+INTERRUPTED = 130
 
 
-class RunAborted(RuntimeError):
+class RunAborted(OneLineError):
     """The run stopped on an error whose one-line message was logged; ``exit_code`` for launchers:
-    2 for a configuration/data error (nothing was computed), 1 for a run that failed under way."""
+    2 for a configuration/data error (nothing was computed), 1 for a run that failed under way,
+    130 for a run stopped by Ctrl-C (nothing logged). A OneLineError: Flower's traceback of it is
+    left out of the log (fcl_flower/quiet.py); the run still ends ``finished:failed``."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
@@ -49,7 +56,7 @@ def run_experiment(grid: Grid, cfg: RunConfig) -> ResultsRecorder:
     Before any training: the run folder is made, checked writable and not another configuration's,
     and locked; the dataset is checked (under federated evaluation the server opens none: it holds
     only the task plan). results.json says ``running`` from the start and
-    ``completed`` or ``failed`` (with the error) at the end; results.png is drawn then.
+    ``completed``, ``failed`` (with the error) or ``interrupted`` at the end; results.png is drawn then.
     """
     with open_run_folder(cfg) as folder:
         split = server_split(cfg)
@@ -58,6 +65,9 @@ def run_experiment(grid: Grid, cfg: RunConfig) -> ResultsRecorder:
         strategy = build_strategy(cfg, split, recorder)
         try:
             strategy.start(grid)
+        except RunInterrupted:
+            recorder.finish(interrupted=True)
+            raise
         except BaseException as err:
             recorder.finish(
                 error=f"{type(err).__name__}: {err}" if not isinstance(err, USER_ERRORS + RUN_ERRORS) else str(err)
@@ -83,6 +93,8 @@ def build_server_app(overrides: Mapping[str, Any] | None = None) -> ServerApp:
         except RUN_ERRORS as err:
             log(ERROR, "fcl-flower: the run failed: %s", err)
             raise RunAborted(str(err), exit_code=1) from None
+        except RunInterrupted:  # an Exception now, so that Flower's server thread hands it on quietly
+            raise RunAborted("interrupted", exit_code=INTERRUPTED) from None
 
     return app
 

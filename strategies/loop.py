@@ -21,6 +21,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
+from fcl_flower import interrupt
 from fcl_flower.methods import Kind
 from fcl_flower.results import StageRecord, format_stage_table
 from strategies.base import RoundFailed, StageFailed
@@ -106,6 +107,7 @@ def eta(stages: list[StageRecord], num_tasks: int) -> str:
 
 
 def run_one_round(strategy: StagedStrategy, grid: Grid, plan: Any, timeout: float, result: Result) -> None:
+    interrupt.check()  # Ctrl-C: stop before sending another round
     strategy.begin_round(plan)
     began = time.perf_counter()
     uploaded = sum(strategy.accounting.upload.values())

@@ -31,6 +31,7 @@ import numpy as np
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from fcl_flower import interrupt
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.data.paper_partitions import sample_clients
@@ -137,6 +138,7 @@ class NodeDirectory:
             node_ids = sorted(grid.get_node_ids())
             if len(node_ids) >= self.cfg.num_clients or self.clock() > deadline:
                 break
+            interrupt.check()  # Ctrl-C while waiting for nodes to connect
             self.sleep(0.5)
         if not node_ids:
             raise RuntimeError("no SuperNode connected")

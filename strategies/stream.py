@@ -34,6 +34,8 @@ from flwr.app import Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from fcl_flower import interrupt
+
 #: how many replies a round may hold at once (the one being read and the ones waiting for it)
 WINDOW = 4
 FIRST_POLL = 0.002  # seconds: the first wait for a reply; doubled while nothing arrives
@@ -116,6 +118,7 @@ class ReplyStream:
                 if p not in held and not done[p] and (p in lost or p not in waiting or now >= deadline[p])
             ]
             if not overdue:
+                interrupt.check()  # Ctrl-C: stop waiting for replies
                 time.sleep(wait)
                 self.waited += wait
                 wait = min(self.max_poll, wait * 2)
