@@ -135,7 +135,16 @@ UNSIGNED_WARNING = (
     "that deviates from the protocol can open one client's statistics; set secagg-signed-keys=true "
     "(docs/privacy.md)"
 )
-COMMITMENT_BYTES = 64  # SHA-256 of the seed share (or seed) ‖ of the key share (or key)
+COMMITMENT_BYTES = 64
+MAX_ATTEMPTS = 3  # a secure round restarted at most twice in a stage (each restart bars at least one client)
+
+
+class RestartSecureRound(Exception):
+    """The attempt cannot open (a barred dealer holds back its shares); nothing was revealed."""
+
+    def __init__(self, attempt: int, barred: list[str]) -> None:
+        super().__init__(f"secure round restarted without {', '.join(barred)}")
+        self.attempt = attempt  # SHA-256 of the seed share (or seed) ‖ of the key share (or key)
 
 
 class SecureRounds:
@@ -149,6 +158,7 @@ class SecureRounds:
         self._commitments: dict[int, Mapping[int, bytes]] = {}  # dealer -> recipient -> commitment
         self._secrets: dict[int, bytes] = {}  # dealer -> its secret commitment
         self._accused: set[int] = set()  # dealers of this round accused with checked evidence
+        self._accusers: dict[int, set[int]] = {}  # accused dealer -> the nodes that accused it
         self.revealed: set[str] = set()  # clients asked to reveal their shares in this round: opened once
         self.blame: dict[str, list[str]] = {}  # this round's evidence: client -> what it was named for
 
@@ -165,13 +175,20 @@ class SecureRounds:
     def _barred_nodes(self, host: SecureHost) -> set[int]:
         return {node for node, client in host.nodes.client_of.items() if client in self.barred}
 
-    def run(self, host: SecureHost, grid: Grid, plan: Any, timeout: float) -> Iterator[Message]:
+    def run(self, host: SecureHost, grid: Grid, plan: Any, timeout: float, attempt: int = 0) -> Iterator[Message]:
         """The screened masked replies of the survivors, as they arrive; once the last one is
-        handed on, the unmask step runs and :attr:`opening` opens their sum."""
+        handed on, the unmask step runs and :attr:`opening` opens their sum.
+
+        Raises :class:`RestartSecureRound` before anything is revealed when a dealer accused with
+        checked evidence left fewer than ``threshold`` survivors holding its shares: the attempt
+        could not open; the dealer is barred and the strategy runs the round again without it
+        (fresh keys, ``attempt`` + 1; nothing of this attempt is ever unmasked)."""
         self.current, self.opening = None, None
         self._commitments, self._secrets, self._accused, self.revealed = {}, {}, set(), set()
-        self.blame = {}
-        header = host.header(plan, 0)
+        self._accusers = {}
+        if attempt == 0:
+            self.blame = {}
+        header = host.header(plan, attempt)
         keys = self._collect_keys(host, grid, plan, header, timeout)
         if len(keys) < self.cfg.secagg_min_clients:
             raise StageFailed(
@@ -227,6 +244,16 @@ class SecureRounds:
                 host.server_round,
                 ", ".join(map(str, dropped)),
             )
+        doomed = self._unopenable(set(good), threshold)
+        if doomed:  # before anything is revealed: this attempt's uploads are never unmasked
+            for dealer in doomed:
+                self.bar(
+                    host,
+                    dealer,
+                    f"its share bundles did not open for {len(self._accusers[dealer])} participant(s) (evidence "
+                    f"checked): fewer than the threshold {threshold} hold its shares",
+                )
+            raise RestartSecureRound(attempt + 1, [self._name(host, d) for d in doomed])
         survivors = sorted(good)
         self.revealed = set(good.values())
         seeds, dropped_keys = self._unmask(
@@ -275,6 +302,12 @@ class SecureRounds:
             raise rejected from None
         return report.view_signature
 
+    def _unopenable(self, survivors: set[int], threshold: int) -> list[int]:
+        """Dealers accused with checked evidence whose shares too few survivors hold to open the sum."""
+        return sorted(
+            dealer for dealer in self._accused if len(survivors - self._accusers.get(dealer, set())) < threshold
+        )
+
     def _check_accusations(
         self,
         host: SecureHost,
@@ -301,6 +334,7 @@ class SecureRounds:
                     self._name(host, dealer), f"accused by {self._name(host, node)}: {reason} (evidence checked)"
                 )
                 self._accused.add(dealer)
+                self._accusers.setdefault(dealer, set()).add(node)
                 self.blame.setdefault(self._name(host, dealer), []).append(
                     f"accused by {self._name(host, node)}: {reason} (evidence checked)"
                 )

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
@@ -77,7 +77,7 @@ from strategies.analytic import (
 from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundFold, RoundPlan, StageFailed
 from strategies.loop import RunFailed
-from strategies.secure import SecureRounds
+from strategies.secure import MAX_ATTEMPTS, RestartSecureRound, SecureRounds
 from strategies.stream import InOrder
 
 MASKED_NAMES = ("gram-packed", "class-sums", "counts")
@@ -201,6 +201,7 @@ class STSAStrategy(AnalyticStrategy):
         self._round_sums: dict[int, TaskSum] = {}  # running sums per task of the plain round in progress
         self._in_ridge: set[int] = set()  # tasks whose own stage's statistics went into the ridge state
         self._resumed_opening: dict[str, Any] | None = None  # a secure sum opened before an interruption
+        self._round_args: tuple[Grid, float] | None = None  # the grid and timeout of the round in progress
         # every factor upload's rows, for the N x N kernel solve while N <= M / 2 (None: G solves)
         self.stack = (
             FactorStack.empty(self.rf_dim, split.num_classes, self.rf_dim // 2) if cfg.stats_form == "factor" else None
@@ -214,6 +215,7 @@ class STSAStrategy(AnalyticStrategy):
         return ins
 
     def run_round(self, grid: Grid, plan: RoundPlan, timeout: float) -> Iterable[Message]:
+        self._round_args = (grid, timeout)
         self._resumed_opening = self.saved_opening(plan)
         if self._resumed_opening is not None:
             return []  # the sum was opened before the interruption: nobody is asked again
@@ -226,7 +228,16 @@ class STSAStrategy(AnalyticStrategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         saved, self._resumed_opening = self._resumed_opening, None
         if saved is None:
-            return super().aggregate_train(server_round, replies)
+            while True:
+                try:
+                    return super().aggregate_train(server_round, replies)
+                except RestartSecureRound as restart:
+                    if restart.attempt >= MAX_ATTEMPTS or self.secure is None or self._round_args is None:
+                        raise StageFailed(f"{restart}; the attempts are used up") from None
+                    log(WARNING, "round %d: %s (attempt %d)", server_round, restart, restart.attempt + 1)
+                    grid, timeout = self._round_args
+                    plan = self._require_plan()
+                    replies = InOrder(self.secure.run(self, grid, plan, timeout, restart.attempt))
         plan = self._require_plan()
         survivors = set(saved["survivors"])
         assert self.secure is not None
