@@ -559,7 +559,13 @@ class STSAStrategy(AnalyticStrategy):
         return {**extra, **self.secure_extras(), **self.backfill.extras()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "ridge": self.ridge.state_dict(), "missing": self.backfill.state_dict()}
+        barred = {str(c): why for c, why in self.secure.barred.items()} if self.secure is not None else {}
+        return {
+            **super().state_dict(),
+            "ridge": self.ridge.state_dict(),
+            "missing": self.backfill.state_dict(),
+            "secagg_barred": barred,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -567,3 +573,8 @@ class STSAStrategy(AnalyticStrategy):
         if self.ridge.num_samples:
             self.stack = None  # the checkpoint holds G, not the factors: solve from G from now on
         self.backfill.load_state_dict(state.get("missing", {}))
+        barred = state.get("secagg_barred", {})
+        if self.secure is not None and isinstance(barred, dict):  # who broke the protocol stays out after a resume
+            self.secure.barred = {
+                int(c): str(why) for c, why in barred.items() if str(c).isdigit() and int(c) < self.cfg.num_clients
+            }

@@ -469,3 +469,22 @@ def _by_header(tamper):
         return tamper(header.task, header.phase, replies)
 
     return hook
+
+
+def test_a_barred_client_stays_barred_after_a_resume(tmp_path) -> None:
+    """The checkpoint keeps who was barred: a resumed run does not admit it again."""
+
+    def zeroed(task, phase, replies):
+        if phase == "secagg-unmask" and task == 0:
+            for m in replies:
+                if not m.has_error() and reply_partition(m) == 4:
+                    record = m.content.config_records["secagg"]
+                    record["seed-shares"] = [bytes(len(s)) for s in record["seed-shares"]]
+        return replies
+
+    cfg = small_config(tmp_path, **{**SETTINGS, "num_tasks": 5})
+    strategy = build(cfg)
+    strategy.load_state_dict({**strategy.state_dict(), "secagg_barred": {"4": "revealed a wrong share", "x": "?"}})
+    assert strategy.secure is not None and strategy.secure.barred == {4: "revealed a wrong share"}
+    first = run_in_process(cfg, zeroed)
+    assert first.state_dict()["secagg_barred"].keys() == {"4"}
