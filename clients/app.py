@@ -38,6 +38,7 @@ quiet_known_noise()
 app = ClientApp()
 
 Handler = Callable[..., Reply]
+SECURE_ONLY = "secure-aggregation"  # node config: this node's statistics leave it only masked
 
 
 @cache
@@ -74,6 +75,12 @@ def handle(message: Message, context: Context) -> Message:
     else:
         assert isinstance(ins, (TrainIns, StatsIns))
         from clients.job import make_job
+
+        if isinstance(ins, StatsIns) and ins.secagg is None and context.node_config.get(SECURE_ONLY) is True:
+            raise ProtocolError(
+                "this node uploads statistics only inside a secure round (node config secure-aggregation=true); "
+                "the run asks for a plain upload: refused"
+            )
 
         reply = handler_for(ins.config.strategy, ins.header.phase)(make_job(ins, context))
     return reply.reply_to(message)

@@ -3,10 +3,11 @@
 A masked upload stays hidden until the node reveals its shares; once it has, the server can open a
 sum that contains it. Two openings of the same input over two different participant sets give
 one participant's statistics by difference (a stage re-run after a claimed crash, a "backfill" of a
-stage already contributed, a failed stage asked for again). So before a node reveals anything
-for a stage it writes here, on its own disk, the participant set (its signed view) over which it
-does; afterwards it contributes that stage again only to the identical set, and refuses any
-other with one line naming the stage.
+stage already contributed, a failed stage asked for again, or the same view opened once with
+everyone and once without the victim). So before a node reveals anything for a stage it writes
+here, on its own disk, the set of survivors the sum is opened over; afterwards it contributes that
+stage again only to a sum over the identical set, and refuses any other with one line naming the
+stage.
 
 Two keys per entry:
 
@@ -64,15 +65,18 @@ def input_digest(*arrays: bytes) -> str:
     return h.hexdigest()
 
 
-def _view_text(view: Iterable[int]) -> list[int]:
-    return sorted(int(n) for n in view)
+def _view_text(view: Iterable[Any]) -> list[int]:
+    members = list(view)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in members):
+        raise SecureAggregationError("the secure-aggregation ledger holds a damaged set: refusing to reveal")
+    return sorted(members)
 
 
 class Ledger:
     """The ledger file of one node of one federation."""
 
-    def __init__(self, folder: Path, federation: str, node_id: int) -> None:
-        key = hashlib.sha256(f"{federation}|{node_id}".encode()).hexdigest()[:24]
+    def __init__(self, folder: Path, federation: str, node: int | str) -> None:
+        key = hashlib.sha256(f"{federation}|{node}".encode()).hexdigest()[:24]
         self.folder = folder
         self.path = folder / f"ledger-{key}.json"
 

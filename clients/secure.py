@@ -20,7 +20,8 @@ round). Then it writes the stage into its ledger (clients/ledger.py) and refuses
 already opened over another set: each input is opened once.
 
 A share bundle that does not decrypt or match its dealer's commitment does not stop the node: it
-masks as usual and accuses the dealer in its upload, with the bundle's one-use key as evidence.
+masks as usual and accuses the dealer in its upload (with the reason; never with the bundle's
+key, which would open the dealer's real bundle to a server that altered what it relayed).
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from flwr.app import ConfigRecord, Context
 from flwr.app.typing import ConfigRecordValues
 
 from clients.job import ClientJob
 from clients.ledger import FEDERATION_KEY, Ledger, ledger_folder
 from clients.node_data import NodeConfigError, node_data
+from fcl_flower.config import RunConfig
 from fcl_flower.privacy.secagg import (
     SecureAggregationError,
     check_unmask_request,
@@ -116,12 +119,31 @@ def _node_path(context: Context, key: str) -> str:
     return path
 
 
+def signed_mode(context: Context, cfg: RunConfig) -> bool:
+    """Whether this round is signed. The run config comes from the server, so it cannot lower what
+    the node's own config pins: a node given a signing key (node config ``secagg-signing-key``)
+    signs every secure round and refuses a run that asks for unsigned keys; a node config
+    ``secagg-min-clients`` is a floor the run cannot go below."""
+    pinned = bool(context.node_config.get(SIGNING_KEY))
+    if pinned and not cfg.secagg_signed_keys:
+        raise SecureAggregationError(
+            "this node signs its secure rounds (node config secagg-signing-key); the run asks for unsigned "
+            "keys (secagg-signed-keys=false): refused"
+        )
+    floor = context.node_config.get("secagg-min-clients")
+    if isinstance(floor, int) and cfg.secagg_min_clients < floor:
+        raise SecureAggregationError(
+            f"the run asks for secagg-min-clients={cfg.secagg_min_clients}, below this node's floor {floor}: refused"
+        )
+    return cfg.secagg_signed_keys
+
+
 def handle_keys(ins: KeysIns, context: Context) -> KeysRes:
     """Make and keep two fresh key pairs; answer with the public halves (signed, in signed mode)."""
     c_private, c_public = generate_keypair()
     s_private, s_public = generate_keypair()
     signer = signature = b""
-    if ins.config.secagg_signed_keys:
+    if signed_mode(context, ins.config):
         key = load_signing_key(_node_path(context, SIGNING_KEY))
         signer, signature = sign_keys(key, c_public, s_public, _key_context(ins.header))
     context.state.config_records[STATE_RECORD] = ConfigRecord(
@@ -140,7 +162,7 @@ def _check_peers(context: Context, ins: SharesIns | StatsIns, keys: Mapping[int,
         raise SecureAggregationError(f"this node ({me}) is not among the round's participants")
     if (mine.c, mine.s) != (_public_of(_bytes(state, "c-private")), _public_of(_bytes(state, "s-private"))):
         raise SecureAggregationError("the server relays keys for this node that this node did not make")
-    if not ins.config.secagg_signed_keys:
+    if not signed_mode(context, ins.config):
         return
     trusted = load_trusted_keys(_node_path(context, TRUSTED_KEYS))
     signers = [k.signer for k in keys.values()]
@@ -169,11 +191,9 @@ def handle_shares(ins: SharesIns, context: Context) -> SharesRes:
         raise SecureAggregationError(
             f"secure round with {len(ins.keys)} participants; at least {cfg.secagg_min_clients} are required"
         )
-    if ins.threshold != threshold_for(len(ins.keys), cfg.secagg_min_clients):
-        raise SecureAggregationError(
-            f"the server asks for threshold {ins.threshold}; "
-            f"{threshold_for(len(ins.keys), cfg.secagg_min_clients)} is due"
-        )
+    due = threshold_for(len(ins.keys), cfg.secagg_min_clients, signed_mode(context, cfg))
+    if ins.threshold != due:
+        raise SecureAggregationError(f"the server asks for threshold {ins.threshold}; {due} is due")
     state = _state(context, header)
     seed = new_seed()
     context_bytes = round_context(
@@ -199,13 +219,20 @@ def handle_shares(ins: SharesIns, context: Context) -> SharesRes:
 def node_ledger(context: Context, signed: bool) -> Ledger:
     """This node's ledger (clients/ledger.py) for the federation it serves: the node config's
     ``federation`` name, else in signed-keys mode the operator's list of SuperNode keys, which
-    names the federation's members."""
+    names the federation's members. In signed-keys mode the node is known by its own key, not by
+    the node id the SuperLink assigns (a server that re-registers a node gets the same ledger)."""
     federation = context.node_config.get(FEDERATION_KEY)
     if not isinstance(federation, str) or not federation:
         federation = "default"
         if signed:
             federation = "keys:" + hashlib.sha256(Path(_node_path(context, TRUSTED_KEYS)).read_bytes()).hexdigest()
-    return Ledger(ledger_folder(context.node_config), federation, int(context.node_id))
+    identity = str(int(context.node_id))
+    if signed:
+        public = load_signing_key(_node_path(context, SIGNING_KEY)).public_key()
+        identity = (
+            "key:" + hashlib.sha256(public.public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)).hexdigest()
+        )
+    return Ledger(ledger_folder(context.node_config), federation, identity)
 
 
 def masked_upload(
@@ -225,12 +252,12 @@ def masked_upload(
     ins = job.ins
     assert isinstance(ins, StatsIns) and ins.secagg is not None
     sec, header = ins.secagg, ins.header
-    signed = job.cfg.secagg_signed_keys
+    signed = signed_mode(job.context, job.cfg)
     state = _state(job.context, header)
     _check_peers(job.context, ins, sec.participants, header)
     if list(sec.round_nodes) != _list(state, "round-nodes", int):
         raise SecureAggregationError("the round's key-round participants changed since the shares round")
-    if sec.threshold != threshold_for(len(sec.round_nodes), job.cfg.secagg_min_clients):
+    if sec.threshold != threshold_for(len(sec.round_nodes), job.cfg.secagg_min_clients, signed):
         raise SecureAggregationError(f"the server asks for threshold {sec.threshold}")
     if set(sec.shares) != set(sec.participants) or set(sec.commitments) != set(sec.participants):
         raise SecureAggregationError("the shares or commitments of some participants are missing")
@@ -244,12 +271,11 @@ def masked_upload(
                 f"the server asks this node to backfill stage {task + 1}, which it already contributed "
                 f"(opened over nodes {earlier}): refused"
             )
-    ledger.check(header.run_id, contributed, view, digests)  # refuse early; recorded before revealing
     me = int(job.context.node_id)
     context = round_context(
         header.run_id, header.task, header.stage, header.server_round, header.attempt, sec.round_nodes
     )
-    masks = view_context(context, view)
+    masks = view_context(context, view, sec.binding(ins.backfill))
     received, accused = open_shares(
         me,
         _bytes(state, "c-private"),
@@ -286,6 +312,7 @@ def masked_upload(
         "owed": [",".join(str(t) for t in ins.backfill.get(c, ())) for c in owing],
         "tasks": sorted(contributed),
         "digests": [digests.get(t, "") for t in sorted(contributed)],
+        "signed": signed,
     }
     job.context.state.config_records[STATE_RECORD] = ConfigRecord(entries)  # the private keys and seed are gone
     return masked, MaskedReport(signature, accused)
@@ -313,7 +340,12 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
     if not isinstance(threshold, int):
         raise SecureAggregationError("this node's secure-aggregation state has no threshold")
     check_unmask_request(ins.survivors, ins.dropped, participants, threshold)
-    if ins.config.secagg_signed_keys:
+    if int(context.node_id) in ins.dropped:
+        raise SecureAggregationError("the unmask request lists this node itself as dropped: refused")
+    signed = state.get("signed")
+    if not isinstance(signed, bool):
+        raise SecureAggregationError("this node's secure-aggregation state has no signed flag")
+    if signed:  # as at the masked upload: the unmask request cannot switch it off
         _check_view(ins, state, participants)
     clients = dict(zip(_list(state, "client-nodes", int), _list(state, "clients", int), strict=True))
     alive = {clients[node] for node in ins.survivors}
@@ -333,7 +365,8 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
     key_share = dict(zip(sources, _list(state, "key-share", bytes), strict=True))
     tasks = _list(state, "tasks", int)
     digests = {t: d for t, d in zip(tasks, _list(state, "digests", str), strict=True) if d}
-    node_ledger(context, ins.config.secagg_signed_keys).record(ins.header.run_id, tasks, participants, digests)
+    # the set the sum is opened over is the survivors': each input is opened over one such set only
+    node_ledger(context, signed).record(ins.header.run_id, tasks, ins.survivors, digests)
     del context.state.config_records[STATE_RECORD]  # nothing of the round stays on the node
     partition = node_data(context.node_config, ins.config).partition
     return UnmaskRes(

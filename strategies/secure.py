@@ -22,12 +22,13 @@ least ``secagg-min-clients``) survive. A round that cannot be opened fails the s
 (:class:`~strategies.base.StageFailed`): the previous classifier is kept.
 
 Against misbehaving clients (blame instead of stall): every dealer commits to the shares it deals
-and to its secrets; a recipient whose bundle does not open accuses the dealer in its masked upload
-with the bundle's one-use key, which the server checks (a false accusation is its accuser's
-doing); every revealed share is checked against its commitment and every rebuilt secret against
-the dealer's. Whoever provably broke the protocol is named in the stage's ``left_out`` with the
-evidence and is not admitted to later secure rounds of the run (:attr:`SecureRounds.barred`);
-with ``threshold`` honest nodes left the round opens, and a round that cannot names who stopped it.
+and to its secrets; a recipient whose bundle does not open accuses the dealer in its masked upload;
+a dealer accused by two or more participants so that fewer than ``threshold`` survivors hold its
+shares is barred before the unmask step and the round runs again without it; every revealed share
+is checked against its commitment and every rebuilt secret against the dealer's. Whoever broke the
+protocol is named (stage extra ``secagg_blame``) and is not admitted to later secure rounds of the
+run (:attr:`SecureRounds.barred`); with ``threshold`` honest nodes left the round opens, and a
+round that cannot names who stopped it.
 
 The component knows nothing of the method: the strategy (:class:`SecureHost`) builds the
 instructions, identifies nodes and screens replies.
@@ -53,7 +54,8 @@ from fcl_flower.privacy.secagg import (
     SEED,
     SecretNotRebuilt,
     SecureAggregationError,
-    open_bundle,
+    agree,
+    generate_keypair,
     rebuild_secret,
     round_context,
     threshold_for,
@@ -157,7 +159,6 @@ class SecureRounds:
         self.barred: dict[int, str] = {}  # client -> why it is not admitted to secure rounds any more
         self._commitments: dict[int, Mapping[int, bytes]] = {}  # dealer -> recipient -> commitment
         self._secrets: dict[int, bytes] = {}  # dealer -> its secret commitment
-        self._accused: set[int] = set()  # dealers of this round accused with checked evidence
         self._accusers: dict[int, set[int]] = {}  # accused dealer -> the nodes that accused it
         self.revealed: set[str] = set()  # clients asked to reveal their shares in this round: opened once
         self.blame: dict[str, list[str]] = {}  # this round's evidence: client -> what it was named for
@@ -184,7 +185,7 @@ class SecureRounds:
         could not open; the dealer is barred and the strategy runs the round again without it
         (fresh keys, ``attempt`` + 1; nothing of this attempt is ever unmasked)."""
         self.current, self.opening = None, None
-        self._commitments, self._secrets, self._accused, self.revealed = {}, {}, set(), set()
+        self._commitments, self._secrets, self.revealed = {}, {}, set()
         self._accusers = {}
         if attempt == 0:
             self.blame = {}
@@ -194,17 +195,18 @@ class SecureRounds:
             raise StageFailed(
                 f"secure aggregation needs at least {self.cfg.secagg_min_clients} participants, {len(keys)} sent keys"
             )
-        threshold = threshold_for(len(keys), self.cfg.secagg_min_clients)
+        threshold = threshold_for(len(keys), self.cfg.secagg_min_clients, self.cfg.secagg_signed_keys)
         clients = {node: host.nodes.client_of[node] for node in keys}  # identified in the key round
         bundles = self._collect_shares(host, grid, plan, header, keys, clients, threshold, timeout)
         if len(bundles) < threshold:
             raise StageFailed(f"{len(bundles)} node(s) shared their secrets, the threshold is {threshold}")
         context = round_context(header.run_id, header.task, header.stage, header.server_round, header.attempt, keys)
         participants = {node: keys[node] for node in bundles}
-        view = view_context(context, participants)  # what every mask and every view signature binds
         self.current = SecAggRound(tuple(sorted(keys)), participants, {n: clients[n] for n in bundles}, threshold)
         stats_ins = host.instruction(plan, header)
         assert isinstance(stats_ins, StatsIns)
+        # what every mask and every view signature binds: the participants, clients and backfill request
+        view = view_context(context, participants, self.current.binding(stats_ins.backfill))
 
         def build(node: int) -> Instruction:
             assert self.current is not None
@@ -250,8 +252,8 @@ class SecureRounds:
                 self.bar(
                     host,
                     dealer,
-                    f"its share bundles did not open for {len(self._accusers[dealer])} participant(s) (evidence "
-                    f"checked): fewer than the threshold {threshold} hold its shares",
+                    f"{len(self._accusers[dealer])} participants could not open its share bundles: fewer "
+                    f"than the threshold {threshold} hold its shares",
                 )
             raise RestartSecureRound(attempt + 1, [self._name(host, d) for d in doomed])
         survivors = sorted(good)
@@ -303,9 +305,12 @@ class SecureRounds:
         return report.view_signature
 
     def _unopenable(self, survivors: set[int], threshold: int) -> list[int]:
-        """Dealers accused with checked evidence whose shares too few survivors hold to open the sum."""
+        """Dealers accused by two or more participants whose shares too few survivors hold to open
+        the sum (a single accuser, who may lie, never removes anyone)."""
         return sorted(
-            dealer for dealer in self._accused if len(survivors - self._accusers.get(dealer, set())) < threshold
+            dealer
+            for dealer, accusers in self._accusers.items()
+            if len(accusers) >= 2 and len(survivors - accusers) < threshold
         )
 
     def _check_accusations(
@@ -316,31 +321,22 @@ class SecureRounds:
         bundles: Mapping[int, Mapping[int, bytes]],
         context: bytes,
     ) -> None:
-        for dealer, (reason, key) in sorted(report.accused.items()):
+        """Record the dealers ``node`` accuses. An accusation cannot be proven (no key may travel as
+        evidence), so it counts only where at least two participants accuse the same dealer
+        (:meth:`_unopenable`); alone it is recorded and changes nothing."""
+        for dealer, reason in sorted(report.accused.items()):
             if dealer not in bundles or dealer == node:
                 raise ProtocolError(f"masked upload accuses node {dealer}, which dealt it no shares")
-            try:
-                open_bundle(key, bundles[dealer][node], dealer, node, self._commitments[dealer][node], context)
-            except SecureAggregationError:
-                log(
-                    WARNING,
-                    "round %d: %s accuses %s: %s (evidence: the bundle's key, checked)",
-                    host.server_round,
-                    self._name(host, node),
-                    self._name(host, dealer),
-                    reason,
-                )
-                host.accounting.reject(
-                    self._name(host, dealer), f"accused by {self._name(host, node)}: {reason} (evidence checked)"
-                )
-                self._accused.add(dealer)
-                self._accusers.setdefault(dealer, set()).add(node)
-                self.blame.setdefault(self._name(host, dealer), []).append(
-                    f"accused by {self._name(host, node)}: {reason} (evidence checked)"
-                )
-                continue
-            self.bar(host, node, f"accused node {dealer} falsely: its bundle opens and matches the commitment")
-            raise ProtocolError(f"masked upload: a false accusation against node {dealer}")
+            log(
+                WARNING,
+                "round %d: %s accuses %s: %s",
+                host.server_round,
+                self._name(host, node),
+                self._name(host, dealer),
+                reason,
+            )
+            self._accusers.setdefault(dealer, set()).add(node)
+            self.blame.setdefault(self._name(host, dealer), []).append(f"accused by {self._name(host, node)}: {reason}")
 
     # ---------------------------------------------------------------- the steps
     def _exchange(
@@ -397,6 +393,12 @@ class SecureRounds:
             if len(reply.keys.c) != KEY_BYTES or len(reply.keys.s) != KEY_BYTES:
                 log(WARNING, "node %d sent keys that are not %d-byte X25519 keys; it is left out", node, KEY_BYTES)
                 host.accounting.reject(self._name(host, node), f"secure key round: no {KEY_BYTES}-byte public keys")
+                continue
+            try:  # a low-order point would make every peer's key agreement fail: the round would stall
+                probe = generate_keypair()[0]
+                agree(probe, reply.keys.c), agree(probe, reply.keys.s)
+            except SecureAggregationError as err:
+                self.bar(host, node, f"its public keys are unusable: {err}")
                 continue
             keys[node] = reply.keys
         return keys
@@ -485,8 +487,9 @@ class SecureRounds:
     def _blame_opening(self, host: SecureHost, dealer: int, err: SecretNotRebuilt) -> None:
         """A secret that cannot be rebuilt: bar whoever provably caused it: a revealer of a wrong
         share; the dealer, where its checked shares do not rebuild its committed secret, or where
-        bundles of it were accused with checked evidence (too few nodes hold its shares)."""
+        bundles of it were accused (too few nodes hold its shares) -- that case restarts the round
+        before the unmask step (:meth:`_unopenable`)."""
         for liar in err.liars:
             self.bar(host, liar, f"revealed a share of node {dealer}'s secret that is not the one dealt")
-        if err.dealer_at_fault or dealer in self._accused:
+        if err.dealer_at_fault:
             self.bar(host, dealer, str(err))

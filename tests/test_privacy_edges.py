@@ -502,8 +502,8 @@ def test_make_shares_refuses_a_round_without_its_node() -> None:
 
 def test_open_shares_accuses_instead_of_refusing() -> None:
     """A bundle that does not decrypt, is addressed to another pair or does not match its dealer's
-    commitment does not stop the node: it is returned as an accusation, with the one-use key of
-    that bundle as evidence (the key opens that bundle and no other)."""
+    commitment does not stop the node: it is returned as an accusation with its reason (and no
+    key: the key would open the dealer's real bundle to a server that altered what it relayed)."""
     r = Sharing()
     src, dst, other = r.nodes
     dealt = r.dealt(src)
@@ -532,8 +532,8 @@ def test_open_shares_accuses_instead_of_refusing() -> None:
     ]
     for received, message in cases:
         opened, bad = open_shares(dst, r.c[dst][0], r.c_public, received, {src: commitment}, CONTEXT)
-        assert opened == {} and bad == {src: (message, key)}
-    assert open_shares(dst, r.c[dst][0], r.c_public, {src: good}, {src: b"x" * 64}, CONTEXT)[1][src][0] == (
+        assert opened == {} and bad == {src: message}
+    assert open_shares(dst, r.c[dst][0], r.c_public, {src: good}, {src: b"x" * 64}, CONTEXT)[1][src] == (
         f"the shares from node {src} do not match its commitment"
     )
     layout = _bundle(src, dst, b"abc", b"defg")

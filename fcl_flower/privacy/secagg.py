@@ -33,10 +33,10 @@ node's long-term SuperNode key as the PKI: signed-keys mode):
   cannot obtain both secrets of any node.
 * **Commitments, so a cheat is named.** The dealer of the shares commits to each share
   (:func:`share_commitment`) and to its secrets (:func:`secret_commitment`); a recipient checks
-  its share on receipt and accuses the dealer with evidence (the one-use key of that bundle) if it
-  does not decrypt or match; the server checks every revealed share against its commitment and
-  every rebuilt secret against the dealer's, so a wrong share names its revealer and an
-  inconsistent sharing its dealer.
+  its share on receipt and accuses the dealer if it does not decrypt or match (never with the
+  bundle's key: a server that altered what it relayed would decrypt the dealer's real bundle with
+  it); the server checks every revealed share against its commitment and every rebuilt secret
+  against the dealer's, so a wrong share names its revealer and an inconsistent sharing its dealer.
 
 Every key derivation binds :func:`round_context` (run id, task, stage, round, attempt and the
 key round's nodes) and the array name, so no keystream is ever used twice; keys are fresh per
@@ -126,10 +126,13 @@ def round_context(
     ).encode()
 
 
-def view_context(context: bytes, participants: Iterable[int]) -> bytes:
-    """The round's context with the participant set a node masks over (U2) bound in: masks derived
-    over two different views never cancel, and a signature over it fixes the view."""
-    return context + b"|view=" + ",".join(str(i) for i in sorted(participants)).encode()
+def view_context(context: bytes, participants: Iterable[int], bound: bytes = b"") -> bytes:
+    """The round's context with the participant set a node masks over (U2) bound in, and whatever
+    else every participant must agree on (``bound``: the node -> client map and the backfill
+    request): masks derived over two different views never cancel, and a signature over it fixes
+    the view."""
+    ids = ",".join(str(i) for i in sorted(participants))
+    return context + b"|view=" + ids.encode() + b"|bound=" + hashlib.sha256(bound).hexdigest().encode()
 
 
 def derive_key(secret: bytes, context: bytes, label: str) -> bytes:
@@ -215,14 +218,19 @@ def mask_arrays(
 
 
 # ------------------------------------------------------------------------------ Shamir shares
-def threshold_for(participants: int, min_clients: int) -> int:
-    """Shares needed to rebuild a secret: a majority of the participants, and at least ``min_clients``."""
+def threshold_for(participants: int, min_clients: int, signed: bool = False) -> int:
+    """Shares needed to rebuild a secret, and at least ``min_clients``: a majority of the
+    participants; in signed-keys mode (a malicious server in scope) more than two thirds, so that
+    even with c < 2t - n clients colluding with the server, two requests that split the survivors
+    differently cannot both collect t shares (each honest node answers once)."""
+    if signed:
+        return max(min_clients, (2 * participants) // 3 + 1)
     return max(min_clients, participants // 2 + 1)
 
 
 def share_key(c_private: bytes, peer_c_public: bytes, context: bytes, src: int, dst: int) -> bytes:
-    """The one-use Fernet key of the bundle ``src`` sends ``dst`` (one direction only: revealing it
-    as evidence opens that bundle and nothing else)."""
+    """The one-use Fernet key of the bundle ``src`` sends ``dst`` (one direction only). Never
+    revealed: it opens the real bundle, whatever the server relayed."""
     key = derive_key(agree(c_private, peer_c_public), context, f"shares|{src}|{dst}")
     return base64.urlsafe_b64encode(key)
 
@@ -313,15 +321,14 @@ def open_shares(
     received: Mapping[int, bytes],
     commitments: Mapping[int, bytes],
     context: bytes,
-) -> tuple[dict[int, tuple[bytes, bytes]], dict[int, tuple[str, bytes]]]:
+) -> tuple[dict[int, tuple[bytes, bytes]], dict[int, str]]:
     """Decrypt and check the shares addressed to this node.
 
-    Returns (src -> (share of b_src, share of s_src), src -> (reason, evidence key)) for the
-    bundles that open and match their dealer's commitment, and for those that do not: a bad bundle
-    accuses its dealer instead of stopping the round (the key is the evidence: it opens that one
-    bundle and nothing else)."""
+    Returns (src -> (share of b_src, share of s_src), src -> reason) for the bundles that open and
+    match their dealer's commitment, and for those that do not: a bad bundle accuses its dealer
+    instead of stopping the round."""
     good: dict[int, tuple[bytes, bytes]] = {}
-    bad: dict[int, tuple[str, bytes]] = {}
+    bad: dict[int, str] = {}
     for src, ciphertext in received.items():
         if src not in c_publics:
             raise SecureAggregationError(f"a share from node {src}, which is not a participant")
@@ -329,7 +336,7 @@ def open_shares(
         try:
             good[src] = open_bundle(key, ciphertext, src, own_id, commitments.get(src, b""), context)
         except SecureAggregationError as err:
-            bad[src] = (str(err), key)
+            bad[src] = str(err)
     return good, bad
 
 

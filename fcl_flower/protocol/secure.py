@@ -106,6 +106,14 @@ class SecAggRound:
             node_map(record, "secagg-commit-src", "secagg-commit", ROUND, bytes),
         )
 
+    def binding(self, backfill: Mapping[int, tuple[int, ...]]) -> bytes:
+        """What every participant must see alike besides the participants (bound into the view,
+        fcl_flower/privacy/secagg.py ``view_context``): the node -> client map and the backfill
+        request, so that no participant can be shown its own version of who owes what."""
+        clients = ";".join(f"{n}:{self.clients[n]}" for n in sorted(self.clients))
+        owed = ";".join(f"{c}:{','.join(map(str, sorted(backfill[c])))}" for c in sorted(backfill))
+        return f"clients={clients}|backfill={owed}".encode()
+
     def backfill_tasks(self, backfill: Mapping[int, tuple[int, ...]], min_clients: int) -> tuple[int, ...]:
         """Owed tasks whose statistics ride in this upload: those owed by ``min_clients`` or more of
         the participants, so the opened sum of a past task's class sums is never one client's."""
@@ -168,24 +176,23 @@ class UnmaskIns(Instruction):
 class MaskedReport:
     """What rides beside a masked upload (record ``secagg`` of its reply): the node's signature over
     its view (signed-keys mode; empty otherwise) and its accusations: the dealers whose bundle to
-    it did not decrypt or match their commitment, each with the reason and the bundle's one-use
-    key as evidence."""
+    it did not decrypt or match their commitment, each with the reason. No key travels as
+    evidence: it would open the dealer's real bundle to a server that altered what it relayed."""
 
     view_signature: bytes = b""
-    accused: Mapping[int, tuple[str, bytes]] = field(default_factory=dict)  # dealer -> (reason, bundle key)
+    accused: Mapping[int, str] = field(default_factory=dict)  # dealer -> reason
 
     def entries(self) -> dict[str, Any]:
         nodes = sorted(self.accused)
         return {
             "view-signature": self.view_signature,
             "accused": nodes,
-            "accused-reasons": [self.accused[n][0] for n in nodes],
-            "accused-keys": [self.accused[n][1] for n in nodes],
+            "accused-reasons": [self.accused[n] for n in nodes],
         }
 
     @classmethod
     def from_entries(cls, record: Mapping[str, Any]) -> MaskedReport:
-        only(record, {"view-signature", "accused", "accused-reasons", "accused-keys"}, "secagg entries")
+        only(record, {"view-signature", "accused", "accused-reasons"}, "secagg entries")
         signature = entry(record, "view-signature", SECAGG)
         if not isinstance(signature, bytes):
             raise ProtocolError("masked upload: the view signature must be bytes")
@@ -193,8 +200,12 @@ class MaskedReport:
         if len(set(nodes)) != len(nodes):
             raise ProtocolError(f"'{SECAGG}' entry 'accused' lists a node twice")
         reasons = read_list(record, "accused-reasons", SECAGG, str, len(nodes))
-        keys = read_list(record, "accused-keys", SECAGG, bytes, len(nodes))
-        return cls(signature, {n: (r[:300], k) for n, r, k in zip(nodes, reasons, keys, strict=True)})
+        return cls(signature, {n: _printable(r) for n, r in zip(nodes, reasons, strict=True)})
+
+
+def _printable(text: str, limit: int = 300) -> str:
+    """A client's free text as it may enter logs and results: printable, one line, at most ``limit``."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
 
 
 @dataclass(frozen=True)
