@@ -133,7 +133,7 @@ def secure_round(
     n = len(nodes)
     context = round_context("bench", 1, 2, 3, 0, nodes)
     view = view_context(context, nodes)
-    threshold = threshold_for(n, MIN_CLIENTS)
+    threshold = threshold_for(n, MIN_CLIENTS, signed=True)  # the round plays signed-keys mode
     key_s, keys = zip(*(timed(lambda: (generate_keypair(), generate_keypair())) for _ in nodes), strict=True)
     c_pair = {node: pair[0] for node, pair in zip(nodes, keys, strict=True)}
     s_pair = {node: pair[1] for node, pair in zip(nodes, keys, strict=True)}
