@@ -317,13 +317,15 @@ class LocalFederation:
 
     # ------------------------------------------------------------------ runs
     def submit(self, run_config: Mapping[str, Any], app: Path = APP_DIR, timeout: float = 120.0) -> int:
-        """``flwr run <app> <connection> --run-config ...``; returns the run id."""
+        """``flwr run <app> <connection> --run-config ...``; returns the run id. Every node here has a
+        SuperNode key and signs its secure rounds, so a secure run must say
+        ``secagg-signed-keys=true`` (the nodes refuse it otherwise, each with one line)."""
         out = self.flwr(
             "run",
             str(app),
             CONNECTION,
             "--run-config",
-            with_signed_keys(format_run_config(run_config)),
+            format_run_config(run_config),
             "--format",
             "json",
             timeout=timeout,

@@ -136,7 +136,9 @@ def test_sites_own_folders_through_real_supernodes_equal_the_simulation(sites, t
     empty = tmp_path / "server-data-root"
     empty.mkdir()
     cfg = run_config(tmp_path / "deployed", **{"data-root": str(empty)})
-    local = cfg.replace(out=str(tmp_path / "simulated"))
+    if cfg.secure_aggregation:  # the deployed nodes sign with their SuperNode keys; the simulation has none
+        cfg = cfg.replace(secagg_signed_keys=True)
+    local = cfg.replace(out=str(tmp_path / "simulated"), secagg_signed_keys=False)
     fed = module.LocalFederation(tmp_path / "federation", module.node_configs_for(3, None, sites))
     try:
         fed.start()
