@@ -569,3 +569,38 @@ def test_a_low_order_key_is_barred_at_the_key_round(tmp_path) -> None:
     first, second = strategy.recorder.stages
     assert "failed" not in first.extra and "client-2" not in first.clients
     assert "unusable" in first.left_out["client-2"] and "barred" in second.left_out["client-2"]
+
+
+# ------------------------------------------------------------------------------ garbage beside a masked upload, and in the shares step
+@pytest.mark.parametrize("accused", [7, NODE_BASE], ids=["outside the round", "itself"])
+def test_an_accusation_of_a_node_that_dealt_no_shares_is_a_rejected_upload(tmp_path, accused) -> None:
+    """Client 0 accuses a node outside the round, or itself: its upload is rejected with the reason
+    (recovered in the attempt like a dropout) and the stage opens over the others."""
+
+    def accuse(task, phase, replies):
+        if phase == "stsa-stats" and task == 0:
+            for m in replies:
+                if not m.has_error() and reply_partition(m) == 0:
+                    record = m.content.config_records["secagg"]
+                    record["accused"], record["accused-reasons"] = [accused], ["made up"]
+        return replies
+
+    strategy = run_in_process(small_config(tmp_path, **{**SETTINGS, "num_tasks": 1}), accuse)
+    stage = strategy.recorder.stages[0]
+    assert "failed" not in stage.extra and "client-0" not in stage.clients
+    assert f"masked upload accuses node {accused}, which dealt it no shares" in stage.left_out["client-0"]
+
+
+def test_commitments_of_the_wrong_size_leave_the_dealer_out_of_the_round(tmp_path) -> None:
+    def short(task, phase, replies):
+        if phase == "secagg-shares" and task == 0:
+            for m in replies:
+                if not m.has_error() and reply_partition(m) == 1:
+                    record = m.content.config_records["secagg"]
+                    record["commits"] = [c[:10] for c in record["commits"]]
+        return replies
+
+    strategy = run_in_process(small_config(tmp_path, **{**SETTINGS, "num_tasks": 1}), short)
+    stage = strategy.recorder.stages[0]
+    assert "failed" not in stage.extra and "client-1" not in stage.clients
+    assert "commitments are not 64 bytes" in stage.left_out["client-1"]
