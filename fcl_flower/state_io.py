@@ -13,14 +13,24 @@ never executes anything from disk: safetensors holds raw numbers, JSON holds dat
 garbled or foreign file raises :class:`StateError` with one line naming the file; a digest
 mismatch says which side is wrong (the tensors file is named by its digest, so a damaged
 ``sha256`` field in the JSON is told apart from a damaged tensors file).
+
+Authenticity. ``<name>.json`` begins with ``"hmac"``: an HMAC-SHA256 (fcl_flower/state_key.py) of
+the rest of the file and of its name, under this installation's key, which lives outside the run
+folder. The signature is checked on the file's bytes before anything is parsed; since the JSON holds
+the tensors file's SHA-256, it covers the tensors too. A file without it, or changed by anyone who
+does not hold the key (digests recomputed or not), is refused with one line. A file that is a
+symbolic link is refused, and the files are written in a private staging folder (mode 0700) and
+renamed into place, so nothing is ever written through a link planted in the run folder.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -30,8 +40,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-FORMAT = "fcl-flower-state/1"
+from fcl_flower.state_key import KeyFileError, key_path, sign, signing_key, verify
+
+FORMAT = "fcl-flower-state/2"
 DIGEST = re.compile(r"[0-9a-f]{64}")
+SIGNED = re.compile(rb'\{"hmac": "([0-9a-f]{64})", ')
+MOVE_HINT = "to move a run folder between machines move the key file too (docs/federations.md)"
 
 
 class StateError(ValueError):
@@ -105,56 +119,81 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     raise KeyError(f"unknown node {sorted(value)}")
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+def _signing_key(key: bytes | None) -> bytes:
     try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        return signing_key() if key is None else key
+    except KeyFileError as err:
+        raise StateError(str(err)) from None
 
 
-def save_state(folder: Path, name: str, state: Any) -> Path:
-    """Write ``state`` as ``<folder>/<name>.json`` (+ its tensors file); returns the JSON path."""
+def signed_bytes(name: str, document: dict[str, Any], key: bytes) -> bytes:
+    """The bytes of ``<name>.json``: ``{"hmac": "<signature>", `` then the document's JSON."""
+    body = json.dumps(document).encode("utf-8")
+    return b'{"hmac": "' + sign(key, name, body).encode("ascii") + b'", ' + body[1:]
+
+
+def save_state(folder: Path, name: str, state: Any, key: bytes | None = None) -> Path:
+    """Write ``state`` as ``<folder>/<name>.json`` (+ its tensors file), signed with ``key``
+    (default: this installation's, :func:`fcl_flower.state_key.signing_key`); returns the JSON path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    key = _signing_key(key)
     tensors: dict[str, torch.Tensor] = {}
     tree = _encode(state, "", tensors)
-    fd, staging = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".safetensors")
-    os.close(fd)
+    staging = Path(tempfile.mkdtemp(dir=folder, prefix=f".{name}."))  # mode 0700: nobody else adds links in it
     try:
-        save_file(tensors, staging)
-        digest = hashlib.sha256(Path(staging).read_bytes()).hexdigest()
+        staged = staging / "tensors.safetensors"
+        save_file(tensors, str(staged))
+        digest = hashlib.sha256(staged.read_bytes()).hexdigest()
         data_file = folder / f"{name}-{digest[:16]}.safetensors"
-        os.replace(staging, data_file)
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
-    document = {"format": FORMAT, "tensors": data_file.name, "sha256": digest, "state": tree}
-    path = folder / f"{name}.json"
-
-    def write_json(target: str) -> None:
-        with open(target, "w", encoding="utf-8") as handle:
-            json.dump(document, handle)
+        document = {"format": FORMAT, "tensors": data_file.name, "sha256": digest, "state": tree}
+        staged_json = staging / f"{name}.json"
+        fd = os.open(staged_json, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(signed_bytes(name, document, key))
             handle.flush()
             os.fsync(handle.fileno())
-
-    _atomic_write(path, write_json)
+        os.replace(staged, data_file)
+        path = folder / f"{name}.json"
+        os.replace(staged_json, path)  # last: until here the previous state file stands
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     for old in folder.glob(f"{name}-*.safetensors"):
         if old.name != data_file.name:
             old.unlink(missing_ok=True)
     return path
 
 
-def load_state(path: Path) -> Any:
-    """The state saved at ``path`` (a ``<name>.json``); StateError (one line) if it is not one."""
+def _read_nofollow(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read()
+
+
+def load_state(path: Path, key: bytes | None = None) -> Any:
+    """The state saved at ``path`` (a ``<name>.json``) and signed with ``key`` (default: this
+    installation's); StateError (one line) if it is not one, or not signed with that key."""
     path = Path(path)
     advice = "delete it (and start without resume) or restore a backup"
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raw = _read_nofollow(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise StateError(f"{path} is a symbolic link, which fcl-flower never follows; {advice}") from None
+        raise StateError(f"{path} is not a readable fcl-flower state file ({type(err).__name__}); {advice}") from None
+    signed = SIGNED.match(raw)
+    if signed is None:
+        raise StateError(f"{path} {_unsigned(raw)}; {advice}")
+    key = _signing_key(key)
+    name = path.name.removesuffix(".json")
+    if not verify(key, name, b"{" + raw[signed.end() :], signed.group(1).decode("ascii")):
+        raise StateError(
+            f"{path}: not signed by this installation's key ({key_path()}): it was changed after it was written, "
+            f"or written with another key; {MOVE_HINT}; otherwise {advice}"
+        )
+    try:
+        document = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise StateError(f"{path} is not a readable fcl-flower state file ({type(err).__name__}); {advice}") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise StateError(f"{path} is not an fcl-flower state file of format {FORMAT}; {advice}")
@@ -180,5 +219,21 @@ def load_state(path: Path) -> Any:
     try:
         tensors = load_file(str(data_file))
         return _decode(document.get("state"), tensors)
+    except RecursionError:
+        raise StateError(f"{path} cannot be decoded (its state is nested too deeply); {advice}") from None
     except (SafetensorError, KeyError, TypeError, ValueError) as err:
         raise StateError(f"{path} cannot be decoded ({type(err).__name__}: {err}); {advice}") from None
+
+
+def _unsigned(raw: bytes) -> str:
+    """Why a state file without a signature is refused, in words (never parsed past a depth limit)."""
+    try:
+        document = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        return f"is not a readable fcl-flower state file ({type(err).__name__})"
+    if isinstance(document, dict) and str(document.get("format", "")).startswith("fcl-flower-state/"):
+        return (
+            "is not signed (written by an earlier version of fcl-flower, or rewritten by hand): fcl-flower "
+            "resumes only state files signed with this installation's key"
+        )
+    return f"is not an fcl-flower state file of format {FORMAT}"

@@ -32,18 +32,21 @@ import numpy as np
 import torch
 from flwr.common.logger import log
 
+from fcl_flower import restore as fields
 from fcl_flower.analytic import (
     AnalyticInputError,
     NotPositiveDefiniteError,
     random_projection,
 )
-from fcl_flower.analytic.checks import NoiseLevels, StatisticsRejected
+from fcl_flower.analytic.checks import NoiseLevels, StatisticsRejected, check_packed_statistics, gram_check_epsilon
+from fcl_flower.analytic.packing import pack_upper
 from fcl_flower.analytic.ridge import GCVRow, RidgeState
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.privacy.accountant import PrivacyLedger
 from fcl_flower.privacy.noise import effective_multiplier, noise_multiplier, upload_scale
-from fcl_flower.protocol import Reply, StatsRes, UploadError, to_record
+from fcl_flower.protocol import WIRE_DTYPES, Reply, StatsRes, UploadError, to_record
+from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import predict_ridge
 from strategies.base import Accepted, RoundFold, RoundPlan, StagedStrategy, StageFailed
@@ -257,12 +260,93 @@ class AnalyticStrategy(StagedStrategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.weights = state["weights"]
+        weights = fields.entry(state, "weights", "state")
+        if weights is not None:
+            weights = fields.tensor(weights, "state/weights", (self.rf_dim, None), dtype=None)
+        self.weights = weights
         if self.ledger is not None:
-            self.ledger.load_state_dict(state.get("privacy_ledger", {}))
-        if self.noise is not None and isinstance(state.get("sums_noise"), torch.Tensor):
-            self.sums_noise = state["sums_noise"]
+            ledger = fields.mapping(state.get("privacy_ledger", {}), "state/privacy_ledger")
+            for client, items in ledger.items():
+                where = f"state/privacy_ledger/{client}"
+                if not isinstance(items, list) or not all(isinstance(i, list) and len(i) == 2 for i in items):
+                    raise RestoreError(where, "must be a list of [stage, noise multiplier] pairs")
+                for k, (stage, z) in enumerate(items):
+                    fields.integer(stage, f"{where}/{k}/0", 0, self.num_tasks - 1)
+                    fields.number(z, f"{where}/{k}/1", 0.0)
+            self.ledger.load_state_dict(dict(ledger))
+        if self.noise is not None and "sums_noise" in state:
+            noise = fields.tensor(state["sums_noise"], "state/sums_noise", (self.split.num_classes,))
+            if bool((noise < 0).any()):
+                raise RestoreError("state/sums_noise", "holds a negative variance")
+            self.sums_noise = noise
         self.model.eval()
+
+    def check_restored(self, completed: int) -> None:
+        super().check_restored(completed)
+        if self.weights is not None:
+            widths = {self.num_seen(t) for t in range(completed)}
+            if int(self.weights.shape[1]) not in widths:
+                raise RestoreError(
+                    "state/weights",
+                    f"has {int(self.weights.shape[1])} class columns; after {completed} stages: one of {sorted(widths)}",
+                )
+
+    def restore_ridge(self, state: dict[str, Any]) -> RidgeState:
+        """The ridge state of a checkpoint, every field checked (RidgeState.from_state) and of this
+        configuration's shape (M × M, M × all classes)."""
+        try:
+            ridge = RidgeState.from_state(fields.entry(state, "ridge", "state"), "state/ridge")
+        except AnalyticInputError as err:
+            raise RestoreError.worded(str(err)) from None
+        want = (self.rf_dim, self.split.num_classes)
+        if tuple(ridge.class_sums.shape) != want:
+            raise RestoreError(
+                "state/ridge/class_sums", f"has shape {tuple(ridge.class_sums.shape)}, the configuration gives {want}"
+            )
+        return ridge
+
+    def check_restored_ridge(self, ridge: RidgeState, completed: int, *, sum_of_checked_uploads: bool) -> None:
+        """A restored ridge state checked as strictly as a fresh upload: nothing in the columns of
+        classes not yet seen, no statistics without samples, and, where G is a sum of checked
+        uploads (STSA without noise), [[G, C·1], [(C·1)ᵀ, n]] positive semidefinite within the
+        checks' tolerance (fcl_flower/analytic/checks.py; the tolerance of any upload's, and of an
+        opened secure sum's fixed point over every stage, so an honest state always passes) and
+        the certified bound on λ_min(G) verified by a factorisation (:meth:`RidgeState.verify_bound`),
+        never taken from the file. Under noise the solve projects G onto the PSD cone and uses no bound."""
+        seen = self.num_seen(completed - 1)
+        if bool(ridge.class_sums[:, seen:].any()):
+            raise RestoreError(
+                "state/ridge/class_sums", f"has statistics of classes not yet seen (beyond the first {seen})"
+            )
+        if ridge.num_samples == 0 and (bool(ridge.gram.any()) or bool(ridge.class_sums.any())):
+            raise RestoreError("state/ridge/num_samples", "is 0, yet G or the class sums are not")
+        if self.noise is not None:
+            ridge.negative_bound = math.inf
+            return
+        if sum_of_checked_uploads:
+            if not torch.equal(ridge.gram, ridge.gram.T):  # sums of packed uploads are exactly symmetric
+                raise RestoreError("state/ridge/gram", "is not symmetric")
+            cfg, dim = self.cfg, self.rf_dim
+            widen = 2.0 * (dim + self.split.num_classes) / (dim + 1)
+            wire = gram_check_epsilon(WIRE_DTYPES[cfg.wire_dtype], cfg.check_tolerance)
+            absolute = cfg.num_clients * cfg.num_tasks * 2.0 ** -(cfg.secagg_fraction_bits + 1)
+            try:
+                check_packed_statistics(
+                    pack_upper(ridge.gram),
+                    ridge.class_sums.sum(dim=1, keepdim=True),
+                    torch.tensor([float(ridge.num_samples)], dtype=torch.float64),
+                    relative_tolerance=widen * max(wire, 2.0**-40),
+                    absolute_tolerance=widen * absolute if cfg.secure_aggregation else 0.0,
+                    **self.feature_bounds,
+                )
+            except StatisticsRejected as err:
+                raise RestoreError("state/ridge", f"fails the upload checks: {err}") from None
+        if not ridge.verify_bound():
+            beta = ridge.negative_bound
+            raise RestoreError(
+                "state/ridge/negative_bound",
+                f"is {beta:g}, but G + {beta:g}·I has no Cholesky factor: λ_min(G) >= -{beta:g} does not hold",
+            )
 
 
 class _CountWithheld:

@@ -21,7 +21,9 @@ from typing import Any, Generic, TypeVar
 from flwr.app import ArrayRecord
 from flwr.common.logger import log
 
+from fcl_flower import restore as fields
 from fcl_flower.protocol import StatsRes, UploadError
+from fcl_flower.restore import RestoreError
 from strategies.accounting import client_name
 from strategies.base import Accepted
 
@@ -107,5 +109,22 @@ class Backfill(Generic[P]):
     def state_dict(self) -> dict[str, list[int]]:
         return {c: list(tasks) for c, tasks in self.missing.items()}
 
-    def load_state_dict(self, missing: dict[str, list[int]]) -> None:
-        self.missing = {c: list(tasks) for c, tasks in missing.items()}
+    def load_state_dict(self, missing: dict[str, list[int]], field: str = "state/missing") -> None:
+        """Who owes which stages, from a checkpoint: clients of this run, stage numbers >= 0
+        (RestoreError naming the field otherwise)."""
+        names = {client_name(i) for i in range(self.num_clients)}
+        restored: dict[str, list[int]] = {}
+        for client, tasks in fields.mapping(missing, field).items():
+            if client not in names:
+                raise RestoreError(f"{field}/{client}", "is not a client of this run")
+            restored[client] = fields.integers(tasks, f"{field}/{client}", 0)
+        self.missing = restored
+
+    def check_restored(self, completed: int, field: str = "state/missing") -> None:
+        """Only stages already run can be owed."""
+        for client, tasks in self.missing.items():
+            late = [t for t in tasks if t >= completed]
+            if late:
+                raise RestoreError(
+                    f"{field}/{client}", f"owes stage {late[0] + 1}, which has not run ({completed} have)"
+                )

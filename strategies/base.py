@@ -35,6 +35,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fcl_flower import methods
+from fcl_flower import restore as fields
 from fcl_flower.averaging import cosine_lr
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
@@ -55,6 +56,7 @@ from fcl_flower.protocol import (
     payload_bytes,
     to_record,
 )
+from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import build_model, resolve_device
 from strategies.accounting import StageAccounting, client_name, client_order
@@ -175,8 +177,21 @@ class StagedStrategy(Strategy):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        """Restore :meth:`state_dict`'s state; RestoreError (one line naming the field) where a field
+        does not hold what this configuration writes there (fcl_flower/restore.py)."""
+        saved = fields.mapping(fields.entry(state, "model", "state"), "state/model")
+        own = self.model.state_dict()
+        extra = sorted(set(saved) - set(own))
+        if extra:
+            raise RestoreError(f"state/model/{extra[0]}", "is not a tensor of this configuration's model")
+        for name, tensor in own.items():
+            fields.tensor(fields.entry(saved, name, "state/model"), f"state/model/{name}", tensor.shape, tensor.dtype)
+        self.model.load_state_dict(dict(saved))
         self.nodes.load_state_dict(state.get("nodes", {}))
+
+    def check_restored(self, completed: int) -> None:
+        """After :meth:`load_state_dict`: the restored state is consistent with ``completed`` stages
+        done (shapes that grow with the stages, sums against counts); RestoreError if not."""
 
     # ------------------------------------------------------------------ helpers for methods
     def num_seen(self, task: int) -> int:

@@ -12,11 +12,20 @@ against the checkpoint instead). It then
 holds an exclusive lock on the folder for the whole run: a second server on the same folder stops
 at once with one line instead of overwriting the first's results. :func:`check_run_folder` runs
 the same checks (and the resume's) without keeping the lock, for a launcher before its engine starts.
+
+Trust. The checkpoint is signed with this installation's key, kept outside the run folder
+(fcl_flower/state_key.py): a checkpoint rewritten by anyone without the key is refused. Its fields
+are type-checked on load (:meth:`CheckpointStore.load`: counts, rounds, the stage records) and the
+strategy's state as strictly as a fresh upload (:meth:`~strategies.base.StagedStrategy.load_state_dict`
+and ``check_restored``); every refusal is one line naming the file and the field. A run folder,
+or its lock file, that is a symbolic link is refused: fcl-flower never writes through a link.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -26,8 +35,12 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from fcl_flower import restore as fields
 from fcl_flower.config import OPERATIONAL_KEYS, ConfigError, RunConfig
+from fcl_flower.restore import RestoreError
+from fcl_flower.results import StageRecord
 from fcl_flower.state_io import StateError, load_state, save_state
+from fcl_flower.state_key import KeyFileError, signing_key
 
 NAME = "checkpoint"
 LEGACY_FILE = "checkpoint.pt"  # pickled checkpoints of earlier versions: never loaded
@@ -75,12 +88,63 @@ class CheckpointStore:
         changed = differing_keys(payload["config"], resumable_config(cfg))
         if changed:
             raise ConfigError(f"resume: config differs from the checkpoint in: {', '.join(changed)}")
+        try:
+            done = fields.integer(fields.entry(payload, "completed_tasks", ""), "completed_tasks", 1, cfg.num_tasks)
+            fields.integer(fields.entry(payload, "server_round", ""), "server_round", 0)
+            fields.mapping(fields.entry(payload, "state", ""), "state")
+            stages = fields.entry(payload, "stages", "")
+            if not isinstance(stages, list) or len(stages) != done:
+                raise RestoreError("stages", f"must be a list of the {done} completed stages' records")
+            payload["stages"] = [stage_record(s, f"stages/{i}", i + 1) for i, s in enumerate(stages)]
+        except RestoreError as err:
+            raise self.refused(err) from None
         return payload
+
+    def refused(self, err: RestoreError) -> ConfigError:
+        """The one line for a checkpoint field that does not hold what the server wrote there."""
+        return ConfigError(f"resume: {self.path}: {err}; delete it (and start without resume) or restore a backup")
+
+
+def stage_record(value: Any, field: str, stage: int) -> StageRecord:
+    """A stage record of a checkpoint, every field type-checked (``stage`` is its 1-based number)."""
+    record = fields.mapping(value, field)
+    names = {f.name for f in dataclasses.fields(StageRecord)}
+    unknown = sorted(set(record) - names)
+    if unknown:
+        raise RestoreError(f"{field}/{unknown[0]}", "is not a field of a stage record")
+    get = {name: fields.entry(record, name, field) for name in names}
+    fields.integer(get["stage"], f"{field}/stage", stage, stage)
+    fields.integers(get["classes"], f"{field}/classes", 0)
+    percent(get["accuracy"], f"{field}/accuracy")
+    if not isinstance(get["per_task_accuracy"], list) or len(get["per_task_accuracy"]) != stage:
+        raise RestoreError(f"{field}/per_task_accuracy", f"must list {stage} accuracies")
+    for i, value_ in enumerate(get["per_task_accuracy"]):
+        percent(value_, f"{field}/per_task_accuracy/{i}")
+    fields.number(get["seconds"], f"{field}/seconds", 0.0)
+    fields.integer(get["rounds"], f"{field}/rounds", 0)
+    for name in ("upload_bytes_per_client", "upload_message_bytes_per_client"):
+        for client, nbytes in fields.mapping(get[name], f"{field}/{name}").items():
+            fields.integer(nbytes, f"{field}/{name}/{client}", 0)
+    fields.strings(get["clients"], f"{field}/clients")
+    for client, why in fields.mapping(get["left_out"], f"{field}/left_out").items():
+        if not isinstance(why, str):
+            raise RestoreError(f"{field}/left_out/{client}", "must be a string")
+    fields.mapping(get["extra"], f"{field}/extra")
+    return StageRecord(**get)
+
+
+def percent(value: Any, field: str) -> None:
+    """An accuracy in percent: within [0, 100], or NaN (a stage with nothing to score)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RestoreError(field, f"must be a number, not {fields.kind(value)}")
+    if not math.isnan(value) and not 0.0 <= value <= 100.0:
+        raise RestoreError(field, f"is {value!r}, outside [0, 100]")
 
 
 def writable_folder(folder: Path) -> Path:
     """Make ``folder`` (and its parents) and prove it writable; ConfigError (one line) if not."""
     folder = Path(folder)
+    refuse_link(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-test-")
@@ -90,6 +154,23 @@ def writable_folder(folder: Path) -> Path:
         reason = err.strerror or type(err).__name__
         raise ConfigError(f"cannot write the run folder {folder}: {reason}; choose another out") from None
     return folder
+
+
+def refuse_link(folder: Path) -> None:
+    """A run folder that is a symbolic link is refused (never written through); one line."""
+    if folder.is_symlink():
+        raise ConfigError(
+            f"the run folder {folder} is a symbolic link (to {os.readlink(folder)}); fcl-flower does not write "
+            "through links: give the real folder as out, or choose another run-name"
+        )
+
+
+def check_key() -> None:
+    """The installation's checkpoint key can be read (or made) before the run starts; ConfigError if not."""
+    try:
+        signing_key()
+    except KeyFileError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_not_foreign(cfg: RunConfig) -> None:
@@ -127,6 +208,7 @@ def check_run_folder(cfg: RunConfig) -> None:
     ``resume`` it holds a checkpoint of this configuration. The lock is released again: the
     server takes it (and checks all of this once more) when it starts."""
     with run_folder_lock(writable_folder(cfg.output_dir)):
+        check_key()
         check_not_foreign(cfg)
         if cfg.resume:
             CheckpointStore(cfg.output_dir).load(cfg)
@@ -136,6 +218,7 @@ def check_run_folder(cfg: RunConfig) -> None:
 def open_run_folder(cfg: RunConfig) -> Iterator[Path]:
     """The run folder, writable, locked for this run and not another configuration's."""
     with run_folder_lock(writable_folder(cfg.output_dir)) as folder:
+        check_key()
         check_not_foreign(cfg)
         yield folder
 
@@ -144,15 +227,23 @@ def open_run_folder(cfg: RunConfig) -> Iterator[Path]:
 def run_folder_lock(folder: Path) -> Iterator[Path]:
     """Hold the run folder's lock for the duration; ConfigError at once if another server holds it."""
     folder = Path(folder)
+    refuse_link(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(folder / LOCK_FILE))
+    path = folder / LOCK_FILE
+    if path.is_symlink():
+        raise ConfigError(
+            f"the lock file {path} is a symbolic link (to {os.readlink(path)}); fcl-flower does not write "
+            "through links: remove it if no server is running in the folder"
+        )
+    lock = FileLock(str(path))
     try:
         lock.acquire(timeout=0)
     except Timeout:
         raise ConfigError(
-            f"another server is running in {folder} (it holds {folder / LOCK_FILE}); "
-            "wait for it, or choose another out/run-name"
+            f"another server is running in {folder} (it holds {path}); wait for it, or choose another out/run-name"
         ) from None
+    except OSError as err:
+        raise ConfigError(f"cannot lock the run folder with {path}: {err.strerror or type(err).__name__}") from None
     try:
         yield folder
     finally:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fcl_flower import restore as fields
 from fcl_flower.analytic.checks import check_lowrank_statistics, wire_epsilon
 from fcl_flower.analytic.communication import WIRE_DTYPE_BYTES, fedran_upload_numbers
 from fcl_flower.analytic.lowrank import (
@@ -29,6 +30,7 @@ from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import FedranReport, Instruction, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.arrays import WIRE_DTYPES
 from fcl_flower.protocol.payloads import FedranStats
+from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from strategies.analytic import AnalyticStrategy, ridge_extras, upload_checks
 from strategies.base import Accepted, RoundPlan
@@ -97,14 +99,47 @@ class FedRANStrategy(AnalyticStrategy):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Every field checked (fcl_flower/restore.py): U (M × r) with orthonormal columns, σ
+        descending and >= 0, the tail energies, ΦᵀY (M × seen classes), counts and ranks in range."""
         super().load_state_dict(state)
-        saved = state["summary"]
-        self.summary_state = LowRankSummary(
-            saved["basis"], saved["singular_values"], saved["num_samples"], TailEnergy(*saved["discarded"])
+        dim = self.rf_dim
+        saved = fields.mapping(fields.entry(state, "summary", "state"), "state/summary")
+        basis = fields.tensor(fields.entry(saved, "basis", "state/summary"), "state/summary/basis", (dim, None))
+        rank = int(basis.shape[1])
+        sigma = fields.tensor(
+            fields.entry(saved, "singular_values", "state/summary"), "state/summary/singular_values", (rank,)
         )
-        self.label_corr, self.server_rank = state["label_corr"], state["server_rank"]
-        self.num_samples = int(state["num_samples"])
-        self.gram_noise_variance = float(state.get("gram_noise_variance", 0.0))
+        if rank > dim or bool((sigma < 0).any()) or bool((sigma[1:] > sigma[:-1]).any()):
+            raise RestoreError(
+                "state/summary/singular_values", "must be non-negative and descending, at most M of them"
+            )
+        if rank and float((basis.T @ basis - torch.eye(rank, dtype=basis.dtype)).abs().max()) > 1e-6:
+            raise RestoreError("state/summary/basis", "does not have orthonormal columns")
+        count = fields.integer(fields.entry(saved, "num_samples", "state/summary"), "state/summary/num_samples", 0)
+        discarded = fields.entry(saved, "discarded", "state/summary")
+        if not isinstance(discarded, (tuple, list)) or len(discarded) != 2:
+            raise RestoreError("state/summary/discarded", "must be the (spectral, trace) tail energies")
+        tail = [fields.number(v, f"state/summary/discarded/{i}", 0.0) for i, v in enumerate(discarded)]
+        try:
+            self.summary_state = LowRankSummary(basis, sigma, count, TailEnergy(*tail))
+        except LowRankError as err:
+            raise RestoreError("state/summary", f"is not a low-rank summary: {err}") from None
+        corr = fields.tensor(fields.entry(state, "label_corr", "state"), "state/label_corr", (dim, None))
+        if int(corr.shape[1]) > self.split.num_classes:
+            raise RestoreError(
+                "state/label_corr", f"has {int(corr.shape[1])} class columns, more than the run's classes"
+            )
+        self.label_corr = corr
+        self.server_rank = fields.integer(fields.entry(state, "server_rank", "state"), "state/server_rank", 0, dim)
+        self.num_samples = fields.integer(fields.entry(state, "num_samples", "state"), "state/num_samples", 0)
+        self.gram_noise_variance = fields.number(
+            state.get("gram_noise_variance", 0.0), "state/gram_noise_variance", 0.0
+        )
+
+    def check_restored(self, completed: int) -> None:
+        super().check_restored(completed)
+        if int(self.label_corr.shape[1]) > self.num_seen(completed - 1):
+            raise RestoreError("state/label_corr", f"has columns of classes not yet seen after {completed} stages")
 
     # ---------------------------------------------------------------- rank
     def upload_rank(self, task: int) -> int:

@@ -53,4 +53,8 @@ class JointStrategy(AnalyticStrategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.ridge = RidgeState.from_state(state["ridge"])
+        self.ridge = self.restore_ridge(state)
+
+    def check_restored(self, completed: int) -> None:
+        super().check_restored(completed)
+        self.check_restored_ridge(self.ridge, completed, sum_of_checked_uploads=False)

@@ -23,6 +23,7 @@ from flwr.serverapp.strategy import Result
 
 from fcl_flower import interrupt
 from fcl_flower.methods import Kind
+from fcl_flower.restore import RestoreError
 from fcl_flower.results import StageRecord, format_stage_table
 from strategies.base import RoundFailed, StageFailed
 from strategies.checkpoint import resumable_config
@@ -185,12 +186,23 @@ def save(strategy: StagedStrategy, task: int) -> None:
 
 
 def restore(strategy: StagedStrategy) -> int:
-    """Load the checkpoint of this run; returns the first task still to run."""
-    payload = strategy.checkpoints.load(strategy.cfg)
-    strategy.load_state_dict(payload["state"])
-    strategy.recorder.stages = [StageRecord(**s) for s in payload["stages"]]
-    strategy.server_round = int(payload.get("server_round", 0))
+    """Load the checkpoint of this run, every field checked; returns the first task still to run.
+    A state that does not hold what the server wrote is refused with one line naming the field."""
+    store = strategy.checkpoints
+    payload = store.load(strategy.cfg)
     done = int(payload["completed_tasks"])
+    try:
+        strategy.load_state_dict(payload["state"])
+        strategy.check_restored(done)
+    except RestoreError as err:
+        raise store.refused(err) from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise store.refused(
+            RestoreError("state", f"cannot be restored ({type(err).__name__}: {reason[:200]})")
+        ) from None
+    strategy.recorder.stages = list(payload["stages"])
+    strategy.server_round = int(payload["server_round"])
     log(
         INFO,
         "Resuming %s from %s after stage %d/%d",

@@ -32,11 +32,13 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fcl_flower import interrupt
+from fcl_flower import restore as fields
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.data.paper_partitions import sample_clients
 from fcl_flower.methods import Kind
 from fcl_flower.protocol import UploadError
+from fcl_flower.restore import RestoreError
 from strategies.accounting import client_name
 
 RECONNECT_GRACE_S = 30.0  # after the first round: how long to wait for a node that went away
@@ -124,8 +126,26 @@ class NodeDirectory:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.client_of = {int(n): int(c) for n, c in state.get("client_of", {}).items()}
-        self.contested = {int(c): [int(n) for n in nodes] for c, nodes in state.get("contested", {}).items()}
+        """The node -> client map of a checkpoint: node ids (64-bit) to distinct clients of this
+        run, contested clients to node lists; RestoreError naming the field otherwise. (Which node
+        serves which client cannot be told from the file: the checkpoint's signature covers it.)"""
+        where = "state/nodes"
+        tree = fields.mapping(state, where)
+        client_of: dict[int, int] = {}
+        for node, client in fields.mapping(tree.get("client_of", {}), f"{where}/client_of").items():
+            field = f"{where}/client_of/{node}"
+            if not node.isdigit() or int(node) >= 2**64:
+                raise RestoreError(field, "is not a node id (an unsigned 64-bit integer)")
+            client_of[int(node)] = fields.integer(client, field, 0, self.cfg.num_clients - 1)
+        if len(set(client_of.values())) != len(client_of):
+            raise RestoreError(f"{where}/client_of", "maps two nodes to one client")
+        contested: dict[int, list[int]] = {}
+        for client, nodes in fields.mapping(tree.get("contested", {}), f"{where}/contested").items():
+            field = f"{where}/contested/{client}"
+            if not client.isdigit() or int(client) >= self.cfg.num_clients:
+                raise RestoreError(field, "is not a client of this run")
+            contested[int(client)] = fields.integers(nodes, field, 0, 2**64 - 1)
+        self.client_of, self.contested = client_of, contested
         self._restored = True
 
     # ---------------------------------------------------------------- waiting

@@ -44,6 +44,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from fcl_flower import restore as fields
 from fcl_flower.analytic import packed_length
 from fcl_flower.analytic.checks import (
     StatisticsRejected,
@@ -63,6 +64,7 @@ from fcl_flower.privacy.noise import secure_share
 from fcl_flower.privacy.secagg import unmask_sum
 from fcl_flower.protocol import WIRE_DTYPES, Instruction, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaFactorStats, StsaStats
+from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.state_io import StateError, load_state, save_state
 from strategies.accounting import client_name, client_order
@@ -569,12 +571,20 @@ class STSAStrategy(AnalyticStrategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.ridge = RidgeState.from_state(state["ridge"])
+        self.ridge = self.restore_ridge(state)
         if self.ridge.num_samples:
             self.stack = None  # the checkpoint holds G, not the factors: solve from G from now on
         self.backfill.load_state_dict(state.get("missing", {}))
-        barred = state.get("secagg_barred", {})
-        if self.secure is not None and isinstance(barred, dict):  # who broke the protocol stays out after a resume
-            self.secure.barred = {
-                int(c): str(why) for c, why in barred.items() if str(c).isdigit() and int(c) < self.cfg.num_clients
-            }
+        barred = fields.mapping(state.get("secagg_barred", {}), "state/secagg_barred")
+        for client, why in barred.items():
+            if not client.isdigit() or int(client) >= self.cfg.num_clients or not isinstance(why, str):
+                raise RestoreError(
+                    f"state/secagg_barred/{client}", "must name a client of this run and why it is barred"
+                )
+        if self.secure is not None:  # who broke the protocol stays out after a resume
+            self.secure.barred = {int(c): str(why) for c, why in barred.items()}
+
+    def check_restored(self, completed: int) -> None:
+        super().check_restored(completed)
+        self.backfill.check_restored(completed)
+        self.check_restored_ridge(self.ridge, completed, sum_of_checked_uploads=True)

@@ -25,6 +25,7 @@ from typing import Any, cast
 import torch
 from flwr.app import ArrayRecord
 
+from fcl_flower import restore as fields
 from fcl_flower.analytic import estimate_gram
 from fcl_flower.analytic.checks import check_class_sums, check_counts, wire_epsilon
 from fcl_flower.analytic.estimator import GramEstimator, KMode
@@ -34,6 +35,7 @@ from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import Instruction, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.arrays import WIRE_DTYPES
 from fcl_flower.protocol.payloads import StsaEStats
+from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from strategies.analytic import AnalyticStrategy, solve_dense, upload_checks
 from strategies.backfill import Backfill
@@ -146,6 +148,26 @@ class STSAEStrategy(AnalyticStrategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.ridge = RidgeState.from_state(state["ridge"])
+        self.ridge = self.restore_ridge(state)
         self.backfill.load_state_dict(state.get("missing", {}))
-        self.held = dict(state.get("held", {}))
+        held = state.get("held", {})
+        if not isinstance(held, dict):
+            raise RestoreError("state/held", f"must be a mapping of stages to kept uploads, not {fields.kind(held)}")
+        self.held = {}
+        for task, kept in held.items():
+            where = f"state/held/{task}"
+            fields.integer(task, where, 0, self.num_tasks - 1)
+            if not isinstance(kept, tuple) or len(kept) != 2:
+                raise RestoreError(where, "must be the kept (class sums, counts) of the stage")
+            width = len(self.split.tasks[task])
+            sums = fields.tensor(kept[0], f"{where}/0", (None, self.rf_dim, width), dtype=None)
+            counts = fields.tensor(kept[1], f"{where}/1", (int(sums.shape[0]), width), dtype=None)
+            self.held[task] = (sums, counts)
+
+    def check_restored(self, completed: int) -> None:
+        super().check_restored(completed)
+        self.backfill.check_restored(completed)
+        late = [t for t in self.held if t >= completed]
+        if late:
+            raise RestoreError(f"state/held/{late[0]}", f"keeps uploads of a stage that has not run ({completed} have)")
+        self.check_restored_ridge(self.ridge, completed, sum_of_checked_uploads=False)

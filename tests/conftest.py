@@ -8,7 +8,8 @@ simulation; a ``tamper`` hook lets a test corrupt replies in flight.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from fcl_flower.local_grid import LocalGrid
 from fcl_flower.protocol.messages import HEADER, Header
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import server_split
+from fcl_flower.state_key import ENV as KEY_ENV
 from strategies import build_strategy
 from strategies.base import StagedStrategy
 
@@ -36,6 +38,21 @@ def secagg_ledger(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     folder = tmp_path_factory.mktemp("secagg-ledger")
     monkeypatch.setenv("FCL_SECAGG_LEDGER", str(folder))
     return folder
+
+
+@pytest.fixture(autouse=True, scope="session")
+def checkpoint_key(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The test session signs its checkpoints with a key of its own (fcl_flower/state_key.py),
+    made on first use in a temporary folder: no test writes a key under the user's home. Set for
+    the session, not through a test's monkeypatch, which some tests undo half-way."""
+    path = tmp_path_factory.mktemp("checkpoint-key") / "checkpoint.key"
+    before = os.environ.get(KEY_ENV)
+    os.environ[KEY_ENV] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop(KEY_ENV, None)
+    else:
+        os.environ[KEY_ENV] = before
 
 
 def small_config(tmp: Path, **changes) -> RunConfig:

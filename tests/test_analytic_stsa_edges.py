@@ -508,13 +508,13 @@ BAD_INPUTS = [
         "ridge state from_state",
         lambda: RidgeState.from_state({"gram": [[1.0]], "class_sums": torch.zeros(1, 1), "num_samples": 1}),
         AnalyticInputError,
-        "ridge state needs the gram and class_sums tensors",
+        "ridge state needs the gram and class_sums tensors (field 'ridge/gram' is list [[1.0]])",
     ),
     (
         "ridge state from_state sums",
         lambda: RidgeState.from_state({"gram": torch.zeros(1, 1), "class_sums": 0, "num_samples": 1}),
         AnalyticInputError,
-        "ridge state needs the gram and class_sums tensors",
+        "ridge state needs the gram and class_sums tensors (field 'ridge/class_sums' is int 0)",
     ),
     # STSA-E estimator
     (

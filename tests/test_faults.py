@@ -485,8 +485,11 @@ def test_a_state_that_shares_tensors_round_trips_and_shares_them_again(tmp_path:
     ],
 )
 def test_a_digest_mismatch_names_the_side_that_is_wrong(tmp_path: Path, damage: str, says: str) -> None:
-    """A damaged sha256 field in checkpoint.json is not reported as a corrupted tensors file."""
-    from fcl_flower.state_io import StateError, save_state
+    """A damaged sha256 field in checkpoint.json is not reported as a corrupted tensors file (the
+    JSON is re-signed with the key, as a damage before signing would be; unsigned, it is refused
+    as not signed: tests/test_checkpoint_trust.py)."""
+    from fcl_flower.state_io import StateError, save_state, signed_bytes
+    from fcl_flower.state_key import signing_key
 
     path = save_state(tmp_path, "checkpoint", {"w": torch.randn(3, 2)})
     tensors = next(tmp_path.glob("checkpoint-*.safetensors"))
@@ -497,7 +500,8 @@ def test_a_digest_mismatch_names_the_side_that_is_wrong(tmp_path: Path, damage: 
         document["sha256"] = document["sha256"][:-1] + ("0" if document["sha256"][-1] != "0" else "1")
     else:
         tensors.write_bytes(tensors.read_bytes()[:-8] + b"\0" * 8)
-    path.write_text(json.dumps(document))
+    document.pop("hmac")
+    path.write_bytes(signed_bytes("checkpoint", document, signing_key()))
     with pytest.raises(StateError) as err:
         load_state(path)
     message = str(err.value)

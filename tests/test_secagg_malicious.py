@@ -42,6 +42,7 @@ from fcl_flower.privacy.secagg import (
 )
 from fcl_flower.protocol import SecAggRound, StatsIns, UnmaskRes, parse_instruction, parse_reply
 from fcl_flower.protocol.base import Header
+from fcl_flower.restore import RestoreError
 from strategies.secure import SecureRounds
 from tests.conftest import NODE_BASE, build, reply_partition, run_in_process, server_identity, small_config
 from tests.test_trust_boundaries import write_signing_keys
@@ -502,7 +503,9 @@ def test_a_barred_client_stays_barred_after_a_resume(tmp_path) -> None:
 
     cfg = small_config(tmp_path, **{**SETTINGS, "num_tasks": 5})
     strategy = build(cfg)
-    strategy.load_state_dict({**strategy.state_dict(), "secagg_barred": {"4": "revealed a wrong share", "x": "?"}})
+    with pytest.raises(RestoreError, match=r"^field 'state/secagg_barred/x' must name a client of this run"):
+        strategy.load_state_dict({**strategy.state_dict(), "secagg_barred": {"4": "revealed a wrong share", "x": "?"}})
+    strategy.load_state_dict({**strategy.state_dict(), "secagg_barred": {"4": "revealed a wrong share"}})
     assert strategy.secure is not None and strategy.secure.barred == {4: "revealed a wrong share"}
     first = run_in_process(cfg, zeroed)
     assert first.state_dict()["secagg_barred"].keys() == {"4"}

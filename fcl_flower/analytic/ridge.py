@@ -35,8 +35,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fcl_flower import restore as fields
+from fcl_flower.restore import RestoreError
+
 from .errors import AnalyticInputError, NotPositiveDefiniteError
-from .packing import add_packed_, pack_upper, unpack_upper
+from .packing import add_packed_, pack_upper, packed_length, unpack_upper
 from .ridge_krylov import factor_solve, krylov_gcv, ridge_rss, rss_agreement, shifted_cholesky
 
 __all__ = [
@@ -411,20 +414,49 @@ class RidgeState:
         return state
 
     @classmethod
-    def from_state(cls, state: dict[str, Tensor | int | float]) -> RidgeState:
-        sums = state.get("class_sums")
-        packed = state.get("gram_packed")
-        gram = (
-            unpack_upper(packed, int(sums.shape[0]))
-            if isinstance(packed, Tensor) and isinstance(sums, Tensor)
-            else state.get("gram")
-        )
-        if not isinstance(gram, Tensor) or not isinstance(sums, Tensor):
-            raise AnalyticInputError("ridge state needs the gram and class_sums tensors")
-        bound = state.get("negative_bound", math.inf)
-        if isinstance(bound, Tensor) or not float(bound) >= 0:
-            raise AnalyticInputError(f"ridge state's negative_bound must be a number >= 0, got {bound!r}")
-        return cls(gram, sums, int(state["num_samples"]), float(bound))
+    def from_state(cls, state: dict[str, Tensor | int | float], field: str = "ridge") -> RidgeState:
+        """The state of :meth:`state_dict`, every field checked (fcl_flower/restore.py): float64
+        tensors, finite, of matching shapes, G packed or exactly symmetric; ``num_samples`` an
+        integer >= 0; ``negative_bound`` a number >= 0 (absent: nothing certified). Whether the
+        bound holds is for :meth:`verify_bound`. AnalyticInputError (one line naming the field,
+        ``field`` its prefix) otherwise."""
+        try:
+            tree = fields.mapping(state, field)
+            sums = tree.get("class_sums")
+            gram_value = tree["gram_packed"] if "gram_packed" in tree else tree.get("gram")
+            for name, value in (
+                ("class_sums", sums),
+                ("gram_packed" if "gram_packed" in tree else "gram", gram_value),
+            ):
+                if not isinstance(value, Tensor):
+                    raise AnalyticInputError(
+                        f"ridge state needs the gram and class_sums tensors (field '{field}/{name}' is {fields.kind(value)})"
+                    )
+            sums = fields.tensor(sums, f"{field}/class_sums", (None, None))
+            dim = int(sums.shape[0])
+            if "gram_packed" in tree:
+                packed = fields.tensor(tree["gram_packed"], f"{field}/gram_packed", (packed_length(dim),))
+                gram = unpack_upper(packed, dim)
+            else:
+                gram = fields.tensor(tree.get("gram"), f"{field}/gram", (dim, dim))
+            samples = fields.integer(fields.entry(tree, "num_samples", field), f"{field}/num_samples", 0)
+            bound = tree.get("negative_bound", math.inf)
+            if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound >= 0:  # NaN too
+                raise RestoreError(f"{field}/negative_bound", f"must be a number >= 0, not {fields.kind(bound)}")
+        except RestoreError as err:
+            raise AnalyticInputError(str(err)) from None
+        return cls(gram, sums, samples, float(bound))
+
+    def verify_bound(self) -> bool:
+        """Whether the certified bound holds of G as it stands: G + β·I has a Cholesky factor, so
+        λ_min(G) ≥ −β (up to the factorisation's rounding, as :meth:`certified`). For a restored
+        state, whose β must not be taken from the file on trust; ``math.inf`` certifies nothing
+        and always holds."""
+        if not math.isfinite(self.negative_bound):
+            return True
+        factor, info = shifted_cholesky(self.gram, self.negative_bound)
+        del factor
+        return info == 0
 
     def solve_projected(
         self, num_seen: int, ridge: float | None, sums_noise: float = 0.0
