@@ -452,9 +452,11 @@ class RidgeState:
         λ_min(G) ≥ −β (up to the factorisation's rounding, as :meth:`certified`). For a restored
         state, whose β must not be taken from the file on trust; ``math.inf`` certifies nothing
         and always holds."""
-        if not math.isfinite(self.negative_bound):
-            return True
-        factor, info = shifted_cholesky(self.gram, self.negative_bound)
+        if not math.isfinite(self.negative_bound) or not bool(self.gram.any()):
+            return True  # nothing certified, or G = 0 (λ_min = 0 <= any bound)
+        # the factorisation's own rounding, a few units of M·u·‖G‖₂ (as factorable_floor allows)
+        rounding = self.gram.shape[0] * UNIT * max(float(torch.diagonal(self.gram).sum()), 0.0)
+        factor, info = shifted_cholesky(self.gram, self.negative_bound + rounding)
         del factor
         return info == 0
 
