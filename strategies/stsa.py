@@ -440,19 +440,38 @@ class STSAStrategy(AnalyticStrategy):
             saved = load_state(path)
         except StateError as err:
             raise RunFailed(f"resume: {err}") from None
-        ok = (
-            isinstance(saved, dict)
-            and saved.get("task") == plan.task
-            and isinstance(saved.get("survivors"), list)
-            and all(isinstance(c, str) for c in saved["survivors"])
-            and isinstance(saved.get("tasks"), list)
-            and all(isinstance(t, int) and 0 <= t <= plan.task for t in saved["tasks"])
-            and isinstance(saved.get("threshold"), int)
-            and isinstance(saved.get("sums"), dict)
-            and set(saved["sums"]) == set(MASKED_NAMES)
-            and all(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in saved["sums"].values())
-        )
-        return saved if ok else None
+        if not isinstance(saved, dict) or saved.get("task") != plan.task:
+            return None  # an earlier stage's opened sum: this stage's was never opened
+        try:
+            return self.check_opening(saved, plan.task)
+        except RestoreError as err:
+            raise RunFailed(
+                f"resume: {path}: {err}; delete it (the stage's secure round then fails) or restore a backup"
+            ) from None
+
+    def check_opening(self, saved: dict[str, Any], task: int) -> dict[str, Any]:
+        """The fields of a saved opened sum, each checked (the sum itself is checked as an upload
+        when it is folded in, :meth:`fold_opened`); RestoreError naming the field."""
+        names = {client_name(i) for i in range(self.cfg.num_clients)}
+        survivors = fields.strings(fields.entry(saved, "survivors", ""), "survivors")
+        if not set(survivors) <= names or len(set(survivors)) != len(survivors):
+            raise RestoreError("survivors", "must name distinct clients of this run")
+        tasks = fields.integers(fields.entry(saved, "tasks", ""), "tasks", 0, task)
+        if not tasks or tasks[0] != task or len(set(tasks)) != len(tasks):
+            raise RestoreError("tasks", f"must list stage {task + 1} first, then distinct earlier stages")
+        fields.integer(fields.entry(saved, "threshold", ""), "threshold", 1, self.cfg.num_clients)
+        sums = fields.mapping(fields.entry(saved, "sums", ""), "sums")
+        if set(sums) != set(MASKED_NAMES):
+            raise RestoreError("sums", f"must hold {', '.join(MASKED_NAMES)}")
+        classes = sum(len(self.split.tasks[t]) for t in tasks)
+        shapes = {
+            "gram-packed": (packed_length(self.rf_dim),),
+            "class-sums": (self.rf_dim * classes,),
+            "counts": (classes + 1,),
+        }
+        for name, shape in shapes.items():
+            fields.tensor(sums[name], f"sums/{name}", shape)
+        return saved
 
     def fold_opened(
         self, plan: RoundPlan, opened: dict[str, torch.Tensor], survivors: set[str], tasks: list[int], threshold: int

@@ -395,3 +395,40 @@ def test_a_checkpoint_that_is_a_symlink_is_refused(cfg: RunConfig, tmp_path: Pat
     os.replace(path, moved)
     path.symlink_to(moved)
     assert "checkpoint.json is a symbolic link, which fcl-flower never follows" in refused(cfg)
+
+
+# ------------------------------------------------------------------------------ the opened secure sum
+def test_a_saved_opened_sum_is_checked_field_by_field(tmp_path: Path) -> None:
+    """secagg-opened.json (signed like the checkpoint) is read back only with every field right;
+    the sum itself then gets the upload checks when it is folded in."""
+    from fcl_flower.analytic import packed_length
+    from fcl_flower.restore import RestoreError
+    from tests.conftest import build
+
+    strategy = build(small_config(tmp_path, **{**SETTINGS, "num_clients": 5}, secure_aggregation=True))
+    dim, classes = strategy.rf_dim, len(strategy.split.tasks[0])
+    honest = {
+        "task": 0,
+        "survivors": ["client-0", "client-1", "client-2"],
+        "tasks": [0],
+        "threshold": 3,
+        "sums": {
+            "gram-packed": torch.zeros(packed_length(dim), dtype=F64),
+            "class-sums": torch.zeros(dim * classes, dtype=F64),
+            "counts": torch.zeros(classes + 1, dtype=F64),
+        },
+    }
+    assert strategy.check_opening(honest, 0) is honest
+    bad = {
+        "survivors": (["client-0", "client-0", "client-9"], "field 'survivors' must name distinct clients of this run"),
+        "tasks": ([1], "field 'tasks/0' is 1, outside [0, 0]"),
+        "threshold": ("3", "field 'threshold' must be an integer, not str '3'"),
+        "sums": (
+            {**honest["sums"], "counts": torch.full((classes + 1,), math.nan, dtype=F64)},
+            "field 'sums/counts' holds NaN or infinite entries",
+        ),
+    }
+    for key, (value, says) in bad.items():
+        with pytest.raises(RestoreError) as err:
+            strategy.check_opening({**honest, key: value}, 0)
+        assert str(err.value).startswith(says), str(err.value)
