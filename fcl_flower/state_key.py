@@ -63,7 +63,7 @@ def verify(key: bytes, name: str, body: bytes, signature: str) -> bool:
 
 
 def _read(path: Path) -> bytes:
-    advice = f"set {ENV} to another file, or remove it (a new key is made; checkpoints signed with it are then refused)"
+    advice = f"set {ENV} to another file, or remove it (a new key is made; checkpoints signed with the old one are then refused)"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
