@@ -272,7 +272,8 @@ class AnalyticStrategy(StagedStrategy):
                     raise RestoreError(where, "must be a list of [stage, noise multiplier] pairs")
                 for k, (stage, z) in enumerate(items):
                     fields.integer(stage, f"{where}/{k}/0", 0, self.num_tasks - 1)
-                    fields.number(z, f"{where}/{k}/1", 0.0)
+                    if isinstance(z, bool) or not isinstance(z, (int, float)) or not z >= 0:  # inf: no noise
+                        raise RestoreError(f"{where}/{k}/1", f"must be a noise multiplier >= 0, not {fields.kind(z)}")
             self.ledger.load_state_dict(dict(ledger))
         if self.noise is not None and "sums_noise" in state:
             noise = fields.tensor(state["sums_noise"], "state/sums_noise", (self.split.num_classes,))

@@ -432,3 +432,39 @@ def test_a_saved_opened_sum_is_checked_field_by_field(tmp_path: Path) -> None:
         with pytest.raises(RestoreError) as err:
             strategy.check_opening({**honest, key: value}, 0)
         assert str(err.value).startswith(says), str(err.value)
+
+
+# ------------------------------------------------------------------------------ honest resumes pass the checks
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(strategy="stsa", dp_epsilon=2.0, noise_seeded=True, feature_clip=1.0),
+        dict(strategy="stsa", stats_form="factor"),
+        dict(strategy="stsa", ridge="auto"),
+        dict(strategy="stsa-e", dummy_clients=2),
+        dict(strategy="joint"),
+        dict(strategy="fedran"),
+    ],
+    ids=["stsa-dp", "stsa-factor", "stsa-gcv", "stsa-e", "joint", "fedran"],
+)
+def test_every_honest_checkpoint_passes_the_checks_and_resumes_to_the_same_classifier(
+    tmp_path: Path, changes: dict[str, Any]
+) -> None:
+    """The field checks never refuse what the server itself wrote (noise and its ledger, factor
+    uploads, a GCV-chosen γ, STSA-E's kept uploads, joint, FedRAN's low-rank summary): killed after
+    stage 1 and resumed, the run ends with the uninterrupted run's classifier."""
+    cfg = small_config(tmp_path / "killed", **{**SETTINGS, **changes}, run_name="run")
+    save = strategies.loop.save
+
+    def save_then_die(strategy, task: int) -> None:
+        save(strategy, task)
+        raise ServerKilled
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(strategies.loop, "save", save_then_die)
+        with pytest.raises(ServerKilled):
+            run_in_process(cfg)
+    resumed = run_in_process(cfg.replace(resume=True))
+    uninterrupted = run_in_process(small_config(tmp_path / "full", **{**SETTINGS, **changes}, run_name="run"))
+    assert [s.stage for s in resumed.recorder.stages] == [1, 2]
+    assert torch.equal(resumed.weights, uninterrupted.weights)
