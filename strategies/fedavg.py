@@ -7,9 +7,10 @@ at all falls back to the plain mean.
 
 ``stage1-aggregation`` swaps the mean for one of Flower's Byzantine-robust rules (median,
 trimmed-mean, krum, multikrum, bulyan). The arithmetic is Flower's own, never rewritten here:
-the mean is :func:`flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords`, the robust
-rules the ``aggregate_train`` of :mod:`flwr.serverapp.strategy`'s FedMedian, FedTrimmedAvg,
-Krum, MultiKrum and Bulyan (docs/privacy.md, "Stage 1").
+the mean is ``aggregate_arrayrecords`` (``flwr.serverapp.strategy.strategy_utils``); median,
+trimmed-mean and bulyan the ``aggregate_train`` of Flower's FedMedian, FedTrimmedAvg and Bulyan;
+krum and multikrum ``select_multikrum`` then ``aggregate_arrayrecords``, the body of Krum's and
+MultiKrum's ``aggregate_train`` (docs/privacy.md, "Stage 1").
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from logging import WARNING
+from typing import cast
 
 import torch
 from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
-from flwr.serverapp.strategy import Bulyan, FedMedian, FedTrimmedAvg, Krum, MultiKrum
+from flwr.serverapp.strategy import Bulyan, FedMedian, FedTrimmedAvg
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from flwr.serverapp.strategy.multikrum import select_multikrum
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from torch import nn
 
@@ -53,21 +56,21 @@ class Aggregation:
     def from_config(cls, cfg: RunConfig) -> Aggregation:
         return cls(cfg.stage1_aggregation, cfg.stage1_byzantine, cfg.stage1_trim_fraction, cfg.stage1_multikrum_select)
 
-    def flower_strategy(self, clients: int) -> FlowerFedAvg:
-        """Flower's strategy whose ``aggregate_train`` applies this rule to ``clients`` models."""
-        f = self.byzantine
-        if self.rule == "median":
-            return FedMedian()
-        if self.rule == "trimmed-mean":
-            return FedTrimmedAvg(beta=self.trim_fraction)
+    def selected(self, clients: int) -> int:
+        """Multi-Krum's number of models averaged among ``clients`` (Krum: 1)."""
         if self.rule == "krum":
-            return Krum(num_malicious_nodes=f)
-        if self.rule == "multikrum":
-            select = min(self.select or clients - f, clients)
-            return MultiKrum(num_malicious_nodes=f, num_nodes_to_select=max(select, 1))
+            return 1
+        return max(1, min(self.select or clients - self.byzantine, clients))
+
+    def flower_strategy(self) -> FlowerFedAvg:
+        """Flower's strategy whose ``aggregate_train`` applies this rule (median, trimmed-mean, bulyan)."""
+        if self.rule == "median":
+            return FedMedian(train_metrics_aggr_fn=_no_metrics)
+        if self.rule == "trimmed-mean":
+            return FedTrimmedAvg(beta=self.trim_fraction, train_metrics_aggr_fn=_no_metrics)
         if self.rule == "bulyan":
-            return Bulyan(num_malicious_nodes=f)
-        raise ValueError(f"unknown stage1-aggregation '{self.rule}'")
+            return Bulyan(num_malicious_nodes=self.byzantine, train_metrics_aggr_fn=_no_metrics)
+        raise ValueError(f"stage1-aggregation '{self.rule}' has no Flower strategy here")
 
 
 def _check(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> list[str]:
@@ -142,11 +145,17 @@ def average_states(
 def _robust(rule: Aggregation, records: list[RecordDict]) -> ArrayRecord:
     """Flower's robust rule over the clients' records.
 
-    Through the strategy's ``aggregate_train``, on replies built here: FedMedian's coordinate-wise
-    median and Bulyan's whole rule (Multi-Krum selection, median, closest-to-median mean) exist
-    only inside ``aggregate_train``, not as functions; calling every rule the same way keeps
-    Flower's own checks (one ArrayRecord, the same keys, the weight present) and its composition.
-    Flower's Bulyan returns nothing below 4f + 3 replies: the round fails and the model stays.
+    median, trimmed-mean, bulyan: the strategy's ``aggregate_train`` on replies built here, since
+    FedMedian's coordinate-wise median and Bulyan's whole rule (Multi-Krum selection, median,
+    closest-to-median mean) exist only inside it, not as functions; it also runs Flower's own
+    checks (one ArrayRecord, the same keys, the weight present). Its metrics are not needed and
+    not aggregated (:func:`_no_metrics`). Flower's Bulyan returns nothing below 4f + 3 replies:
+    the round fails and the model stays as it was.
+
+    krum, multikrum: Flower's ``select_multikrum`` then ``aggregate_arrayrecords`` over the chosen,
+    which is all that Krum's and MultiKrum's ``aggregate_train`` do, called here directly so that
+    chosen replies whose counts sum to 0 are averaged plainly (as :func:`fedavg_weights` does)
+    instead of ending the server in Flower's ZeroDivisionError.
     """
     clients = len(records)
     shortfall = stage1_shortfall(rule.rule, clients, rule.byzantine, rule.trim_fraction)
@@ -154,11 +163,23 @@ def _robust(rule: Aggregation, records: list[RecordDict]) -> ArrayRecord:
         raise RoundFailed(f"stage1-aggregation {shortfall}")
     if shortfall:
         log(WARNING, "stage1-aggregation %s this round: its guarantee does not hold", shortfall)
+    if rule.rule in ("krum", "multikrum"):
+        chosen = select_multikrum(records, rule.byzantine, rule.selected(clients))
+        if sum(cast(float, r.metric_records[METRICS][WEIGHT]) for r in chosen) <= 0:  # the floats _records put
+            for record in chosen:
+                record[METRICS] = MetricRecord({WEIGHT: 1.0})
+        return aggregate_arrayrecords(chosen, WEIGHT)
     replies = [Message(content=record, dst_node_id=0, message_type=MessageType.TRAIN) for record in records]
-    arrays, _ = rule.flower_strategy(clients).aggregate_train(0, replies)
+    arrays, _ = rule.flower_strategy().aggregate_train(0, replies)
     if arrays is None:
         raise RoundFailed(f"stage1-aggregation {rule.rule}: Flower's rule gave no model for {clients} replies")
     return arrays
+
+
+def _no_metrics(records: list[RecordDict], weighted_by_key: str) -> MetricRecord:
+    """The strategies' metrics aggregation, skipped: the stage loop keeps its own round metrics,
+    and Flower's weighted mean of them divides by the chosen replies' counts (0 if they claim 0)."""
+    return MetricRecord()
 
 
 class FedAvg:

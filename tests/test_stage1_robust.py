@@ -178,6 +178,22 @@ def test_one_attacker_moves_the_mean_anywhere_but_not_the_robust_rules() -> None
         torch.testing.assert_close(multikrum[key], expected[key], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("rule", ["median", "trimmed-mean", "krum", "multikrum", "bulyan"])
+def test_chosen_clients_that_claim_no_samples_do_not_crash_the_server(rule) -> None:
+    """Flower divides by the chosen replies' total count (the model of Krum and Multi-Krum, the
+    metrics of every rule): honest clients that all claim 0 samples, next to an attacker that
+    claims many, would end the server in a ZeroDivisionError. The chosen are then averaged
+    plainly, as FedAvg does when a round reports no examples."""
+    server_identity()
+    states, weights = _poisoned(6)
+    weights = [0.0] * 6 + [5000.0]
+    merged = average_states(states, weights, Aggregation(rule))
+    honest = torch.stack([s["conv.weight"] for s in states[:-1]])
+    assert bool(((merged["conv.weight"] >= honest.amin(0)) & (merged["conv.weight"] <= honest.amax(0))).all())
+    if rule == "multikrum":
+        torch.testing.assert_close(merged["conv.weight"], honest.mean(0), rtol=1e-6, atol=1e-7)
+
+
 def test_bulyan_below_four_f_plus_three_replies_fails_the_round_in_one_line() -> None:
     server_identity()
     states, weights = _poisoned(4)  # 5 replies, Bulyan with f = 1 needs 7
