@@ -84,10 +84,10 @@ def test_one_poisoning_client_ruins_the_fedavg_backbone(honest, tmp_path, attack
 @pytest.mark.parametrize(
     ("rule", "attack"),
     [
-        ("median", "scaled-x-10"),
+        pytest.param("median", "scaled-x-10", marks=pytest.mark.slow),  # the default suite: one attack per rule
         ("median", "sign-flipped"),
         ("trimmed-mean", "scaled-x-10"),
-        ("krum", "scaled-x-10"),
+        pytest.param("krum", "scaled-x-10", marks=pytest.mark.slow),
         ("krum", "sign-flipped"),
         ("multikrum", "scaled-x-10"),
     ],
