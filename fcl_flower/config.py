@@ -27,6 +27,29 @@ class ConfigError(ValueError):
     """A run configuration that cannot work; the message is one line meant for the user."""
 
 
+#: The rules of ``stage1-aggregation``: FedAvg's mean, or one of Flower's robust aggregators.
+STAGE1_RULES = ("fedavg", "median", "trimmed-mean", "krum", "multikrum", "bulyan")
+
+
+def stage1_shortfall(rule: str, clients: int, byzantine: int, trim_fraction: float) -> str | None:
+    """Why ``rule`` over ``clients`` models cannot withstand ``byzantine`` of them; None: it can.
+
+    median: a majority of honest clients (n >= 2f + 1); trimmed-mean: at least f clients cut at
+    each end (Flower cuts int(beta * n)); krum, multikrum: n >= 2f + 3 (Blanchard et al. 2017);
+    bulyan: n >= 4f + 3 (El Mhamdi et al. 2018; Flower's Bulyan skips the round below it).
+    """
+    f = byzantine
+    need = {"median": 2 * f + 1, "krum": 2 * f + 3, "multikrum": 2 * f + 3, "bulyan": 4 * f + 3}.get(rule)
+    if need is not None and clients < need:
+        return f"{rule} withstands {f} malicious client(s) only among at least {need} (got {clients})"
+    if rule == "trimmed-mean" and int(trim_fraction * clients) < f:
+        return (
+            f"trimmed-mean with stage1-trim-fraction {trim_fraction:g} cuts {int(trim_fraction * clients)} of "
+            f"{clients} clients at each end, fewer than the {f} malicious one(s) it must withstand"
+        )
+    return None
+
+
 Choices = tuple[str, ...] | Callable[[], tuple[str, ...]]
 
 
@@ -108,6 +131,25 @@ class RunConfig:
     weight_decay: float = _knob(5e-4, "SGD weight decay.")
     batch_size: int = _knob(64, "Batch size for local training and feature extraction.")
     weighted_fedavg: bool = _knob(True, "Weight FedAvg by client sample counts (false: the STSA code's plain mean).")
+    stage1_aggregation: str = _knob(
+        "fedavg",
+        "How the server merges the clients' models in FedAvg rounds (stage 1 of the analytic methods, every "
+        "round of the gradient baselines): fedavg (the mean), or a Flower rule robust to clients that send "
+        "arbitrary weights: median, trimmed-mean, krum, multikrum, bulyan. Needs each model in clear: not "
+        "with secure-aggregation.",
+        STAGE1_RULES,
+    )
+    stage1_trim_fraction: float = _knob(
+        0.2, "stage1-aggregation trimmed-mean: share of clients cut at each end, per coordinate (Flower's beta)."
+    )
+    stage1_byzantine: int = _knob(
+        1,
+        "stage1-aggregation other than fedavg: malicious clients per round the rule must withstand (Krum's and "
+        "Bulyan's f; checked against the clients per round).",
+    )
+    stage1_multikrum_select: int = _knob(
+        0, "stage1-aggregation multikrum: models averaged per round (0: clients per round - stage1-byzantine)."
+    )
     train_head: str = _knob("cosine", "Head used while training the backbone.", ("cosine", "linear"))
     # --- analytic methods ------------------------------------------------------------------
     rf_dim: int = _knob(1000, "Random-feature dimension M (0: no projection, use raw features).")
@@ -422,6 +464,7 @@ class RunConfig:
             )
         self._validate_noise()
         self._validate_stats_form()
+        self._validate_stage1_aggregation()
         self.ridge_value()  # parses or raises
         return self
 
@@ -450,6 +493,37 @@ class RunConfig:
             raise ConfigError("stats-form factor cannot be masked: secure aggregation sums Grams (use stats-form gram)")
         if self.upload_noise:
             raise ConfigError("stats-form factor carries no noise: noise goes on the Gram (use stats-form gram)")
+
+    @property
+    def stage1_clients(self) -> int:
+        """Clients per FedAvg round of task 1 (the fewest of any task: clients only join later)."""
+        joined = self.initial_clients if 0 < self.initial_clients < self.num_clients else self.num_clients
+        return min(self.clients_per_round, joined) if self.clients_per_round else joined
+
+    def _validate_stage1_aggregation(self) -> None:
+        if not 0.0 <= self.stage1_trim_fraction < 0.5:
+            raise ConfigError(f"stage1-trim-fraction must be in [0, 0.5) (got {self.stage1_trim_fraction})")
+        if self.stage1_byzantine < 0 or self.stage1_multikrum_select < 0:
+            raise ConfigError("stage1-byzantine and stage1-multikrum-select must be >= 0")
+        rule = self.stage1_aggregation
+        if rule == "fedavg":
+            return
+        if "stage1-aggregation" not in methods.knobs_of(self.method):
+            raise ConfigError(f"stage1-aggregation {rule}: {self.strategy} has no FedAvg rounds to aggregate by it")
+        if self.secure_aggregation:
+            raise ConfigError(
+                f"stage1-aggregation {rule} needs each client's model, but under secure-aggregation the server "
+                "sees only their sum: use stage1-aggregation fedavg"
+            )
+        clients = self.stage1_clients
+        shortfall = stage1_shortfall(rule, clients, self.stage1_byzantine, self.stage1_trim_fraction)
+        if shortfall:
+            raise ConfigError(f"stage1-aggregation {shortfall} per round: add clients or lower stage1-byzantine")
+        if rule == "multikrum" and self.stage1_multikrum_select > clients - self.stage1_byzantine:
+            raise ConfigError(
+                f"stage1-multikrum-select must be at most clients per round - stage1-byzantine = "
+                f"{clients - self.stage1_byzantine} (got {self.stage1_multikrum_select})"
+            )
 
     def _validate_noise(self) -> None:
         for name in ("noise_q", "noise_s", "dp_epsilon"):

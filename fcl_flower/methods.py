@@ -121,8 +121,12 @@ COMMON_KNOBS: tuple[str, ...] = (
 )
 #: Knobs of local SGD (stage 1 of the analytic methods, every task of the gradient ones).
 SGD_KNOBS = ("stage1-rounds", "local-epochs", "lr", "momentum", "weight-decay", "weighted-fedavg")
-GRADIENT_KNOBS = (*SGD_KNOBS, "rounds-per-task")
-RIDGE_KNOBS = (*SGD_KNOBS, "rf-dim", "ridge", "head", "min-class-count", "feature-clip")
+#: How the FedAvg rounds merge the models (strategies/fedavg.py): every method with FedAvg rounds.
+AGGREGATION_KNOBS = ("stage1-aggregation", "stage1-trim-fraction", "stage1-byzantine", "stage1-multikrum-select")
+GRADIENT_KNOBS = (*SGD_KNOBS, "rounds-per-task", *AGGREGATION_KNOBS)
+#: Gradient methods without FedAvg rounds: pooled training (joint-gradient), STAMP's gradient matching.
+UNAVERAGED_KNOBS = tuple(k for k in GRADIENT_KNOBS if k not in AGGREGATION_KNOBS)
+RIDGE_KNOBS = (*SGD_KNOBS, *AGGREGATION_KNOBS, "rf-dim", "ridge", "head", "min-class-count", "feature-clip")
 DENSE_RIDGE_KNOBS = (*RIDGE_KNOBS, "ridge-selection")  # the M × M solves (FedRAN's is in its subspace)
 SECURE_KNOBS = (
     "secure-aggregation",
@@ -303,7 +307,7 @@ register(
         summary="upper bound: the same model and schedule trained on all seen data pooled on the server",
         strategy="strategies.joint_gradient:JointGradientStrategy",
         phases=(),
-        knobs=GRADIENT_KNOBS,
+        knobs=UNAVERAGED_KNOBS,
         pooled_data=True,
     )
 )
@@ -324,7 +328,7 @@ register(
         summary="STAMP: temporal gradient matching on clients, spatial gradient matching on the server",
         strategy="strategies.stamp:STAMPStrategy",
         phases=(Phase("stamp", Kind.TRAIN, "clients.stamp:handle_stamp"),),
-        knobs=_all(GRADIENT_KNOBS, ("memory-size", "gm-c")),
+        knobs=_all(UNAVERAGED_KNOBS, ("memory-size", "gm-c")),
         task_pool=True,
     )
 )

@@ -50,7 +50,7 @@ from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import predict_ridge
 from strategies.base import Accepted, RoundFold, RoundPlan, StagedStrategy, StageFailed
-from strategies.fedavg import FedAvg
+from strategies.fedavg import Aggregation, FedAvg
 
 FEDAVG_PHASE = "fedavg"
 
@@ -60,7 +60,7 @@ class AnalyticStrategy(StagedStrategy):
 
     def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
-        self.fedavg = FedAvg(self.model, cfg.weighted_fedavg)
+        self.fedavg = FedAvg(self.model, cfg.weighted_fedavg, Aggregation.from_config(cfg))
         feature_dim = self.model.backbone.feature_dim
         self.projection = random_projection(feature_dim, cfg.rf_dim, seed=cfg.seed)
         self.rf_dim = feature_dim if self.projection is None else int(self.projection.shape[1])

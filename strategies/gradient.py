@@ -18,7 +18,7 @@ from fcl_flower.protocol import Reply
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import predict_logits
 from strategies.base import Accepted, RoundPlan, StagedStrategy
-from strategies.fedavg import FedAvg
+from strategies.fedavg import Aggregation, FedAvg
 
 
 class GradientStrategy(StagedStrategy):
@@ -27,7 +27,7 @@ class GradientStrategy(StagedStrategy):
 
     def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
-        self.fedavg = FedAvg(self.model, cfg.weighted_fedavg)
+        self.fedavg = FedAvg(self.model, cfg.weighted_fedavg, Aggregation.from_config(cfg))
 
     def stage_rounds(self, task: int) -> int:
         return self.cfg.stage1_rounds if task == 0 else self.cfg.rounds_per_task

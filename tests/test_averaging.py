@@ -1,4 +1,4 @@
-"""FedAvg arithmetic: weighted state averages and the per-round cosine learning rate."""
+"""FedAvg arithmetic: weighted state averages (Flower's, strategies/fedavg.py) and the per-round cosine learning rate."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from fcl_flower.averaging import average_states, cosine_lr
+from fcl_flower.averaging import cosine_lr
+from strategies.fedavg import average_states
 from tests.conftest import build, small_config
 
 
