@@ -211,3 +211,27 @@ def test_an_indefinite_upload_that_breaks_the_sum_is_named_by_bisection_and_the_
     assert [s.accuracy for s in bad.recorder.stages[BAD_TASK + 1 :]] == [
         s.accuracy for s in fault_free.recorder.stages[BAD_TASK + 1 :]
     ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_screen_s_cauchy_schwarz_matches_a_dense_computation_entry_by_entry(dtype: torch.dtype) -> None:
+    """Every entry of G and C, pushed 1 % beyond √(J_ii J_jj), is caught; exactly at the bound, passed."""
+    rng = np.random.default_rng(5)
+    gram, sums, counts = _statistics(rng, 25, 9, 3)
+    d = np.r_[np.diag(gram), counts]
+    kwargs = {"relative_tolerance": 2.0**-24 if dtype == torch.float32 else 2.0**-53}
+    for i in range(9):
+        for j in range(i + 1, 12):
+            g, c = gram.copy(), sums.copy()
+            for scale, rejected in ((1.0, False), (1.01, True)):
+                bound = scale * math.sqrt(d[i] * d[j])
+                if j < 9:
+                    g[i, j] = g[j, i] = bound
+                else:
+                    c[i, j - 9] = bound
+                args = (pack_upper(torch.from_numpy(g)).to(dtype), torch.from_numpy(c), torch.from_numpy(counts))
+                if rejected:
+                    with pytest.raises(StatisticsRejected, match="Cauchy-Schwarz"):
+                        screen_packed_statistics(*args, **kwargs)
+                else:
+                    screen_packed_statistics(*args, **kwargs)

@@ -159,17 +159,18 @@ def noise_column_bound(std: float, dim: int, columns: int) -> float:
     return noise_norm_bound(std, dim, _PER_BOUND / max(columns, 1))
 
 
-def check_magnitude(name: str, tensor: Tensor, limit: float = MAGNITUDE_LIMIT) -> None:
+def check_magnitude(name: str, tensor: Tensor, limit: float = MAGNITUDE_LIMIT) -> float:
     """Finite and at most ``limit`` in absolute value (one pass, no temporary: NaN propagates
-    into both the minimum and the maximum)."""
+    into both the minimum and the maximum); returns the smallest entry (0 for an empty tensor)."""
     if not tensor.numel():
-        return
+        return 0.0
     low, high = (float(v) for v in torch.aminmax(tensor))
     if not (math.isfinite(low) and math.isfinite(high)):
         raise StatisticsRejected(f"{name} contains NaN or inf")
     peak = max(-low, high)
     if peak > limit:
         raise StatisticsRejected(f"{name} has an entry of magnitude {peak:.3g} > {limit:g}")
+    return low
 
 
 def wire_epsilon(dtype: torch.dtype) -> float:
@@ -355,12 +356,11 @@ def _screen(
             f"counts {tuple(counts.shape)} do not fit together"
         )
     c, n = class_sums.to(torch.float64), counts.to(torch.float64)
-    for name, tensor in (("G", gram_packed), ("class sums", c), ("counts", n)):
-        check_magnitude(name, tensor)
+    low_g, low_c, _ = (check_magnitude(name, t) for name, t in (("G", gram_packed), ("class sums", c), ("counts", n)))
     if nonnegative:
         floor_g = -absolute_tolerance - noise_entry_bound(noise.gram, dim * (dim + 1) // 2)
         floor_c = -absolute_tolerance - noise_entry_bound(noise.sums, dim * classes)
-        if _low(gram_packed) < floor_g or _low(c) < floor_c:
+        if low_g < floor_g or low_c < floor_c:
             raise StatisticsRejected("G or the class sums have negative entries (random ReLU features are >= 0)")
     size = dim + classes
     slack_rel = 4.0 * size * relative_tolerance
@@ -605,12 +605,29 @@ def _scaled_blocks(
 
 
 def _check_cauchy_schwarz(gram_packed: Tensor, c: Tensor, inv: Tensor, lift: float, slack_rel: float) -> None:
-    """Cauchy–Schwarz on every entry of J (the screen's part of :func:`_positive_factor`), in the
-    upload's own precision: float32 products of float32 entries are off by a few units of 2⁻²⁴,
-    far inside the slack 4(M + c)·2⁻²⁴ (and the stage's PSD test on the sum decides anyway)."""
-    dtype = np.dtype(np.float32) if gram_packed.dtype == torch.float32 else np.dtype(np.float64)
-    for _ in _scaled_blocks(gram_packed, c, inv, lift, slack_rel, dtype):
-        pass
+    """Cauchy–Schwarz |R_ij| <= 1 + slack on every entry of R = D^{-1/2} (J + lift·I) D^{-1/2}
+    (the screen's part of :func:`_positive_factor`), in a few contiguous passes over the packed
+    upload: row i of the upper triangle is a slice, scaled by the suffix w[i:] of the weights (all
+    suffixes laid end to end are one copy of the upload's size), its maximum taken per row by
+    ``np.maximum.reduceat`` and scaled by w_i. In the upload's own precision: float32 products of
+    float32 entries are off by a few units of 2⁻²⁴, far inside the slack 4(M + c)·2⁻²⁴ (and the
+    stage's PSD test on the sum decides anyway). The lift only raises the diagonal, where R_ii = 1."""
+    dim = int(c.shape[0])
+    if dim == 0:
+        return
+    dtype = np.float32 if gram_packed.dtype == torch.float32 else np.float64
+    w = inv.numpy().astype(dtype)
+    weights = np.concatenate([w[i:dim] for i in range(dim)])
+    scaled = np.abs(gram_packed.numpy(), dtype=dtype)
+    scaled *= weights
+    rows = np.arange(dim, dtype=np.int64)
+    per_row = np.maximum.reduceat(scaled, rows * dim - rows * (rows - 1) // 2) * w[:dim]
+    corner = np.abs(c.numpy()) * inv.numpy()[:dim, None] * inv.numpy()[None, dim:]
+    limit = 1.0 + slack_rel + (1e-6 if dtype == np.float32 else 1e-12)
+    if float(per_row.max()) > limit or (corner.size and float(corner.max()) > limit):
+        raise StatisticsRejected(
+            "an entry breaks Cauchy-Schwarz |J_ij| <= sqrt(J_ii J_jj): class sums too large for G and the counts"
+        )
 
 
 def _positive_factor(
