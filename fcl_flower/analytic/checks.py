@@ -5,8 +5,10 @@ Whatever the data, these three are blocks of one Gram matrix,
 
     J = [Φ Y]ᵀ[Φ Y] = [[G, C], [Cᵀ, diag(n_c)]],
 
-which is symmetric positive semidefinite. So the server checks, on every upload (and, under
-secure aggregation, on the opened sum, which is again such a Gram):
+which is symmetric positive semidefinite. So the server checks the following: every test but
+the factorisation on every upload, at O((M + c)²) (:func:`screen_packed_statistics`), and the
+whole list once per stage on the sum the solve uses (:func:`check_packed_statistics`; the sum of
+the stage's plain uploads, or the opened secure sum: each is again such a Gram):
 
 * counts are finite non-negative integers adding up to the reported number of samples;
 * every entry is finite and at most :data:`MAGNITUDE_LIMIT` in absolute value, so the float64
@@ -43,7 +45,7 @@ else is dropped: shapes, finiteness, magnitude and the noise-free blocks keep th
   reports none); they must be finite and above −bound.
 
 Float32 first (float32 uploads). The PSD test is one Cholesky factorisation of the (M + c)² scaled
-matrix per upload, the server's largest cost per reply. For uploads rounded to float32 (ε = 2⁻²⁴,
+matrix per stage (once per upload before issue 30), the server's largest cost after the solve. For uploads rounded to float32 (ε = 2⁻²⁴,
 slack s = 4 (M + c) ε) it first factorises R + (s/2)·I in float32, at half the time and memory:
 
 * if that factorisation fails, the float64 test of R + s·I decides, exactly as before: a float32
