@@ -2,26 +2,35 @@
 
     python experiments/bench_framework_overhead.py            # ~1-2 min on 2 cores
     python experiments/bench_framework_overhead.py --no-ray   # skip the Ray simulation
-    python -m experiments.bench_framework_overhead --rf-dim 2000 --num-clients 20   # issue 16, item 5
+    python -m experiments.bench_framework_overhead --rf-dim 2000 --num-clients 20   # issue 30's target
+    python -m experiments.bench_framework_overhead --server-scaling --rf-dim 4000   # server work, K = 10..50
 
 Config: STSA on digits, 5 tasks, 5 clients, stage1-rounds 0 (the seeded backbone stays frozen,
 so every stage is exactly one statistics round + solve + evaluation), fixed ridge.
 
-* ``direct``: for every client, its partition -> frozen features -> ReLU(F W) -> G, C
-  (StatisticsAccumulator), summed on the "server", Cholesky solve, evaluation: plain function
-  calls, no messages;
+* ``floor``: the same math done directly in plain torch (features, per-client G_k = ΦᵀΦ and
+  C_k, their sum, one Cholesky solve, predict): what any implementation has to do;
+* ``direct``: the project's own functions as plain calls (StatisticsAccumulator, solve_ridge,
+  predict), no messages;
 * ``direct + upload checks``: the same, plus what the server must do with every upload however it
-  travels: the client packs G's upper triangle in the wire dtype, the server runs its upload checks
-  on it (``check_counts``, ``check_packed_statistics``: the PSD test of one (M + c)² Cholesky per
-  upload, a security requirement that stays) and adds it to a packed float64 running sum. The
-  floor a secure server cannot go below; the table gives each engine's ratio to both floors;
+  travels: the client packs G's upper triangle in the wire dtype, the server screens it
+  (``check_counts``, ``screen_packed_statistics``: O(M²)) and adds it to a packed float64 running
+  sum, and certifies the stage's sum once (``check_packed_statistics``: one (M + c)² factorisation);
 * ``local``: the real strategy and ClientApp, messages delivered in-process (LocalGrid):
   adds message construction, (de)serialisation of records, packing, validation, accounting;
 * ``ray``: Flower's Ray simulation (experiments/sim.py): adds Ray actors, inter-process
   transfer and scheduling. Its start-up (Ray + actors) is reported separately.
 
-Per-stage times come from results.json (StageRecord.seconds: first message sent -> evaluation
-done). Ratios are per stage, stages 2..T (stage 1 also pays each process's first-use costs).
+The engines run alternately, ``--repeats`` times each (A B C D E, A B C D E, ...); per-stage times
+come from results.json for the Flower engines (StageRecord.seconds: first message sent ->
+evaluation done). The figure of an engine is the median over its repeats and stages 2..T (stage 1
+also pays each process's first-use costs); ratios are to the floor's. The load average is written
+down before and after every run.
+
+``--server-scaling``: the server's own work on one stage of synthetic honest uploads (K clients,
+each n = 20 random ReLU feature rows, packed float32 as on the wire) for K = 10, 20, 30, 40, 50:
+per upload screen + add, then the certificate of the sum and one solve; least-squares fit
+T(K) = a + b·K, next to the time of adding alone (writes bench_server_scaling-M<M>.json).
 Writes experiments/results/bench_framework_overhead.json (other sizes:
 bench_framework_overhead-M<M>-K<clients>.json).
 """
@@ -38,8 +47,44 @@ from typing import Any
 
 import torch
 
-from experiments.benchlib import format_table, write_json
+from experiments.benchlib import format_table, median, write_json
 from fcl_flower.config import RunConfig
+
+
+def floor_stage_times(cfg: RunConfig) -> list[float]:
+    """The floor: the same math done directly in plain torch, no project code on the hot path
+    beyond the model and its data. Per client: backbone features, Φ = ReLU(F W), G_k = ΦᵀΦ and
+    C_k = ΦᵀY in float64, summed; then one Cholesky solve of (G + γI) W = C and the prediction of
+    the seen test classes."""
+    from fcl_flower.analytic import random_projection
+    from fcl_flower.runtime import build_model, federated_split, iter_features
+
+    split = federated_split(cfg)
+    model = build_model(cfg, split).eval()
+    device = torch.device("cpu")
+    projection = random_projection(model.backbone.feature_dim, cfg.rf_dim, seed=cfg.seed)
+    assert projection is not None
+    w_rand = projection.to(torch.float64)
+    dim, ridge = cfg.rf_dim, float(cfg.ridge)
+    gram = torch.zeros(dim, dim, dtype=torch.float64)
+    sums = torch.zeros(dim, split.bundle.num_classes, dtype=torch.float64)
+    times = []
+    for task, classes in enumerate(split.tasks):
+        began = time.perf_counter()
+        for client in range(cfg.num_clients):
+            for features, y in iter_features(model, split.client_train(task, client, eval_transform=True), cfg, device):
+                phi = torch.relu(features @ w_rand)
+                gram += phi.T @ phi
+                sums.index_add_(1, y, phi.T)
+        factor = torch.linalg.cholesky(gram + ridge * torch.eye(dim, dtype=torch.float64))
+        weights = torch.cholesky_solve(sums[:, : classes.stop], factor)
+        phis, labels = [], []
+        for features, y in iter_features(model, split.seen_test(task), cfg, device):
+            phis.append(torch.relu(features @ w_rand))
+            labels.append(y)
+        _ = float(((torch.cat(phis) @ weights).argmax(dim=1) == torch.cat(labels)).double().mean())
+        times.append(time.perf_counter() - began)
+    return times
 
 
 def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
@@ -57,7 +102,12 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
         random_projection,
         solve_ridge,
     )
-    from fcl_flower.analytic.checks import check_counts, check_packed_statistics, wire_epsilon
+    from fcl_flower.analytic.checks import (
+        check_counts,
+        check_packed_statistics,
+        screen_packed_statistics,
+        wire_epsilon,
+    )
     from fcl_flower.analytic.packing import add_packed_
     from fcl_flower.metrics import accuracy_by_task  # noqa: F401  (same work as the strategy's evaluation)
     from fcl_flower.protocol import WIRE_DTYPES
@@ -76,6 +126,8 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
     for task, classes in enumerate(split.tasks):
         began = time.perf_counter()
         packed_sum = torch.zeros(packed_length(dim), dtype=torch.float64) if checks else None
+        before = sums[:, classes.start : classes.stop].clone()
+        count_sum = torch.zeros(split.bundle.num_classes, dtype=torch.float64)
         for client in range(cfg.num_clients):
             acc = StatisticsAccumulator(dim, len(classes), with_gram=True)
             data = split.client_train(task, client, eval_transform=True)
@@ -89,12 +141,20 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
                 stats = acc.result(with_gram=False)
                 counts = stats.counts.to(torch.float64)
                 check_counts(counts, stats.num_samples)
-                check_packed_statistics(
+                screen_packed_statistics(
                     packed, stats.class_sums, counts, relative_tolerance=wire_epsilon(packed.dtype), **bounds
                 )
                 packed_sum += packed
+                count_sum[classes.start : classes.stop] += counts
             sums[:, classes.start : classes.stop] += stats.class_sums
-        if packed_sum is not None:
+        if packed_sum is not None:  # the stage's one certificate, on the sum
+            check_packed_statistics(
+                packed_sum,
+                sums[:, classes.start : classes.stop] - before,
+                count_sum[classes.start : classes.stop],
+                relative_tolerance=wire_epsilon(wire),
+                **bounds,
+            )
             add_packed_(gram, packed_sum)
         weights = solve_ridge(gram, sums[:, : classes.stop], cfg.ridge_value())
         phis, labels = [], []
@@ -126,13 +186,87 @@ def ray_stage_times(cfg: RunConfig, num_cpus: float) -> tuple[list[float], float
     return [s["seconds"] for s in json.loads(path.read_text())["stages"]], total
 
 
+def server_scaling(dim: int, clients: list[int], repeats: int, rows: int = 20, classes: int = 2) -> dict[str, Any]:
+    """The server's work on one stage of synthetic honest uploads, per K (see the module doc)."""
+    from fcl_flower.analytic import packed_length, solve_ridge
+    from fcl_flower.analytic.checks import check_packed_statistics, screen_packed_statistics
+    from fcl_flower.analytic.packing import add_packed_, pack_symmetrised
+
+    generator = torch.Generator().manual_seed(0)
+    uploads = []
+    for _ in range(max(clients)):
+        phi = torch.relu(torch.randn(rows, dim, generator=generator, dtype=torch.float64))
+        labels = torch.randint(0, classes, (rows,), generator=generator)
+        y = torch.nn.functional.one_hot(labels, classes).to(torch.float64)
+        uploads.append((pack_symmetrised(phi.T @ phi, torch.float32), phi.T @ y, y.sum(dim=0)))
+    kwargs = {"relative_tolerance": 2.0**-24, "nonnegative": True}
+    samples: dict[int, list[dict[str, float]]] = {k: [] for k in clients}
+    for _ in range(repeats):
+        for k in clients:  # alternating K within every repeat
+            timing = {"add": 0.0, "screen": 0.0}
+            began = time.perf_counter()
+            packed = torch.zeros(packed_length(dim), dtype=torch.float64)
+            sums = torch.zeros(dim, classes, dtype=torch.float64)
+            counts = torch.zeros(classes, dtype=torch.float64)
+            for gram, c, n in uploads[:k]:
+                t0 = time.perf_counter()
+                screen_packed_statistics(gram, c, n, **kwargs)
+                t1 = time.perf_counter()
+                packed += gram
+                sums += c
+                counts += n
+                timing["screen"] += t1 - t0
+                timing["add"] += time.perf_counter() - t1
+            t0 = time.perf_counter()
+            check_packed_statistics(packed, sums, counts, **kwargs)
+            timing["certificate"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            full = torch.zeros(dim, dim, dtype=torch.float64)
+            add_packed_(full, packed)
+            solve_ridge(full, sums, 100.0)
+            timing["solve"] = time.perf_counter() - t0
+            timing["stage"] = time.perf_counter() - began
+            timing["load"] = os.getloadavg()[0]
+            samples[k].append(timing)
+    rows_out = []
+    for k in clients:
+        row: dict[str, Any] = {"clients": k}
+        for key in ("stage", "add", "screen", "certificate", "solve", "load"):
+            row[key] = median([t[key] for t in samples[k]])
+        rows_out.append(row)
+    ks = [float(r["clients"]) for r in rows_out]
+    ts = [float(r["stage"]) for r in rows_out]
+    mean_k, mean_t = sum(ks) / len(ks), sum(ts) / len(ts)
+    slope = sum((k - mean_k) * (t - mean_t) for k, t in zip(ks, ts)) / sum((k - mean_k) ** 2 for k in ks)
+    intercept = mean_t - slope * mean_k
+    first, last = rows_out[0], rows_out[-1]
+    beyond = (last["stage"] - last["add"] - last["screen"]) / (first["stage"] - first["add"] - first["screen"])
+    return {
+        "rf_dim": dim,
+        "rows_per_client": rows,
+        "repeats": repeats,
+        "rows": rows_out,
+        "fit_seconds": {"a": intercept, "b_per_client": slope},
+        "add_per_upload_s": median([r["add"] / r["clients"] for r in rows_out]),
+        "screen_per_upload_s": median([r["screen"] / r["clients"] for r in rows_out]),
+        "growth_beyond_per_upload_work": beyond,
+        "samples": {str(k): v for k, v in samples.items()},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-clients", type=int, default=5)
     parser.add_argument("--num-tasks", type=int, default=5, help="Must divide the 10 digit classes.")
     parser.add_argument("--rf-dim", type=int, default=1000)
     parser.add_argument("--num-cpus", type=float, default=1.0, help="Ray: CPU per simulated client.")
+    parser.add_argument("--repeats", type=int, default=3, help="Alternating repeats of every engine (medians).")
     parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument(
+        "--server-scaling",
+        action="store_true",
+        help="Measure the server's work per stage for K = 10..50 synthetic uploads instead.",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -145,6 +279,19 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.server_scaling:
+        result = server_scaling(args.rf_dim, [10, 20, 30, 40, 50], args.repeats)
+        result["load_average_at_start"], result["load_average_at_end"] = load, os.getloadavg()[0]
+        result["torch_threads"] = torch.get_num_threads()
+        print(format_table(result["rows"], ["clients", "stage", "add", "screen", "certificate", "solve", "load"]))
+        fit = result["fit_seconds"]
+        print(
+            f"fit T(K) = {fit['a']:.3f} s + {fit['b_per_client'] * 1e3:.1f} ms·K; adding alone "
+            f"{result['add_per_upload_s'] * 1e3:.1f} ms, screen {result['screen_per_upload_s'] * 1e3:.1f} ms an "
+            f"upload; the rest grows {result['growth_beyond_per_upload_work']:.2f}x from K = 10 to 50"
+        )
+        print(f"wrote {write_json(f'bench_server_scaling-M{args.rf_dim}', result, args.out)}")
+        return 0
     from flwr.common.logger import console_handler
 
     console_handler.setLevel(logging.WARNING)
@@ -163,39 +310,40 @@ def main(argv: list[str] | None = None) -> int:
         out=str(tmp),
     )
     engines: dict[str, dict[str, Any]] = {}
-    began = time.perf_counter()
-    stages = direct_stage_times(cfg)
-    engines["direct"] = {"stages": stages, "total": time.perf_counter() - began}
-    began = time.perf_counter()
-    stages = direct_stage_times(cfg, checks=True)
-    engines["direct + upload checks"] = {"stages": stages, "total": time.perf_counter() - began}
-    stages, total = local_stage_times(cfg.replace(run_name="local"))
-    engines["local"] = {"stages": stages, "total": total}
+    runners: dict[str, Any] = {
+        "floor": lambda i: (floor_stage_times(cfg), None),
+        "direct": lambda i: (direct_stage_times(cfg), None),
+        "direct + upload checks": lambda i: (direct_stage_times(cfg, checks=True), None),
+        "local": lambda i: local_stage_times(cfg.replace(run_name=f"local-{i}")),
+    }
     if not args.no_ray:
-        stages, total = ray_stage_times(cfg.replace(run_name="ray"), args.num_cpus)
-        engines["ray"] = {"stages": stages, "total": total}
+        runners["ray"] = lambda i: ray_stage_times(cfg.replace(run_name=f"ray-{i}"), args.num_cpus)
+    for repeat in range(args.repeats):  # A B C D E, A B C D E, ...
+        for name, run in runners.items():
+            before = os.getloadavg()[0]
+            began = time.perf_counter()
+            stages, _ = run(repeat)
+            total = time.perf_counter() - began
+            record = engines.setdefault(name, {"runs": []})
+            record["runs"].append(
+                {"stages": stages, "total": total, "load_before": before, "load_after": os.getloadavg()[0]}
+            )
+            print(f"[{repeat + 1}/{args.repeats}] {name}: stages 2..T {median(stages[1:]):.3f} s (load {before:.1f})")
     rows = []
-
-    def later_mean(stages: list[float]) -> float:
-        return sum(stages[1:]) / len(stages[1:])
-
-    floor = later_mean(engines["direct"]["stages"])
-    floor_checked = later_mean(engines["direct + upload checks"]["stages"])
+    figure = {name: median([s for r in e["runs"] for s in r["stages"][1:]]) for name, e in engines.items()}
     for name, result in engines.items():
-        later = later_mean(result["stages"])
+        result["median_stage_s"] = figure[name]
         rows.append(
             {
                 "engine": name,
-                "stage 1 s": result["stages"][0],
-                "stages 2..T mean s": later,
-                "ratio vs direct": later / floor,
-                "ratio vs direct + checks": later / floor_checked,
-                "run total s": result["total"],
-                "outside stages s": result["total"] - sum(result["stages"]),
+                "stages 2..T median s": figure[name],
+                "ratio vs floor": figure[name] / figure["floor"],
+                "ratio vs direct + checks": figure[name] / figure["direct + upload checks"],
+                "run total s (median)": median([r["total"] for r in result["runs"]]),
             }
         )
-    columns = ["engine", "stage 1 s", "stages 2..T mean s", "ratio vs direct", "ratio vs direct + checks"]
-    print(format_table(rows, [*columns, "run total s", "outside stages s"], floats="{:.2f}"))
+    columns = ["engine", "stages 2..T median s", "ratio vs floor", "ratio vs direct + checks", "run total s (median)"]
+    print(format_table(rows, columns, floats="{:.2f}"))
     name = "bench_framework_overhead"
     if not (args.rf_dim == 1000 and args.num_clients == 5):
         name += f"-M{args.rf_dim}-K{args.num_clients}"
@@ -216,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ray_num_cpus_per_client": args.num_cpus,
                 "wire_dtype": "float32",
                 "torch_threads_in_process": torch.get_num_threads(),
+                "repeats": args.repeats,
+                "order": "alternating: " + " ".join(runners),
             },
             "engines": engines,
             "rows": rows,

@@ -19,7 +19,7 @@ from typing import Any
 #: replies together), ``finish`` closing a streamed round's sums (once per round)
 REPLY_STEPS = ("accept", "parse", "check", "bytes", "add", "finish")
 #: stage extras that are wall-clock times (like a stage's ``seconds``: they differ between runs)
-TIMING_EXTRAS = ("server_reply_seconds", "solve_seconds", "certificate_seconds")
+TIMING_EXTRAS = ("server_reply_seconds", "solve_seconds", "certificate_seconds", "sum_certificate_seconds")
 
 
 def client_name(client: int) -> str:
@@ -71,6 +71,15 @@ class StageAccounting:
         self.sampling.setdefault(server_round, {"round": server_round, "sampled": clients, "contributed": []})
 
     def reject(self, client: str, why: str) -> None:
+        self.rejected[client] = why
+
+    def retract(self, client: str, why: str) -> None:
+        """An accepted reply is left out after all (its upload made the round's sum fail its
+        certificate): no longer a contributor, rejected with ``why``."""
+        self.clients.discard(client)
+        for record in self.sampling.values():
+            if client in record["contributed"]:
+                record["contributed"] = [c for c in record["contributed"] if c != client]
         self.rejected[client] = why
 
     def left_out(self, num_clients: int, rounds: int) -> dict[str, str]:

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 from logging import INFO, WARNING
 from typing import Any
 
@@ -46,13 +47,16 @@ from flwr.serverapp import Grid
 
 from fcl_flower import restore as fields
 from fcl_flower.analytic import packed_length
+from fcl_flower.analytic.bisect import find_culprit
 from fcl_flower.analytic.checks import (
+    NOT_PSD,
     StatisticsRejected,
     check_counts,
     check_factor_statistics,
     check_packed_statistics,
     gram_check_epsilon,
     negative_bound,
+    screen_packed_statistics,
     wire_epsilon,
 )
 from fcl_flower.analytic.kernel import FactorStack
@@ -80,9 +84,15 @@ from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundFold, RoundPlan, StageFailed
 from strategies.loop import RunFailed
 from strategies.secure import MAX_ATTEMPTS, RestartSecureRound, SecureRounds
+from strategies.spool import UploadSpool
 from strategies.stream import InOrder
 
 MASKED_NAMES = ("gram-packed", "class-sums", "counts")
+
+
+def fresh_certificate() -> dict[str, Any]:
+    """The stage's record of its sums' certificates (``extra.sum_certificate``)."""
+    return {"factorisations": 0, "seconds": 0.0, "culprits": []}
 
 
 def factor_of(stats: StsaStats | StsaFactorStats) -> torch.Tensor | None:
@@ -90,29 +100,56 @@ def factor_of(stats: StsaStats | StsaFactorStats) -> torch.Tensor | None:
     return stats.factor if isinstance(stats, StsaFactorStats) else None
 
 
-class TaskSum:
-    """Running Σ_k of one task's uploads: packed G and class sums in float64, n, and (for noisy
-    counts) the running sum of the counts and the number of uploads whose noise went in; with
-    factor uploads also the factors themselves (for the kernel solve), up to ``max_rows`` rows
-    (None once one upload came without a factor or the cap is passed)."""
+@dataclasses.dataclass(frozen=True)
+class Upload:
+    """One accepted upload in a round's running sum, kept (in the round's spool) until the sum is
+    certified: ``bound`` None where only the O(M²) screen ran (the stage's certificate decides)."""
 
-    def __init__(self, dim: int, classes: int, max_rows: int = 0) -> None:
+    client: str
+    num_examples: int
+    handle: int
+    factor: torch.Tensor | None
+    bound: float | None
+
+
+class TaskSum:
+    """Running Σ_k of one task's uploads: packed G, class sums and counts in float64, n, and (for
+    noisy counts) the running sum of the counts and the number of uploads whose noise went in; with
+    factor uploads also the factors themselves (for the kernel solve), up to ``max_rows`` rows
+    (None once one upload came without a factor or the cap is passed). With a ``spool`` every
+    upload is kept until :meth:`STSAStrategy.certify_round` has certified the sum."""
+
+    def __init__(self, dim: int, classes: int, max_rows: int = 0, spool: UploadSpool | None = None) -> None:
         self.dim = dim
         self.gram = torch.zeros(packed_length(dim), dtype=torch.float64)
         self.sums = torch.zeros(dim, classes, dtype=torch.float64)
+        self.counts = torch.zeros(classes, dtype=torch.float64)
         self.count = 0
         self.noisy_count = 0.0  # Σ of the (noisy) counts, in the order noisy_total adds them
         self.uploads = 0
         self.negative_bound = 0.0  # Σ of the uploads' certified λ_min(G_k) >= -β_k (their checks)
+        self.screened = 0  # uploads without a certificate of their own (the stage certificate decides)
         self.max_rows = max_rows
         self.factors: list[torch.Tensor] | None = [] if max_rows > 0 else None
+        self.spool = spool
+        self.kept: list[Upload] = []
 
     def add(
-        self, stats: StsaStats, num_examples: int, factor: torch.Tensor | None = None, negative_bound: float = math.inf
+        self,
+        client: str,
+        stats: StsaStats,
+        num_examples: int,
+        factor: torch.Tensor | None = None,
+        negative_bound: float | None = math.inf,
     ) -> None:
         self.gram += stats.gram_packed  # summed in float64, with that addition's rounding
-        self.negative_bound += negative_bound + sum_rounding_bound(float(diagonal_of_packed(self.gram, self.dim).sum()))
+        if negative_bound is None:
+            self.screened += 1
+        else:
+            trace = float(diagonal_of_packed(self.gram, self.dim).sum())
+            self.negative_bound += negative_bound + sum_rounding_bound(trace)
         self.sums += stats.class_sums
+        self.counts += stats.counts
         self.count += num_examples
         self.noisy_count += float(stats.counts.to(torch.float64).sum())
         self.uploads += 1
@@ -122,10 +159,26 @@ class TaskSum:
                 self.factors = None  # this round's sums can no longer be stacked: G solves
             else:
                 self.factors.append(factor.to(torch.float64, copy=True))
+        if self.spool is not None:
+            handle = self.spool.put((stats.gram_packed, stats.class_sums, stats.counts))
+            self.kept.append(Upload(client, num_examples, handle, factor, negative_bound))
+
+    def stats_of(self, upload: Upload) -> StsaStats:
+        assert self.spool is not None
+        gram, sums, counts = self.spool.get(upload.handle)
+        return StsaStats(gram, sums, counts)
+
+    def rebuilt(self, uploads: list[Upload], fresh: TaskSum) -> TaskSum:
+        """``fresh`` (empty) with ``uploads`` (kept by this sum) added again in their order: the
+        same numbers as a round that only ever had them."""
+        for upload in uploads:
+            fresh.add(upload.client, self.stats_of(upload), upload.num_examples, upload.factor, upload.bound)
+        return fresh
 
     def into(self, strategy: STSAStrategy, classes: range) -> None:
         """Add the sums to the ridge state; with noisy counts the number of samples is their rounded
         sum (:func:`~strategies.analytic.noisy_total`), and the sums' noise is noted for GCV."""
+        assert not self.screened, "a sum of screened uploads goes into the ridge state only once certified"
         samples = rounded_count(self.noisy_count) if strategy.counts_noised else self.count
         strategy.ridge.add_packed(classes, self.gram, self.sums, samples, self.negative_bound)
         strategy.note_sums_noise(classes, self.uploads)
@@ -135,9 +188,11 @@ class TaskSum:
 class PlainFold:
     """A plain statistics round, streamed: every accepted upload (and the late statistics it
     carries) is added to the round's running sums at once (:meth:`STSAStrategy.add_statistics`)
-    and dropped; at the end the sums go into the ridge state in the order the backfill fold always
-    used (this task, then the late ones by task), so the numbers equal those of summing the sorted
-    list."""
+    and kept in the round's spool; at the end each task's sum is certified once
+    (:meth:`STSAStrategy.certify_round`: a failing sum is bisected to its culprits, whose whole
+    replies are then left out) and the sums go into the ridge state in the order the backfill fold
+    always used (this task, then the late ones by task), so the numbers equal those of summing the
+    sorted list."""
 
     def __init__(self, strategy: STSAStrategy, plan: RoundPlan) -> None:
         self.strategy, self.plan = strategy, plan
@@ -155,13 +210,24 @@ class PlainFold:
             self.late.setdefault(task, []).append(item.client)
         self.clients.add(item.client)
 
+    def drop(self, client: str) -> None:
+        """``client``'s reply is left out after all (its upload made a sum fail its certificate)."""
+        self.clients.discard(client)
+        for clients in self.late.values():
+            if client in clients:
+                clients.remove(client)
+
     def finish(self) -> None:
         strategy = self.strategy
-        strategy.close_sums(self.plan.task)
-        for task, clients in sorted(self.late.items()):  # as Backfill.fold adds them
-            strategy.close_sums(task)
-            for client in clients:
-                strategy.backfill.strike(client, task)
+        try:
+            strategy.certify_round(self)
+            strategy.close_sums(self.plan.task)
+            for task, clients in sorted(self.late.items()):  # as Backfill.fold adds them
+                strategy.close_sums(task)
+                for client in clients:
+                    strategy.backfill.strike(client, task)
+        finally:
+            strategy.close_spool()
         strategy.backfill.note_missing(self.plan.task, self.clients)
 
 
@@ -201,6 +267,8 @@ class STSAStrategy(AnalyticStrategy):
         self.secure = SecureRounds(cfg) if cfg.secure_aggregation else None
         self._request: dict[int, tuple[int, ...]] = {}  # the backfill request of the round in progress
         self._round_sums: dict[int, TaskSum] = {}  # running sums per task of the plain round in progress
+        self._spool: UploadSpool | None = None  # the plain round's uploads, until its sums are certified
+        self._certificate = fresh_certificate()  # the stage's certificates of sums (solve's extras)
         self._in_ridge: set[int] = set()  # tasks whose own stage's statistics went into the ridge state
         self._resumed_opening: dict[str, Any] | None = None  # a secure sum opened before an interruption
         self._round_args: tuple[Grid, float] | None = None  # the grid and timeout of the round in progress
@@ -264,7 +332,7 @@ class STSAStrategy(AnalyticStrategy):
         return [task, *self.secure.current.backfill_tasks(self._request, self.cfg.secagg_min_clients)]
 
     # ---------------------------------------------------------------- replies
-    def check(self, stats: StsaStats | StsaFactorStats, num_examples: int) -> tuple[StsaStats, float]:
+    def check(self, stats: StsaStats | StsaFactorStats, num_examples: int) -> tuple[StsaStats, float | None]:
         """The upload is the statistics of some dataset of ``num_examples`` samples (see module doc);
         a factor upload comes back as the Gram statistics it stands for, with what the check
         certifies of its G (λ_min ≥ −β, :func:`~fcl_flower.analytic.checks.negative_bound`). The
@@ -292,7 +360,7 @@ class STSAStrategy(AnalyticStrategy):
             return StsaStats(gram, sums, stats.counts), negative_bound(diagonal, slack) + rounding
         with upload_checks():
             check_counts(stats.counts, num_examples, noise=noise.counts if noise else 0.0)
-            bound = check_packed_statistics(
+            screen_packed_statistics(
                 stats.gram_packed,
                 stats.class_sums,
                 stats.counts,
@@ -300,7 +368,7 @@ class STSAStrategy(AnalyticStrategy):
                 noise=noise,
                 **self.feature_bounds,
             )
-        return stats, bound
+        return stats, None  # the PSD test runs once, on the stage's sum (certify_round)
 
     def read_plain(self, task: int, record: ArrayRecord) -> StsaStats | StsaFactorStats:
         classes = len(self.split.tasks[task])
@@ -348,18 +416,28 @@ class STSAStrategy(AnalyticStrategy):
         fold.finish()
 
     def task_sum(self, task: int) -> TaskSum:
-        """Empty running sums of ``task``'s statistics (keeping factors while the stack takes them)."""
+        """Empty running sums of ``task``'s statistics (keeping factors while the stack takes them,
+        and every upload in the round's spool until the sum is certified)."""
         room = self.stack.max_rows - self.stack.rows if self.stack is not None else 0
-        return TaskSum(self.rf_dim, len(self.split.tasks[task]), room)
+        return TaskSum(self.rf_dim, len(self.split.tasks[task]), room, self._spool)
 
     def open_sums(self, task: int) -> None:
         """Start a round's running sums (those of a failed round are dropped): ``task``'s at once."""
+        self.close_spool()
+        self._spool = UploadSpool()
         self._round_sums = {task: self.task_sum(task)}
+
+    def close_spool(self) -> None:
+        """Drop the round's kept uploads (the round is closed, or failed)."""
+        if self._spool is not None:
+            self._spool.close()
+            self._spool = None
 
     def checked(
         self, plain: StsaStats | StsaFactorStats, num_examples: int
-    ) -> tuple[StsaStats, torch.Tensor | None, float]:
-        """(the checked statistics, the factor they came as or None, their certified bound)."""
+    ) -> tuple[StsaStats, torch.Tensor | None, float | None]:
+        """(the checked statistics, the factor they came as or None, their certified bound: None
+        where only the screen ran and the stage's certificate decides)."""
         stats, bound = self.check(plain, num_examples)
         return stats, factor_of(plain), bound
 
@@ -368,7 +446,7 @@ class STSAStrategy(AnalyticStrategy):
         task: int,
         replies: list[Accepted[StsaStats]],
         factor: torch.Tensor | None = None,
-        negative_bound: float = math.inf,
+        negative_bound: float | None = math.inf,
     ) -> None:
         """Spatial aggregation (Eq. 2): add ``replies`` (uploads of ``task``'s statistics, current or
         late; ``factor``: the factor one upload stands for) to the round's running sums of ``task``;
@@ -377,7 +455,92 @@ class STSAStrategy(AnalyticStrategy):
         if total is None:
             total = self._round_sums[task] = self.task_sum(task)
         for r in replies:
-            total.add(r.payload, r.num_examples, factor, negative_bound)
+            total.add(r.client, r.payload, r.num_examples, factor, negative_bound)
+
+    # ---------------------------------------------------------------- the stage certificate
+    def certify_sum(self, gram: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor, uploads: int) -> float | None:
+        """The PSD test of the sum of ``uploads`` uploads (their noise: √uploads times one client's):
+        what it certifies of G (λ_min ≥ −β), or None where it fails. One factorisation; the same
+        rule as an opened secure sum's (:meth:`fold_opened`)."""
+        wire = WIRE_DTYPES[self.cfg.wire_dtype]
+        began = time.perf_counter()
+        try:
+            return check_packed_statistics(
+                gram,
+                sums,
+                counts,
+                relative_tolerance=gram_check_epsilon(wire, self.cfg.check_tolerance),
+                noise=self.noise_levels(math.sqrt(max(uploads, 1))),
+                **self.feature_bounds,
+            )
+        except StatisticsRejected:
+            return None
+        finally:
+            self._certificate["factorisations"] += 1
+            self._certificate["seconds"] += time.perf_counter() - began
+
+    def certify_subset(self, total: TaskSum, uploads: Sequence[Upload]) -> bool:
+        """Whether the sum of ``uploads`` (kept by ``total``) passes the PSD test."""
+        part = total.rebuilt(list(uploads), TaskSum(total.dim, int(total.sums.shape[1])))
+        return self.certify_sum(part.gram, part.sums, part.counts, part.uploads) is not None
+
+    def certify_round(self, fold: PlainFold) -> None:
+        """One certificate per task sum of the round, on the sum the solve will use (issue 30). A sum
+        that fails is bisected to a culprit (:func:`~fcl_flower.analytic.bisect.find_culprit`: about
+        log₂K more factorisations); the culprit's whole reply is left out with the reason, every sum
+        of the round is rebuilt without it, and the rest is certified again, until every sum
+        passes. Where halving finds nobody (rounding at the edge of the slack), every upload of the
+        sum is tested on its own, as before issue 30, and the sum is kept with the sum of their
+        bounds if all pass."""
+        while True:
+            culprits: dict[str, str] = {}
+            for task, total in sorted(self._round_sums.items()):
+                if not total.screened:
+                    continue
+                bound = self.certify_sum(total.gram, total.sums, total.counts, total.uploads)
+                if bound is not None:
+                    total.negative_bound, total.screened = bound, 0
+                    continue
+                culprits.update(self.culprits(task, total))
+            if not culprits:
+                return
+            for client, why in sorted(culprits.items()):
+                log(WARNING, "Rejected upload from %s at the end of stage %d: %s", client, fold.plan.task + 1, why)
+                self.accounting.retract(client, why)
+                fold.drop(client)
+                self._certificate["culprits"].append(client)
+            self._round_sums = {
+                task: total.rebuilt([u for u in total.kept if u.client not in culprits], self.task_sum(task))
+                for task, total in self._round_sums.items()
+            }
+
+    def culprits(self, task: int, total: TaskSum) -> dict[str, str]:
+        """Who makes ``total`` (a sum that failed its certificate) fail: found by halving, or by
+        testing each upload alone where halving ends on nobody."""
+        why = f"task {task + 1}'s sum fails its PSD certificate with this upload and passes without it: {NOT_PSD}"
+
+        def passes(group: Sequence[Upload]) -> bool:
+            return self.certify_subset(total, group)
+
+        found_by_halving, _ = find_culprit(total.kept, passes)
+        if found_by_halving:
+            return {found_by_halving[0].client: why}
+        found: dict[str, str] = {}
+        bounds = 0.0
+        for upload in total.kept:
+            bound = upload.bound if upload.bound is not None else self.certify_sum(*self.kept_arrays(total, upload), 1)
+            if bound is None:
+                found[upload.client] = f"task {task + 1}: {NOT_PSD}"
+            else:
+                bounds += bound
+        if not found:  # every upload passes alone: the sum keeps the sum of their certificates
+            trace = float(diagonal_of_packed(total.gram, total.dim).sum())
+            total.negative_bound, total.screened = bounds + total.uploads * sum_rounding_bound(trace), 0
+        return found
+
+    def kept_arrays(self, total: TaskSum, upload: Upload) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        stats = total.stats_of(upload)
+        return stats.gram_packed, stats.class_sums, stats.counts
 
     def stack_factors(self, classes: range, factors: list[torch.Tensor] | None) -> None:
         """Stack a round's factors of ``classes`` for the kernel solve; without them (an upload
@@ -542,7 +705,16 @@ class STSAStrategy(AnalyticStrategy):
             weights, extra = solve_dense(self.ridge, self.num_seen(task), self.cfg)
         if self.cfg.secure_aggregation:
             extra["secure_aggregation"] = True
-        return weights, {**extra, **self.secure_extras(), **self.backfill.extras()}
+        return weights, {**extra, **self.certificate_extras(), **self.secure_extras(), **self.backfill.extras()}
+
+    def certificate_extras(self) -> dict[str, Any]:
+        """The stage's PSD certificates of sums (``sum_certificate``: how many factorisations, who
+        was found by bisection; ``sum_certificate_seconds``: their wall time), then reset."""
+        done, self._certificate = self._certificate, fresh_certificate()
+        if not done["factorisations"]:
+            return {}
+        record = {"factorisations": done["factorisations"], "culprits": sorted(done["culprits"], key=client_order)}
+        return {"sum_certificate": record, "sum_certificate_seconds": done["seconds"]}
 
     def secure_extras(self) -> dict[str, Any]:
         """Who the stage's secure round named, with the evidence (``secagg_blame``)."""
@@ -565,7 +737,7 @@ class STSAStrategy(AnalyticStrategy):
         """Where the stage's statistics are not in the ridge state (its round failed), every client
         owes them (backfill, later); where they are (the solve failed after), nobody does: the next
         stage's solve includes them, and a backfill would add them twice."""
-        extra = super().stage_failed(task, reason)
+        extra = {**super().stage_failed(task, reason), **self.certificate_extras()}
         if task in self._in_ridge:
             return {**extra, "statistics_kept": True, **self.backfill.extras()}
         revealed = self.secure.revealed if self.secure is not None else set()

@@ -171,37 +171,44 @@ def test_the_check_tolerance_reaches_every_upload_check_and_leaves_an_honest_run
     out_dir: Path, wire_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """check-tolerance float32 (default) holds float64 uploads to the float32 threshold, wire to
-    their own; honest uploads pass both, so every stage's W is the same, bit for bit."""
+    their own, in the per-upload screen and in the stage's certificate of the sum alike; honest
+    uploads pass both, so every stage's W is the same, bit for bit."""
     import strategies.stsa as stsa_module
 
     seen: list[float] = []
+    screened: list[float] = []
     bounds: list[float] = []
-    real = stsa_module.check_packed_statistics
+    real, real_screen = stsa_module.check_packed_statistics, stsa_module.screen_packed_statistics
 
     def spy(*args, **kwargs):
         seen.append(kwargs["relative_tolerance"])
         bounds.append(real(*args, **kwargs))
         return bounds[-1]
 
+    def spy_screen(*args, **kwargs):
+        screened.append(kwargs["relative_tolerance"])
+        return real_screen(*args, **kwargs)
+
     monkeypatch.setattr(stsa_module, "check_packed_statistics", spy)
+    monkeypatch.setattr(stsa_module, "screen_packed_statistics", spy_screen)
     runs = {}
     for tolerance in ("float32", "wire"):
         seen.clear()
+        screened.clear()
         bounds.clear()
         cfg = small_config(out_dir, num_tasks=2, wire_dtype=wire_dtype, check_tolerance=tolerance, run_name=tolerance)
         runs[tolerance] = run_in_process(cfg)
         expected = 2.0**-24 if wire_dtype == "float32" or tolerance == "float32" else 2.0**-53
-        assert len(seen) == 2 * cfg.num_clients and set(seen) == {expected}
+        assert len(screened) == 2 * cfg.num_clients and set(screened) == {expected}  # every upload, O(M²)
+        assert len(seen) == 2 and set(seen) == {expected}  # one factorisation per stage, on the sum
         assert all(stage.left_out == {} for stage in runs[tolerance].recorder.stages)
-        # what each check certified of its G, summed: the ridge state's certificate
-        ridge = runs[tolerance].ridge  # plus each float64 addition's rounding, 2u·tr of its sum
-        additions = len(bounds) + 2
-        assert (
-            0
-            < sum(bounds)
-            <= ridge.negative_bound
-            <= sum(bounds) + additions * 2 * 2.0**-53 * float(ridge.gram.trace())
-        )
+        assert [s.extra["sum_certificate"] for s in runs[tolerance].recorder.stages] == [
+            {"factorisations": 1, "culprits": []}
+        ] * 2
+        # what each stage's certificate certified of its sum's G, summed: the ridge state's
+        # certificate, plus each float64 addition into it (2u·tr of its sum)
+        ridge = runs[tolerance].ridge
+        assert 0 < sum(bounds) <= ridge.negative_bound <= sum(bounds) + 2 * 2 * 2.0**-53 * float(ridge.gram.trace())
     for w_default, w_wire in zip(runs["float32"].stage_weights, runs["wire"].stage_weights, strict=True):
         assert torch.equal(w_default, w_wire)
 
@@ -214,11 +221,16 @@ def test_a_float32_upload_in_a_float64_run_is_held_to_the_run_s_tolerance(
     import strategies.stsa as stsa_module
 
     seen: list[tuple[torch.dtype, float]] = []
-    real = stsa_module.check_packed_statistics
+    real, real_screen = stsa_module.check_packed_statistics, stsa_module.screen_packed_statistics
+    certified: list[float] = []
 
-    def spy(gram_packed, *args, **kwargs):
+    def spy(gram_packed, *args, **kwargs):  # the per-upload screen sees the upload as it came
         seen.append((gram_packed.dtype, kwargs["relative_tolerance"]))
-        return real(gram_packed, *args, **kwargs)
+        return real_screen(gram_packed, *args, **kwargs)
+
+    def spy_certificate(*args, **kwargs):  # the stage's certificate of the float64 sum
+        certified.append(kwargs["relative_tolerance"])
+        return real(*args, **kwargs)
 
     def to_float32(task: int, phase: str, replies: list[Message]) -> list[Message]:
         for m in replies:
@@ -227,10 +239,12 @@ def test_a_float32_upload_in_a_float64_run_is_held_to_the_run_s_tolerance(
                 arrays["gram-packed"] = Array(arrays["gram-packed"].numpy().astype(np.float32))
         return replies
 
-    monkeypatch.setattr(stsa_module, "check_packed_statistics", spy)
+    monkeypatch.setattr(stsa_module, "screen_packed_statistics", spy)
+    monkeypatch.setattr(stsa_module, "check_packed_statistics", spy_certificate)
     run_in_process(small_config(out_dir, num_tasks=2, check_tolerance="wire"), to_float32)
     assert any(dtype == torch.float32 for dtype, _ in seen)  # (late statistics ride in other records)
     assert {tolerance for _, tolerance in seen} == {2.0**-53}
+    assert set(certified) <= {2.0**-53}  # (float32-rounded uploads may fail the wire tolerance itself)
 
 
 # --------------------------------------------------------------------------- bytes

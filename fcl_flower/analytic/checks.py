@@ -5,8 +5,10 @@ Whatever the data, these three are blocks of one Gram matrix,
 
     J = [Φ Y]ᵀ[Φ Y] = [[G, C], [Cᵀ, diag(n_c)]],
 
-which is symmetric positive semidefinite. So the server checks, on every upload (and, under
-secure aggregation, on the opened sum, which is again such a Gram):
+which is symmetric positive semidefinite. So the server checks the following: every test but
+the factorisation on every upload, at O((M + c)²) (:func:`screen_packed_statistics`), and the
+whole list once per stage on the sum the solve uses (:func:`check_packed_statistics`; the sum of
+the stage's plain uploads, or the opened secure sum: each is again such a Gram):
 
 * counts are finite non-negative integers adding up to the reported number of samples;
 * every entry is finite and at most :data:`MAGNITUDE_LIMIT` in absolute value, so the float64
@@ -43,7 +45,7 @@ else is dropped: shapes, finiteness, magnitude and the noise-free blocks keep th
   reports none); they must be finite and above −bound.
 
 Float32 first (float32 uploads). The PSD test is one Cholesky factorisation of the (M + c)² scaled
-matrix per upload, the server's largest cost per reply. For uploads rounded to float32 (ε = 2⁻²⁴,
+matrix per stage (once per upload before issue 30), the server's largest cost after the solve. For uploads rounded to float32 (ε = 2⁻²⁴,
 slack s = 4 (M + c) ε) it first factorises R + (s/2)·I in float32, at half the time and memory:
 
 * if that factorisation fails, the float64 test of R + s·I decides, exactly as before: a float32
@@ -74,7 +76,9 @@ built from the packed upload one block of rows at a time into one buffer, factor
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -157,17 +161,18 @@ def noise_column_bound(std: float, dim: int, columns: int) -> float:
     return noise_norm_bound(std, dim, _PER_BOUND / max(columns, 1))
 
 
-def check_magnitude(name: str, tensor: Tensor, limit: float = MAGNITUDE_LIMIT) -> None:
+def check_magnitude(name: str, tensor: Tensor, limit: float = MAGNITUDE_LIMIT) -> float:
     """Finite and at most ``limit`` in absolute value (one pass, no temporary: NaN propagates
-    into both the minimum and the maximum)."""
+    into both the minimum and the maximum); returns the smallest entry (0 for an empty tensor)."""
     if not tensor.numel():
-        return
+        return 0.0
     low, high = (float(v) for v in torch.aminmax(tensor))
     if not (math.isfinite(low) and math.isfinite(high)):
         raise StatisticsRejected(f"{name} contains NaN or inf")
     peak = max(-low, high)
     if peak > limit:
         raise StatisticsRejected(f"{name} has an entry of magnitude {peak:.3g} > {limit:g}")
+    return low
 
 
 def wire_epsilon(dtype: torch.dtype) -> float:
@@ -252,7 +257,95 @@ def check_packed_statistics(
     ``noise``: as in :func:`check_gram_statistics` (the PSD test runs on J + τ I, τ the spectral
     bound of the noise, added to the diagonal with the absolute slack).
     """
-    noise = noise or NoiseLevels()
+    scaled = _screen(
+        gram_packed,
+        class_sums,
+        counts,
+        relative_tolerance=relative_tolerance,
+        absolute_tolerance=absolute_tolerance,
+        norm_bound=norm_bound,
+        nonnegative=nonnegative,
+        noise=noise or NoiseLevels(),
+    )
+    c, n, inv, empty, shift, slack_rel = scaled.c, scaled.n, scaled.inv, scaled.empty, scaled.shift, scaled.slack_rel
+    float32_first = fast and relative_tolerance >= FLOAT32_EPSILON and absolute_tolerance == 0.0
+    if float32_first and _positive_factor(
+        gram_packed, c, n, inv, empty, shift, slack_rel, 0.5 * slack_rel, torch.float32
+    ):
+        return scaled.certified
+    if not _positive_factor(gram_packed, c, n, inv, empty, shift, slack_rel, slack_rel, torch.float64):
+        raise StatisticsRejected(NOT_PSD)
+    return scaled.certified
+
+
+NOT_PSD = "[[G, C], [Cᵀ, diag(counts)]] is not positive semidefinite: no dataset has these statistics"
+
+
+def screen_packed_statistics(
+    gram_packed: Tensor,
+    class_sums: Tensor,
+    counts: Tensor,
+    *,
+    relative_tolerance: float,
+    absolute_tolerance: float = 0.0,
+    norm_bound: float = 0.0,
+    nonnegative: bool = False,
+    noise: NoiseLevels | None = None,
+) -> None:
+    """Every test of :func:`check_packed_statistics` but the factorisation, at O((M + c)²): the
+    cost of adding the upload, not of factorising it (issue 30).
+
+    Shapes, finiteness and magnitude, the ReLU sign, counts, a non-negative diagonal of J, the
+    feature norm bound, zero energy, and Cauchy–Schwarz |J_ij| ≤ (1 + 4(M + c)ε)·√(J_ii J_jj) on
+    every entry (C against diag(G) and the counts included). These are necessary conditions of
+    positive semidefiniteness, not sufficient ones: what they still allow is bounded, since with
+    them ‖J‖_F ≤ tr J, so λ_min(J) ≥ −tr J (what one client can take away from a sum is at most the
+    trace it declares, ≤ n B² + n with a norm bound B). The PSD test itself runs once per stage on
+    the sum that the solve uses (:func:`check_packed_statistics` on the sum; strategies/stsa.py
+    bisects a failing sum to its culprits). No randomised PSD test is used: a random probe v finds
+    vᵀJv < 0 with a probability that a single small negative eigenvalue can make arbitrarily
+    small, so none comes with an error probability worth stating.
+    """
+    scaled = _screen(
+        gram_packed,
+        class_sums,
+        counts,
+        relative_tolerance=relative_tolerance,
+        absolute_tolerance=absolute_tolerance,
+        norm_bound=norm_bound,
+        nonnegative=nonnegative,
+        noise=noise or NoiseLevels(),
+    )
+    _check_cauchy_schwarz(gram_packed, scaled.c, scaled.inv, scaled.shift, scaled.slack_rel)
+
+
+@dataclass(frozen=True)
+class _Scaled:
+    """What the screen computed that the PSD test reuses: J's scaling and slacks."""
+
+    c: Tensor  # class sums, float64
+    n: Tensor  # counts, float64
+    inv: Tensor  # D^{-1/2} (0 where the lifted diagonal is 0)
+    empty: Tensor  # rows and columns of zero energy
+    shift: float  # absolute slack plus the noise's spectral bound, added to J's diagonal
+    slack_rel: float  # 4 (M + c) ε
+    certified: float  # what a passing PSD test certifies of G (negative_bound)
+
+
+def _screen(
+    gram_packed: Tensor,
+    class_sums: Tensor,
+    counts: Tensor,
+    *,
+    relative_tolerance: float,
+    absolute_tolerance: float,
+    norm_bound: float,
+    nonnegative: bool,
+    noise: NoiseLevels,
+) -> _Scaled:
+    """The O((M + c)²) tests shared by :func:`check_packed_statistics` and
+    :func:`screen_packed_statistics` (all but Cauchy–Schwarz, which the PSD test checks while it
+    builds J, and the factorisation)."""
     dim, classes = (int(class_sums.shape[0]), int(class_sums.shape[1])) if class_sums.dim() == 2 else (-1, -1)
     if (
         gram_packed.dim() != 1
@@ -265,12 +358,11 @@ def check_packed_statistics(
             f"counts {tuple(counts.shape)} do not fit together"
         )
     c, n = class_sums.to(torch.float64), counts.to(torch.float64)
-    for name, tensor in (("G", gram_packed), ("class sums", c), ("counts", n)):
-        check_magnitude(name, tensor)
+    low_g, low_c, _ = (check_magnitude(name, t) for name, t in (("G", gram_packed), ("class sums", c), ("counts", n)))
     if nonnegative:
         floor_g = -absolute_tolerance - noise_entry_bound(noise.gram, dim * (dim + 1) // 2)
         floor_c = -absolute_tolerance - noise_entry_bound(noise.sums, dim * classes)
-        if _low(gram_packed) < floor_g or _low(c) < floor_c:
+        if low_g < floor_g or low_c < floor_c:
             raise StatisticsRejected("G or the class sums have negative entries (random ReLU features are >= 0)")
     size = dim + classes
     slack_rel = 4.0 * size * relative_tolerance
@@ -288,17 +380,8 @@ def check_packed_statistics(
     if bool(empty.any()):  # a zero diagonal forces its whole row and column to zero
         _check_zero_energy(gram_packed, c, empty)
     inv = torch.where(empty, 0.0, scale.rsqrt())
-    float32_first = fast and relative_tolerance >= FLOAT32_EPSILON and absolute_tolerance == 0.0
     certified = negative_bound(scale[:dim], slack_rel, shift)  # G is a principal block of J
-    if float32_first and _positive_factor(
-        gram_packed, c, n, inv, empty, shift, slack_rel, 0.5 * slack_rel, torch.float32
-    ):
-        return certified
-    if not _positive_factor(gram_packed, c, n, inv, empty, shift, slack_rel, slack_rel, torch.float64):
-        raise StatisticsRejected(
-            "[[G, C], [Cᵀ, diag(counts)]] is not positive semidefinite: no dataset has these statistics"
-        )
-    return certified
+    return _Scaled(c, n, inv, empty, shift, slack_rel, certified)
 
 
 def negative_bound(scale: Tensor, slack: float, lift: float = 0.0) -> float:
@@ -477,20 +560,76 @@ def _low(tensor: Tensor) -> float:
 def _check_zero_energy(gram_packed: Tensor, c: Tensor, empty: Tensor) -> None:
     """Rows/columns of J whose diagonal is zero once lifted must be zero (before anything is
     scaled). Their diagonal entries are not tested: lifted by the slack they are exactly 0 (a
-    diagonal below minus the slack was rejected before), so rounding there is no energy."""
+    diagonal below minus the slack was rejected before), so rounding there is no energy.
+    O(E·M) for E empty features: row i of G is a contiguous slice of the packed vector, column i
+    one entry of every earlier row."""
     dim = int(c.shape[0])
     rows, classes = empty[:dim].numpy(), empty[dim:].numpy()
     packed, sums = gram_packed.numpy(), c.numpy()
-    nonzero = bool(np.any(sums[rows] != 0)) or bool(np.any(sums[:, classes] != 0))
+    if bool(np.any(sums[rows] != 0)) or bool(np.any(sums[:, classes] != 0)):
+        raise StatisticsRejected(ZERO_ENERGY)
+    starts = dim * np.arange(dim, dtype=np.int64) - np.arange(dim, dtype=np.int64) * (np.arange(dim) - 1) // 2
+    for i in np.flatnonzero(rows).tolist():
+        earlier = np.arange(i, dtype=np.int64)  # G[r, i] for r < i sits at starts[r] + i - r
+        if np.any(packed[starts[i] + 1 : starts[i] + dim - i] != 0) or np.any(packed[starts[:i] + i - earlier] != 0):
+            raise StatisticsRejected(ZERO_ENERGY)
+
+
+ZERO_ENERGY = "a feature or class with zero energy has non-zero sums"
+
+
+def _scaled_blocks(
+    gram_packed: Tensor, c: Tensor, inv: Tensor, lift: float, slack_rel: float, dtype: np.dtype[Any]
+) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+    """(a, b, R[a:b, a:M], R[a:b, M:]) of R = D^{-1/2} (J + lift·I) D^{-1/2}, one block of rows at
+    a time in ``dtype`` (lower-triangle positions of the first block are zero), after checking
+    Cauchy–Schwarz |R_ij| <= 1 + slack_rel on it."""
+    dim = int(c.shape[0])
+    limit = 1.0 + slack_rel + 1e-12
+    packed, sums, w = gram_packed.numpy(), c.numpy(), inv.numpy().astype(dtype)
     for a, b, mask in packed_blocks(dim):
-        if nonzero or not rows[a:].any():
-            continue
-        block = np.zeros(mask.shape, dtype=packed.dtype)  # G[a:b, a:]: an entry is zero-checked if
-        block[mask] = packed[row_offset(a, dim) : row_offset(b, dim)]  # its row or its column is empty
-        block[np.arange(b - a), np.arange(b - a)] = 0  # the diagonal G[i, i] sits at block[i - a, i - a]
-        nonzero = bool(np.any(block[rows[a:b]] != 0)) or bool(np.any(block[:, rows[a:]] != 0))
-    if nonzero:
-        raise StatisticsRejected("a feature or class with zero energy has non-zero sums")
+        block = np.zeros(mask.shape, dtype=dtype)
+        block[mask] = packed[row_offset(a, dim) : row_offset(b, dim)]
+        rows = np.arange(b - a)
+        block[rows, rows] += lift
+        block *= w[None, a:dim]
+        block *= w[a:b, None]
+        corner = sums[a:b].astype(dtype, copy=True)
+        corner *= w[None, dim:]
+        corner *= w[a:b, None]
+        for part in (block, corner):
+            if part.size and max(float(part.max()), -float(part.min())) > limit:
+                raise StatisticsRejected(
+                    "an entry breaks Cauchy-Schwarz |J_ij| <= sqrt(J_ii J_jj): "
+                    "class sums too large for G and the counts"
+                )
+        yield a, b, block, corner
+
+
+def _check_cauchy_schwarz(gram_packed: Tensor, c: Tensor, inv: Tensor, lift: float, slack_rel: float) -> None:
+    """Cauchy–Schwarz |R_ij| <= 1 + slack on every entry of R = D^{-1/2} (J + lift·I) D^{-1/2}
+    (the screen's part of :func:`_positive_factor`), in a few contiguous passes over the packed
+    upload: row i of the upper triangle is a slice, scaled by the suffix w[i:] of the weights (all
+    suffixes laid end to end are one copy of the upload's size), its maximum taken per row by
+    ``np.maximum.reduceat`` and scaled by w_i. In the upload's own precision: float32 products of
+    float32 entries are off by a few units of 2⁻²⁴, far inside the slack 4(M + c)·2⁻²⁴ (and the
+    stage's PSD test on the sum decides anyway). The lift only raises the diagonal, where R_ii = 1."""
+    dim = int(c.shape[0])
+    if dim == 0:
+        return
+    dtype = np.float32 if gram_packed.dtype == torch.float32 else np.float64
+    w = inv.numpy().astype(dtype)
+    weights = np.concatenate([w[i:dim] for i in range(dim)])
+    scaled = np.abs(gram_packed.numpy(), dtype=dtype)
+    scaled *= weights
+    rows = np.arange(dim, dtype=np.int64)
+    per_row = np.maximum.reduceat(scaled, rows * dim - rows * (rows - 1) // 2) * w[:dim]
+    corner = np.abs(c.numpy()) * inv.numpy()[:dim, None] * inv.numpy()[None, dim:]
+    limit = 1.0 + slack_rel + (1e-6 if dtype == np.float32 else 1e-12)
+    if float(per_row.max()) > limit or (corner.size and float(corner.max()) > limit):
+        raise StatisticsRejected(
+            "an entry breaks Cauchy-Schwarz |J_ij| <= sqrt(J_ii J_jj): class sums too large for G and the counts"
+        )
 
 
 def _positive_factor(
@@ -509,24 +648,9 @@ def _positive_factor(
     on the way; True if it has a Cholesky factor. ``lift``: the absolute slack plus the noise's
     spectral bound; D is the diagonal of J + lift·I."""
     dim, size = int(c.shape[0]), int(inv.shape[0])
-    limit = 1.0 + slack_rel + 1e-12
     joint = torch.empty(size, size, dtype=dtype, device="cpu")
-    out, packed, sums, w = joint.numpy(), gram_packed.numpy(), c.numpy(), inv.numpy()
-    for a, b, mask in packed_blocks(dim):
-        block = np.zeros(mask.shape, dtype=np.float64)
-        block[mask] = packed[row_offset(a, dim) : row_offset(b, dim)]
-        rows = np.arange(b - a)
-        block[rows, rows] += lift
-        block *= w[None, a:dim]
-        block *= w[a:b, None]
-        corner = sums[a:b] * w[None, dim:]
-        corner *= w[a:b, None]
-        for part in (block, corner):
-            if part.size and max(float(part.max()), -float(part.min())) > limit:
-                raise StatisticsRejected(
-                    "an entry breaks Cauchy-Schwarz |J_ij| <= sqrt(J_ii J_jj): "
-                    "class sums too large for G and the counts"
-                )
+    out, w = joint.numpy(), inv.numpy()
+    for a, b, block, corner in _scaled_blocks(gram_packed, c, inv, lift, slack_rel, np.dtype(np.float64)):
         out[a:b, a:dim] = block
         out[a:b, dim:] = corner
     out[dim:, dim:] = np.diag((n.numpy() + lift) * w[dim:] * w[dim:])
