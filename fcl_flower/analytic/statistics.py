@@ -107,7 +107,10 @@ class StatisticsAccumulator:
         self.rf_dim = rf_dim
         self.num_classes = num_classes
         self.with_gram = with_gram
-        self._gram = torch.zeros(rf_dim, rf_dim, dtype=torch.float64) if with_gram else None
+        # allocated without zeroing: the first batch writes ΦᵀΦ into it (the same numbers as adding
+        # ΦᵀΦ to zeros, one M² pass fewer, which is most of a small client's cost at large M)
+        self._gram = torch.empty(rf_dim, rf_dim, dtype=torch.float64) if with_gram else None
+        self._gram_written = False
         self._class_sums_t = torch.zeros(num_classes, rf_dim, dtype=torch.float64)  # Cᵀ: rows are contiguous
         self._counts = torch.zeros(num_classes, dtype=torch.int64)
         self._num_samples = 0
@@ -127,8 +130,11 @@ class StatisticsAccumulator:
         if low < 0 or high >= self.num_classes:
             raise AnalyticInputError(f"labels must lie in [0, {self.num_classes - 1}], got range [{low}, {high}]")
         phi = phi_batch.to(device="cpu", dtype=torch.float64)
-        if self._gram is not None:
+        if self._gram is not None and self._gram_written:
             self._gram.addmm_(phi.T, phi)
+        elif self._gram is not None:
+            torch.mm(phi.T, phi, out=self._gram)
+            self._gram_written = True
         self._class_sums_t.index_add_(0, labels, phi)
         self._counts += torch.bincount(labels, minlength=self.num_classes)
         self._num_samples += int(phi.shape[0])
@@ -139,12 +145,21 @@ class StatisticsAccumulator:
         forming the symmetrised M × M matrix (packing.pack_symmetrised)."""
         if self._gram is None:
             raise AnalyticInputError("this accumulator has no Gram matrix (with_gram=False)")
-        return pack_symmetrised(self._gram, dtype)
+        return pack_symmetrised(self._written_gram(), dtype)
+
+    def _written_gram(self) -> Tensor:
+        """G so far (zero before the first batch)."""
+        assert self._gram is not None
+        if not self._gram_written:
+            self._gram.zero_()
+            self._gram_written = True
+        return self._gram
 
     def result(self, with_gram: bool = True) -> ClassStatistics:
         """Copy of the statistics so far; G is symmetrised to remove BLAS rounding asymmetry
         (``with_gram=False``: without G, e.g. after :meth:`packed_gram`)."""
-        gram = None if self._gram is None or not with_gram else 0.5 * (self._gram + self._gram.T)
+        gram = None if self._gram is None or not with_gram else self._written_gram()
+        gram = None if gram is None else 0.5 * (gram + gram.T)
         return ClassStatistics(
             gram=gram,
             class_sums=self._class_sums_t.T.contiguous(),
