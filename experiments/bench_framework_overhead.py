@@ -75,7 +75,7 @@ def floor_stage_times(cfg: RunConfig) -> list[float]:
             for features, y in iter_features(model, split.client_train(task, client, eval_transform=True), cfg, device):
                 phi = torch.relu(features @ w_rand)
                 gram += phi.T @ phi
-                sums.index_add_(1, y, phi.T)
+                sums += phi.T @ torch.nn.functional.one_hot(y, sums.shape[1]).to(torch.float64)
         factor = torch.linalg.cholesky(gram + ridge * torch.eye(dim, dtype=torch.float64))
         weights = torch.cholesky_solve(sums[:, : classes.stop], factor)
         phis, labels = [], []
