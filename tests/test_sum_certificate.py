@@ -235,3 +235,27 @@ def test_the_screen_s_cauchy_schwarz_matches_a_dense_computation_entry_by_entry(
                         screen_packed_statistics(*args, **kwargs)
                 else:
                     screen_packed_statistics(*args, **kwargs)
+
+
+def test_the_screen_finds_any_non_zero_entry_in_the_row_or_column_of_a_feature_without_energy() -> None:
+    """Zero energy, in contiguous passes: with features 2, 5 and 6 empty, a non-zero entry anywhere
+    in their rows or columns (but the diagonal) is refused; the same entry elsewhere is not the
+    zero-energy rule's business."""
+    rng = np.random.default_rng(6)
+    gram, sums, counts = _statistics(rng, 30, 8, 2)
+    empty = [2, 5, 6]
+    gram[empty, :] = 0.0
+    gram[:, empty] = 0.0
+    sums[empty] = 0.0
+    args = (torch.from_numpy(sums), torch.from_numpy(counts))
+    screen_packed_statistics(pack_upper(torch.from_numpy(gram)), *args, relative_tolerance=2.0**-53)
+    for i in range(8):
+        for j in range(i + 1, 8):
+            touched = gram.copy()
+            touched[i, j] = touched[j, i] = 1e-200  # inside Cauchy-Schwarz for any non-empty pair
+            packed = pack_upper(torch.from_numpy(touched))
+            if i in empty or j in empty:
+                with pytest.raises(StatisticsRejected, match="zero energy"):
+                    screen_packed_statistics(packed, *args, relative_tolerance=2.0**-53)
+            else:
+                screen_packed_statistics(packed, *args, relative_tolerance=2.0**-53)

@@ -561,18 +561,23 @@ def _check_zero_energy(gram_packed: Tensor, c: Tensor, empty: Tensor) -> None:
     """Rows/columns of J whose diagonal is zero once lifted must be zero (before anything is
     scaled). Their diagonal entries are not tested: lifted by the slack they are exactly 0 (a
     diagonal below minus the slack was rejected before), so rounding there is no energy.
-    O(E·M) for E empty features: row i of G is a contiguous slice of the packed vector, column i
-    one entry of every earlier row."""
+    A few contiguous passes over the packed upload, however many features are empty: an entry
+    (i, j ≥ i) is tested where row i is empty (each row's flag repeated over its slice) or column
+    j is (the suffixes of the column flags laid end to end, as the Cauchy–Schwarz screen does)."""
     dim = int(c.shape[0])
     rows, classes = empty[:dim].numpy(), empty[dim:].numpy()
     packed, sums = gram_packed.numpy(), c.numpy()
     if bool(np.any(sums[rows] != 0)) or bool(np.any(sums[:, classes] != 0)):
         raise StatisticsRejected(ZERO_ENERGY)
-    starts = dim * np.arange(dim, dtype=np.int64) - np.arange(dim, dtype=np.int64) * (np.arange(dim) - 1) // 2
-    for i in np.flatnonzero(rows).tolist():
-        earlier = np.arange(i, dtype=np.int64)  # G[r, i] for r < i sits at starts[r] + i - r
-        if np.any(packed[starts[i] + 1 : starts[i] + dim - i] != 0) or np.any(packed[starts[:i] + i - earlier] != 0):
-            raise StatisticsRejected(ZERO_ENERGY)
+    if not rows.any():
+        return
+    lengths = np.arange(dim, 0, -1)
+    tested = np.repeat(rows, lengths)
+    tested |= np.concatenate([rows[i:] for i in range(dim)])
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    tested[starts] = False  # the diagonal entries themselves
+    if bool(np.any(packed[tested] != 0)):
+        raise StatisticsRejected(ZERO_ENERGY)
 
 
 ZERO_ENERGY = "a feature or class with zero energy has non-zero sums"
