@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .errors import AnalyticInputError
-from .packing import pack_symmetrised
+from .packing import pack_symmetrised, symmetrised
 
 __all__ = ["ClassStatistics", "StatisticsAccumulator", "accumulate_over_stages", "aggregate"]
 
@@ -159,7 +159,7 @@ class StatisticsAccumulator:
         """Copy of the statistics so far; G is symmetrised to remove BLAS rounding asymmetry
         (``with_gram=False``: without G, e.g. after :meth:`packed_gram`)."""
         gram = None if self._gram is None or not with_gram else self._written_gram()
-        gram = None if gram is None else 0.5 * (gram + gram.T)
+        gram = None if gram is None else symmetrised(gram)
         return ClassStatistics(
             gram=gram,
             class_sums=self._class_sums_t.T.contiguous(),
