@@ -126,6 +126,8 @@ class StagedStrategy(Strategy):
         self._plan: RoundPlan | None = None
         self._sent: dict[int, Header] = {}  # node -> header of the message it got in this round
         self._round_expected: set[str] = set()
+        # client -> held-out samples per class, fixed at its first evaluation (strategies/evaluation.py)
+        self.held_out_sizes: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ what a method says
     @abstractmethod
