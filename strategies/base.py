@@ -359,6 +359,8 @@ class StagedStrategy(Strategy):
             else:
                 kept.append(item)
             del item, message  # a folded reply is dropped here
+        for node, why in getattr(replies, "dropped", ()):
+            self.accounting.duplicate(f"node-{node}", f"{self.nodes_name(node)} (node {node}) {why}")
         if not clients:
             raise RoundFailed(f"round {server_round}: no valid reply")
         # Replies arrive in whatever order the nodes finish; aggregating in client order makes

@@ -71,7 +71,8 @@ def collect(host: StagedStrategy, grid: Grid, task: int) -> Scores:
     targets = [n for n in host.nodes.connected(grid) if n in mapped]
     scores = Scores()
     # pulled as they arrive (Flower's send_and_receive would poll a real SuperLink every 3 s)
-    for message in exchange(grid, [ins.to_message(n) for n in targets], host.cfg.round_timeout):
+    replies = exchange(grid, [ins.to_message(n) for n in targets], host.cfg.round_timeout)
+    for message in replies:
         node = message.metadata.src_node_id
         name = client_name(mapped[node]) if node in mapped else f"node-{node}"
         try:
@@ -94,6 +95,8 @@ def collect(host: StagedStrategy, grid: Grid, task: int) -> Scores:
             continue
         scores.counts[name] = (correct.numpy(), total.numpy())
         host.held_out_sizes[name] = sizes
+    for node, why in replies.dropped:
+        scores.left_out[f"node-{node}"] = f"evaluation: {host.nodes_name(node)} (node {node}) {why}"
     for node in targets:
         name = client_name(mapped[node])
         if name not in scores.counts and name not in scores.left_out:

@@ -375,13 +375,15 @@ def parse_reply(message: Message, sent: Header, kind: Kind) -> Reply:
     """The typed reply of a ``kind`` round whose instruction carried ``sent``.
 
     Raises ProtocolError (one line) for anything that does not fit: an error reply, a reply to
-    another run/task/stage/round/attempt, missing or unexpected records and metrics, wrong types.
+    another run/task/stage/round/attempt, missing or unexpected records (metric, array or config
+    records other than the kind's own: refused by name) and metrics, wrong types.
     Array *contents* are checked by the strategy (:mod:`fcl_flower.protocol.payloads`).
     """
     if message.has_error():
         raise ProtocolError(f"client failed: {message.error.reason}")
     content = message.content
     sent.require(Header.from_record(content.config_records.get(HEADER)))
+    only(content.metric_records, {METRICS}, "metric records")
     metrics = content.metric_records.get(METRICS)
     if metrics is None:
         raise ProtocolError(f"reply has no '{METRICS}' record")
