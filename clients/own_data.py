@@ -24,8 +24,9 @@ the image size; each SuperNode's node config says where its images are and which
 ============================  ==========================================================================
 
 Answering ``query.info`` reads only the node config, so a site with a bad folder is still known
-by its client id: its first round that needs the images fails with one line naming the file,
-and the server records that client as left out of the stage with this reason.
+by its client id: its first round that needs the images fails with one line naming the file in
+the site's own log, and the server records that client as left out of the stage with one generic
+line (clients/app.py: no path or file-system error of a site reaches the server).
 """
 
 from __future__ import annotations

@@ -100,7 +100,9 @@ class ReplyStream:
             for reply in self._pull(window) if window else []:
                 p = pending.pop(self._match(reply, window), -1)
                 if (p < 0 or done[p]) and reply.metadata.src_node_id in answered:
-                    self.dropped.append((reply.metadata.src_node_id, "answered this round twice: the second reply dropped"))
+                    self.dropped.append(
+                        (reply.metadata.src_node_id, "answered this round twice: the second reply dropped")
+                    )
                     continue
                 if p < 0 or done[p] or (self.require_all and reply.has_error()):
                     continue  # an error under require-all-clients: the node gets the round again

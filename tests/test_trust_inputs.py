@@ -23,11 +23,10 @@ from clients.node_data import node_data
 from fcl_flower.config import RunConfig
 from fcl_flower.data import DatasetError
 from fcl_flower.data.own import OwnSettings, load_own
-from fcl_flower.methods import Kind
 from fcl_flower.protocol import EvaluateIns, InfoIns, ProtocolError, parse_instruction
 from fcl_flower.protocol.base import CONFIG, Header
 from fcl_flower.runtime import task_plan
-from tests.conftest import reply_partition, run_in_process, small_config
+from tests.conftest import reply_partition, run_in_process, server_identity, small_config
 
 SETTINGS = dict(num_tasks=2, num_clients=3, rf_dim=60, seed=0, evaluation="both")
 VICTIM = 1
@@ -128,16 +127,25 @@ def test_a_client_lying_from_its_first_evaluation_weighs_by_its_declared_share(t
 
 
 # ------------------------------------------------------------------------------ server-named files
-PLAN = {"classes": ["zero", "one", "two", "three"], "tasks": [["zero", "one"], ["two", "three"]], "image-shape": [1, 8, 8]}
+PLAN = {
+    "classes": ["zero", "one", "two", "three"],
+    "tasks": [["zero", "one"], ["two", "three"]],
+    "image-shape": [1, 8, 8],
+}
 
 
 def custom_config(tmp: Path, plan: Path) -> RunConfig:
     return small_config(tmp, dataset="custom", task_plan=str(plan), evaluation="federated", num_tasks=2)
 
 
+def info_message(cfg: RunConfig) -> Message:
+    server_identity()
+    return InfoIns(Header("run", "info", 0, 1, 1), cfg).to_message(1)
+
+
 def instruction_naming(cfg: RunConfig, path: str) -> Message:
     """What a malicious server sends: a run config whose task-plan is a path on the client."""
-    message = InfoIns(Header("run", "info", 0, 1, 1), cfg).to_message(1)
+    message = info_message(cfg)
     record = dict(message.content.config_records[CONFIG])
     record.update({"task-plan": path, "task-plan-content": ""})
     message.content.config_records[CONFIG] = ConfigRecord(record)
@@ -148,7 +156,7 @@ def test_the_server_sends_the_plan_as_content_never_as_a_path(tmp_path) -> None:
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(PLAN))
     cfg = custom_config(tmp_path, plan)
-    message = InfoIns(Header("run", "info", 0, 1, 1), cfg).to_message(1)
+    message = info_message(cfg)
     sent = message.content.config_records[CONFIG]
     assert sent["task-plan"] == "" and json.loads(str(sent["task-plan-content"])) == PLAN
     received = parse_instruction(message).config
@@ -179,7 +187,7 @@ def test_a_client_never_opens_a_path_the_server_names(tmp_path) -> None:
 def test_plan_content_is_validated_on_parse(tmp_path, content) -> None:
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(PLAN))
-    message = InfoIns(Header("run", "info", 0, 1, 1), custom_config(tmp_path, plan)).to_message(1)
+    message = info_message(custom_config(tmp_path, plan))
     record = dict(message.content.config_records[CONFIG])
     record["task-plan-content"] = content
     message.content.config_records[CONFIG] = ConfigRecord(record)
@@ -196,6 +204,7 @@ def test_a_clients_own_file_errors_reach_the_server_as_one_generic_line(tmp_path
     cfg = custom_config(tmp_path / "out", plan)
     secret = tmp_path / "site-folder-that-is-not-there"
     context = Context(1, 1, {"data-dir": str(secret), "partition-id": 0}, RecordDict(), {})
+    server_identity()
     message = EvaluateIns(Header("run", "evaluate", 0, 1, 1), cfg, num_seen=2).to_message(1)
     with caplog.at_level(logging.WARNING), pytest.raises(Exception) as err:
         handle(message, context)
@@ -228,7 +237,9 @@ def _small_png(path: Path, value: int = 0, size: int = 8) -> None:
 
 
 def _plan():
-    return task_plan(RunConfig(dataset="custom", class_names="zero,one", num_tasks=1, image_size=8, evaluation="federated"))
+    return task_plan(
+        RunConfig(dataset="custom", class_names="zero,one", num_tasks=1, image_size=8, evaluation="federated")
+    )
 
 
 def test_a_decompression_bomb_is_refused_in_one_line_naming_the_file(tmp_path) -> None:
