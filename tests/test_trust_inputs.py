@@ -88,42 +88,59 @@ def _wrap(m: Message) -> None:
     put_counts(m, correct, total, honest)
 
 
-def test_inflated_totals_after_the_first_evaluation_are_left_out(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, list[dict]]:
+    """The federated scores of the clean run and of the run without VICTIM's evaluations."""
+    out = Path(tmp_path_factory.mktemp("references"))
+    clean = run_in_process(config(out, run_name="clean"))
+    without = run_in_process(config(out, run_name="without"), drop_victim)
+    return {name: [federated(s) for s in run.recorder.stages] for name, run in (("clean", clean), ("without", without))}
+
+
+def same_scores(got: dict, expected: dict) -> None:
+    assert (got["accuracy"], got["per_task_accuracy"], got["samples"]) == (
+        expected["accuracy"],
+        expected["per_task_accuracy"],
+        expected["samples"],
+    )
+
+
+def test_inflated_totals_after_the_first_evaluation_are_left_out(tmp_path, references) -> None:
     """A client honest at its first evaluation, then claiming 1000x its held-out samples (all
     right), is left out of the later stage's metrics with its reason: the reported numbers are
     those of the run without its evaluation."""
     attacked = run_in_process(config(tmp_path, run_name="inflated"), on_evaluations(_inflate, (1,)))
-    without = run_in_process(config(tmp_path, run_name="without"), drop_victim)
     first, later = (federated(s) for s in attacked.recorder.stages)
     assert first["left_out"] == {} and f"client-{VICTIM}" in first["clients"]
+    same_scores(first, references["clean"][0])
     reason = later["left_out"][f"client-{VICTIM}"]
     assert "\n" not in reason and "first evaluation" in reason, reason
     assert f"client-{VICTIM}" not in later["clients"]
-    reference = federated(without.recorder.stages[1])
-    assert (later["accuracy"], later["per_task_accuracy"], later["samples"]) == (
-        reference["accuracy"],
-        reference["per_task_accuracy"],
-        reference["samples"],
-    )
+    same_scores(later, references["without"][1])
 
 
-def test_counts_whose_int64_sum_wraps_are_refused(tmp_path) -> None:
+def test_counts_whose_int64_sum_wraps_are_refused(tmp_path, references) -> None:
     """Four classes with 2**62 more samples each: 2**64 in all, which an int64 sum wraps back to
-    the honest sample count. Refused at the first evaluation (a count beyond any held-out set)."""
+    the honest sample count. Refused at every evaluation (a count beyond any held-out set)."""
     attacked = run_in_process(config(tmp_path, run_name="wrap"), on_evaluations(_wrap, (0, 1)))
-    for stage in attacked.recorder.stages:
+    for stage, reference in zip(attacked.recorder.stages, references["without"], strict=True):
         reason = federated(stage)["left_out"][f"client-{VICTIM}"]
         assert "\n" not in reason and "exceeds" in reason, reason
-        assert federated(stage)["samples"] < 10_000
+        same_scores(federated(stage), reference)
 
 
-def test_a_client_lying_from_its_first_evaluation_weighs_by_its_declared_share(tmp_path) -> None:
+def test_a_client_lying_from_its_first_evaluation_weighs_by_its_declared_share(tmp_path, references) -> None:
     """What a lying client can still do (docs/privacy.md): lie consistently from its first
-    evaluation. It is then kept, and weighs exactly by the samples it declared."""
+    evaluation. It is then kept, and weighs exactly by the samples it declared: the reported
+    accuracy is the others' counts plus its 1000x claimed (all right)."""
     attacked = run_in_process(config(tmp_path, run_name="consistent"), on_evaluations(_inflate, (0, 1)))
-    for stage in attacked.recorder.stages:
-        assert federated(stage)["left_out"] == {}
-        assert federated(stage)["samples"] > 1000 * len(attacked.split.seen_test(0)) / 3
+    for stage, clean, without in zip(attacked.recorder.stages, references["clean"], references["without"], strict=True):
+        got = federated(stage)
+        assert got["left_out"] == {}
+        victim = clean["samples"] - without["samples"]
+        assert got["samples"] == without["samples"] + 1000 * victim
+        right = without["accuracy"] * without["samples"] + 1000 * victim * 100.0
+        assert got["accuracy"] == pytest.approx(right / got["samples"], rel=1e-12)
 
 
 # ------------------------------------------------------------------------------ server-named files
