@@ -231,6 +231,25 @@ def test_a_clients_own_file_errors_reach_the_server_as_one_generic_line(tmp_path
     assert str(secret) in caplog.text  # the site's operator sees the detail
 
 
+def test_a_client_takes_its_dataset_folder_from_its_own_node_config(tmp_path, monkeypatch) -> None:
+    """Public datasets (partition-id mode): the run config's data-root, a path the server names,
+    is never where a client reads or downloads; its node config's data-root, its own
+    $FCL_DATA_ROOT, or the default folder is."""
+    from fcl_flower.data.registry import ROOT_ENV, default_root
+
+    roots: list[str] = []
+    monkeypatch.setattr("fcl_flower.runtime.get_federated_split", lambda **kw: roots.append(kw["root"]))
+    monkeypatch.delenv(ROOT_ENV, raising=False)
+    default = str(default_root().resolve())
+    cfg = RunConfig(data_root=str(tmp_path / "named-by-the-server"))
+    node = {"partition-id": 0, "num-partitions": cfg.num_clients}
+    node_data(node, cfg)
+    node_data({**node, "data-root": str(tmp_path / "mine")}, cfg)
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "from-env"))
+    node_data(node, cfg)
+    assert roots == [default, str(tmp_path / "mine"), str(tmp_path / "from-env")]
+
+
 # ------------------------------------------------------------------------------ images
 def _png_header_bomb(path: Path, width: int, height: int) -> None:
     """A grayscale PNG of ``width x height`` black pixels: tiny on disk, huge decoded."""
