@@ -8,15 +8,23 @@ is parsed into its typed instruction (fcl_flower/protocol); the handler of the i
 phase comes from the method's registry entry and is imported only when first needed, so a
 process that answers a statistics message never imports the training code. Raw samples never
 leave this process: handlers reply with model weights or aggregate statistics only.
+
+Nor does anything about this machine's files: a failure that involves the site's own files or
+node config (a missing folder, an unreadable image, a node config that does not fit the run) is
+logged here in full, one line naming the file, and reaches the server as one generic line
+(:class:`SiteError`): a server cannot use its error replies to probe the site's file system. A
+run config that names a file for the client to open (``task-plan``) is refused at parse.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
+from logging import ERROR
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 
 from fcl_flower import methods
 from fcl_flower.protocol import (
@@ -39,6 +47,25 @@ app = ClientApp()
 
 Handler = Callable[..., Reply]
 SECURE_ONLY = "secure-aggregation"  # node config: this node's statistics leave it only masked
+#: what the server is told when this site's own files or node config fail a round (the detail is logged here)
+SITE_DATA_REASON = "this site cannot read its own data for this round (the detail is in the site's log)"
+SITE_CONFIG_REASON = "this site's node config does not fit the run (the detail is in the site's log)"
+
+
+class SiteError(RuntimeError):
+    """A round failed on this site's own files or node config; the server gets this one line."""
+
+
+def site_reason(err: BaseException) -> str | None:
+    """The generic line for an error about the site's files or node config; None for any other."""
+    from clients.node_data import NodeConfigError
+    from fcl_flower.data.errors import DatasetError
+
+    if isinstance(err, NodeConfigError):
+        return SITE_CONFIG_REASON
+    if isinstance(err, (DatasetError, OSError)):
+        return SITE_DATA_REASON
+    return None
 
 
 @cache
@@ -52,7 +79,21 @@ def handler_for(strategy: str, phase: str) -> Handler:
 
 
 def handle(message: Message, context: Context) -> Message:
-    """Parse, dispatch, reply. Any exception becomes Flower's error reply to the server."""
+    """Parse, dispatch, reply. Any exception becomes Flower's error reply to the server; one about
+    the site's files or node config only as a generic line (the detail is logged here)."""
+    try:
+        return _handle(message, context)
+    except (ValueError, OSError) as err:
+        reason = site_reason(err)
+        if reason is None:
+            raise
+        from fcl_flower.data.errors import one_line
+
+        log(ERROR, "this round failed on the site's own data or node config: %s", one_line(err, limit=1000))
+        raise SiteError(reason) from None
+
+
+def _handle(message: Message, context: Context) -> Message:
     ins = parse_instruction(message)
     if isinstance(ins, InfoIns):
         from clients.node_data import node_data

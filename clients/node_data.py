@@ -9,7 +9,9 @@ Two ways to point a SuperNode at its data (``flower-supernode --node-config "...
 * ``partition-id=<k> num-partitions=<K>`` -- the client derives its partition from the public
   dataset with the run's seed and keeps only partition ``k``. Convenient for simulations and
   demos on public benchmarks, where every machine has the dataset anyway; the process does load
-  the whole public training set to cut out its share.
+  the whole public training set to cut out its share. The dataset's folder is the node's own
+  (node config ``data-root``, else ``$FCL_DATA_ROOT``, else ``~/.cache/fcl-flower/data``),
+  never the run config's ``data-root``: a client opens no path the server names.
 
 Under ``dataset = custom`` each site brings its own images instead: ``data-dir`` names a folder of
 image folders, a manifest or a Hugging Face ``datasets`` folder, and ``partition-id`` the site's
@@ -51,6 +53,10 @@ SPLIT_KEYS = (
     "image-size",
     *(RunConfig.key(arg) for arg in PROTOCOL_ARGS),
 )
+
+
+#: node config: the folder of the public datasets on this node (``partition-id`` mode)
+DATA_ROOT_KEY = "data-root"
 
 
 class NodeConfigError(ValueError):
@@ -304,7 +310,22 @@ def node_data(node_config: Mapping[str, Any], cfg: RunConfig) -> NodeData:
         return data
     from fcl_flower.runtime import federated_split
 
-    return PartitionData(federated_split(cfg), partition_of(node_config, cfg.num_clients))
+    local = cfg.replace(data_root=client_data_root(node_config))  # never the server's data-root
+    return PartitionData(federated_split(local), partition_of(node_config, cfg.num_clients))
+
+
+def client_data_root(node_config: Mapping[str, Any]) -> str:
+    """Where this node finds (or downloads) a public dataset: its node config's ``data-root``,
+    else ``$FCL_DATA_ROOT`` of its own process, else the default cache folder; never the run
+    config's ``data-root``, a path the server names (``experiments/sim.py`` sets
+    ``$FCL_DATA_ROOT`` for the simulated clients it starts on its own machine)."""
+    from fcl_flower.data.registry import default_root
+
+    node_config = getattr(node_config, "node_config", node_config)  # a flwr Context works too
+    root = node_config.get(DATA_ROOT_KEY)
+    if root is not None and (not isinstance(root, str) or not root.strip()):
+        raise NodeConfigError(f"node config {DATA_ROOT_KEY} must be a folder (got {root!r})")
+    return str(Path(root).expanduser().resolve()) if root else str(default_root())
 
 
 def _as_int(value: Any, key: str) -> int:

@@ -5,23 +5,28 @@ the image size; each SuperNode's node config says where its images are and which
 
     flower-supernode ... --node-config "data-dir='/srv/images' partition-id=2"
 
-=================  ====================================================================================
-``data-dir``       the site's folder: image folders, a manifest or a ``datasets`` folder
-                   (fcl_flower/data/own.py describes the layouts). Required.
-``partition-id``   this site's client id, ``0..num-clients-1``. Required, and distinct per site: the
-                   server maps each SuperNode to the client id it claims at first contact and
-                   refuses two nodes that claim the same id (strategies/nodes.py).
-``data-format``    ``auto`` (by the folder's content), ``imagefolder``, ``manifest`` or ``hf``.
-``manifest``       a manifest file other than ``<data-dir>/manifest.csv`` / ``manifest.json``.
-``test-fraction``  share of each class held out for federated evaluation when the folder gives no
-                   held-out split (default 0.2; drawn with the run seed and the class name).
-``augment``        training augmentation: ``auto``, ``crop-flip``, ``crop`` or ``none``
-                   (fcl_flower/data/transforms.py, ``own_transforms``).
-=================  ====================================================================================
+============================  ==========================================================================
+``data-dir``                  the site's folder: image folders, a manifest or a ``datasets`` folder
+                              (fcl_flower/data/own.py describes the layouts). Required.
+``partition-id``              this site's client id, ``0..num-clients-1``. Required, and distinct per site: the
+                              server maps each SuperNode to the client id it claims at first contact and
+                              refuses two nodes that claim the same id (strategies/nodes.py).
+``data-format``               ``auto`` (by the folder's content), ``imagefolder``, ``manifest`` or ``hf``.
+``manifest``                  a manifest file other than ``<data-dir>/manifest.csv`` / ``manifest.json``.
+``test-fraction``             share of each class held out for federated evaluation when the folder gives no
+                              held-out split (default 0.2; drawn with the run seed and the class name).
+``augment``                   training augmentation: ``auto``, ``crop-flip``, ``crop`` or ``none``
+                              (fcl_flower/data/transforms.py, ``own_transforms``).
+``max-image-pixels``          the largest image decoded, in pixels (default 40000000, ``MAX_PIXELS`` of
+                              fcl_flower/data/own.py); a larger one is refused naming the file.
+``files-outside-data-dir``    ``true``: manifest rows and linked files may lie outside ``data-dir``
+                              (default ``false``: refused naming the row or file).
+============================  ==========================================================================
 
 Answering ``query.info`` reads only the node config, so a site with a bad folder is still known
-by its client id: its first round that needs the images fails with one line naming the file,
-and the server records that client as left out of the stage with this reason.
+by its client id: its first round that needs the images fails with one line naming the file in
+the site's own log, and the server records that client as left out of the stage with one generic
+line (clients/app.py: no path or file-system error of a site reaches the server).
 """
 
 from __future__ import annotations
@@ -34,10 +39,19 @@ from typing import Any
 from clients.node_data import DatasetShape, NodeConfigError, partition_of
 from fcl_flower.config import RunConfig
 from fcl_flower.data import DatasetError, LabelledDataset, TaskPlan
-from fcl_flower.data.own import DEFAULT_TEST_FRACTION, OwnData, OwnSettings, load_own
+from fcl_flower.data.own import DEFAULT_TEST_FRACTION, MAX_PIXELS, OwnData, OwnSettings, load_own
 
 #: The node-config keys a site with its own images reads (module doc).
-OWN_KEYS = ("data-dir", "partition-id", "data-format", "manifest", "test-fraction", "augment")
+OWN_KEYS = (
+    "data-dir",
+    "partition-id",
+    "data-format",
+    "manifest",
+    "test-fraction",
+    "augment",
+    "max-image-pixels",
+    "files-outside-data-dir",
+)
 START_HINT = "--node-config \"data-dir='<folder of images>' partition-id=<k>\" (k: this site's client id)"
 
 
@@ -82,6 +96,8 @@ def own_settings(node_config: Mapping[str, Any], cfg: RunConfig) -> OwnSettings:
             test_fraction=float(fraction),
             augment=str(node_config.get("augment", "auto")),
             seed=cfg.seed,
+            max_pixels=node_config.get("max-image-pixels", MAX_PIXELS),
+            files_outside=node_config.get("files-outside-data-dir", False),
         )
     except (TypeError, ValueError) as err:  # DatasetError is a ValueError
         detail = str(err) if isinstance(err, DatasetError) else "test-fraction must be a number in [0, 1)"

@@ -86,7 +86,19 @@ def run_local(cfg: RunConfig, node_configs: Sequence[Mapping[str, Any]] | None =
     from fcl_flower.local_grid import LocalGrid
     from strategies.app import run_experiment
 
+    share_data_root(cfg)
     return run_experiment(LocalGrid(client_app, cfg.num_clients, record=False, node_configs=node_configs), cfg)
+
+
+def share_data_root(cfg: RunConfig) -> None:
+    """The simulated clients run on this machine: give them the run's ``data-root`` as their own
+    (``$FCL_DATA_ROOT``, inherited by the Ray workers started here; a client never takes the
+    folder from the server's run config, clients/node_data.py). A Ray cluster joined with
+    ``--ray-address`` keeps each machine's own setting."""
+    from fcl_flower.data.registry import ROOT_ENV
+
+    if cfg.data_root:
+        os.environ[ROOT_ENV] = cfg.data_dir
 
 
 def check_before_start(cfg: RunConfig) -> None:
@@ -157,6 +169,7 @@ def simulate(
     from strategies.app import build_server_app
 
     check_before_start(cfg)
+    share_data_root(cfg)
     if num_gpus is None:  # on a cluster this machine's GPUs say nothing about the others': ask
         num_gpus = 0.0 if ray_address else default_gpu_share(cfg.num_clients)
     backend_config = {

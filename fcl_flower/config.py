@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -50,6 +51,35 @@ def stage1_shortfall(rule: str, clients: int, byzantine: int, trim_fraction: flo
     return None
 
 
+#: the largest task plan (file or text) a run takes: a class list, not a data set
+MAX_PLAN_BYTES = 1 << 20
+
+
+def read_plan_file(path: str) -> str:
+    """The text of the server's task-plan file (at most :data:`MAX_PLAN_BYTES`); ConfigError
+    naming the file. Cached per file version: every instruction of a run carries it."""
+    file = Path(path).expanduser()
+    try:
+        stat = file.stat()
+    except OSError as err:
+        raise ConfigError(f"cannot read the task plan {file}: {err.strerror or err}") from None
+    return _read_plan_file(str(file), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_plan_file(path: str, _mtime: int, size: int) -> str:
+    if size > MAX_PLAN_BYTES:
+        raise ConfigError(f"the task plan {path} is over {MAX_PLAN_BYTES} bytes")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PLAN_BYTES + 1)
+        if len(data) > MAX_PLAN_BYTES:
+            raise ConfigError(f"the task plan {path} is over {MAX_PLAN_BYTES} bytes")
+        return data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read the task plan {path}: {err}") from None
+
+
 Choices = tuple[str, ...] | Callable[[], tuple[str, ...]]
 
 
@@ -75,7 +105,13 @@ class RunConfig:
     task_plan: str = _knob(
         "",
         "dataset custom: a JSON plan file instead of class-names: {classes, optional tasks (lists of class "
-        "names), optional image-shape [C, H, W]} (fcl_flower/data/plan.py).",
+        "names), optional image-shape [C, H, W]} (fcl_flower/data/plan.py). Read by the server only: the "
+        "clients get its content (task-plan-content), never the path.",
+    )
+    task_plan_content: str = _knob(
+        "",
+        "dataset custom: the task plan's JSON text itself (what the server sends the clients in place of a "
+        "task-plan file; may also be given directly).",
     )
     evaluation: str = _knob(
         "central",
@@ -445,15 +481,19 @@ class RunConfig:
                 f"secure-aggregation works with {secure} (sums over clients); "
                 f"{self.strategy} needs per-client uploads: use min-class-count instead"
             )
+        if self.task_plan and self.task_plan_content:
+            raise ConfigError("task-plan (a file) and task-plan-content (its text) are one plan: give one of them")
+        if len(self.task_plan_content.encode("utf-8")) > MAX_PLAN_BYTES:
+            raise ConfigError(f"task-plan-content is over {MAX_PLAN_BYTES} bytes")
         if self.dataset == "custom":
-            if not (self.class_names.strip() or self.task_plan):
+            if not (self.class_names.strip() or self.task_plan or self.task_plan_content):
                 raise ConfigError("dataset 'custom' needs class-names ('cat,dog,...') or task-plan (a JSON plan file)")
             if self.evaluation != "federated":
                 raise ConfigError(
                     "dataset 'custom' has no test set on the server: use evaluation='federated' (clients score "
                     "the model on their own held-out data)"
                 )
-        elif self.class_names or self.task_plan:
+        elif self.class_names or self.task_plan or self.task_plan_content:
             raise ConfigError(
                 "class-names and task-plan describe dataset 'custom'; the public datasets bring their own"
             )
@@ -593,6 +633,15 @@ class RunConfig:
     def data_dir(self) -> str:
         root = self.data_root or os.path.join("~", ".cache", "fcl-flower", "data")
         return str(Path(root).expanduser().resolve())
+
+    def client_mapping(self) -> dict[str, bool | int | float | str]:
+        """:meth:`to_mapping` as the clients get it: a ``task-plan`` file of the server becomes
+        ``task-plan-content``, its text (a client never opens a path the server names)."""
+        values = self.to_mapping()
+        if self.task_plan:
+            values["task-plan-content"] = read_plan_file(self.task_plan)
+            values["task-plan"] = ""
+        return values
 
     def result_config(self) -> dict[str, bool | int | float | str]:
         """The knobs that decide what a run computes (all but :data:`OPERATIONAL_KEYS`)."""

@@ -87,6 +87,7 @@ COMMON_KNOBS: tuple[str, ...] = (
     "dataset",
     "class-names",
     "task-plan",
+    "task-plan-content",
     "data-root",
     "download",
     "num-tasks",

@@ -24,6 +24,7 @@ def task_plan(cfg: RunConfig) -> TaskPlan:
         return custom_plan(
             class_names=cfg.class_names,
             plan_file=cfg.task_plan,
+            plan_text=cfg.task_plan_content,
             num_tasks=cfg.num_tasks,
             first_task_classes=cfg.first_task_classes,
             image_size=cfg.image_size,

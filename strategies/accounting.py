@@ -41,6 +41,7 @@ class StageAccounting:
         self.message: dict[str, int] = {}  # whole serialised replies per client
         self.clients: set[str] = set()  # clients with an accepted reply in the stage
         self.rejected: dict[str, str] = {}  # client (or node-<id>) -> why its reply was rejected
+        self.duplicates: dict[str, str] = {}  # node-<id> -> the reply it sent twice (dropped)
         self.expected: set[str] = set()  # clients some round of the stage was sent to
         self.sampling: dict[int, dict[str, Any]] = {}  # server round -> sampled / contributed clients
         self.seconds: dict[str, float] = {}  # step (REPLY_STEPS) -> seconds summed over the stage
@@ -82,6 +83,10 @@ class StageAccounting:
                 record["contributed"] = [c for c in record["contributed"] if c != client]
         self.rejected[client] = why
 
+    def duplicate(self, node: str, why: str) -> None:
+        """A second reply of ``node`` in one round: dropped (its first counts), named in ``left_out``."""
+        self.duplicates[node] = why
+
     def left_out(self, num_clients: int, rounds: int) -> dict[str, str]:
         """Client -> why its data is missing from the stage (a stage without rounds misses nobody)."""
         left_out = {c: why for c, why in self.rejected.items() if c not in self.clients}
@@ -95,7 +100,7 @@ class StageAccounting:
                         if not unattributed
                         else "no accepted reply (timed out, or one of the rejected node-* uploads)"
                     )
-        return left_out
+        return {**left_out, **{n: why for n, why in self.duplicates.items() if n not in left_out}}
 
     def timing_extra(self) -> dict[str, Any]:
         """``extra.server_reply_seconds``: the server's work on the stage's replies, summed per step,

@@ -128,6 +128,8 @@ class StagedStrategy(Strategy):
         self._plan: RoundPlan | None = None
         self._sent: dict[int, Header] = {}  # node -> header of the message it got in this round
         self._round_expected: set[str] = set()
+        # client -> held-out samples per class, fixed at its first evaluation (strategies/evaluation.py)
+        self.held_out_sizes: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ what a method says
     @abstractmethod
@@ -372,6 +374,8 @@ class StagedStrategy(Strategy):
             else:
                 kept.append(item)
             del item, message  # a folded reply is dropped here
+        for node, why in getattr(replies, "dropped", ()):
+            self.accounting.duplicate(f"node-{node}", f"{self.nodes_name(node)} (node {node}) {why}")
         if not clients:
             raise RoundFailed(f"round {server_round}: no valid reply")
         # Replies arrive in whatever order the nodes finish; aggregating in client order makes

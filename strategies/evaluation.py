@@ -7,10 +7,14 @@ F_T): accuracy over all held-out samples of the seen classes, sample-weighted ac
 simulation the clients' held-out shares partition the public test set, so ``evaluation = both``
 gives identical numbers both ways (tests/test_federated_evaluation.py).
 
-Replies are untrusted like any other: counts must be integers, non-negative, correct <= total,
-adding up to the reply's sample count, from the node mapped to the client. Nothing can check that
-a client's counts are true: a lying client can skew the *reported* accuracy (by at most its share
-of the samples), never the model. Evaluation traffic is not counted in the upload bytes (those
+Replies are untrusted like any other: counts must be integers, non-negative, at most
+``MAX_CLASS_SAMPLES`` per class, correct <= total, adding up (exact integers, no int64 wrap) to
+the reply's sample count, from the node mapped to the client; and a client's held-out samples
+per class are fixed at its first evaluation of the class (``held_out_sizes``, kept for the
+server process: a resumed run fixes them again at its first evaluation): a later reply with
+other totals is left out of the metrics with its reason. Nothing can check that a client's
+counts are true: a client that lies consistently from its first evaluation skews the *reported*
+accuracy by at most its declared share of the samples, never the model. Evaluation traffic is not counted in the upload bytes (those
 are the methods' costs the papers compare).
 """
 
@@ -27,7 +31,7 @@ from flwr.serverapp import Grid
 from fcl_flower.methods import Kind
 from fcl_flower.metrics import accuracy_from_counts, task_pool_rows_from_counts
 from fcl_flower.protocol import EvaluateIns, EvaluateRes, Header, ProtocolError, UploadError, parse_reply
-from fcl_flower.protocol.payloads import read_counts
+from fcl_flower.protocol.payloads import check_declared, read_counts
 from strategies.accounting import client_name, client_order
 from strategies.stream import exchange
 
@@ -67,7 +71,8 @@ def collect(host: StagedStrategy, grid: Grid, task: int) -> Scores:
     targets = [n for n in host.nodes.connected(grid) if n in mapped]
     scores = Scores()
     # pulled as they arrive (Flower's send_and_receive would poll a real SuperLink every 3 s)
-    for message in exchange(grid, [ins.to_message(n) for n in targets], host.cfg.round_timeout):
+    replies = exchange(grid, [ins.to_message(n) for n in targets], host.cfg.round_timeout)
+    for message in replies:
         node = message.metadata.src_node_id
         name = client_name(mapped[node]) if node in mapped else f"node-{node}"
         try:
@@ -79,6 +84,9 @@ def collect(host: StagedStrategy, grid: Grid, task: int) -> Scores:
             if name in scores.counts:
                 raise UploadError(f"duplicate evaluation from {name}")
             correct, total = read_counts(reply.counts, num_seen, reply.num_examples)
+            sizes = check_declared(
+                total.tolist(), host.held_out_sizes.get(name, []), zero_is_final=not host.split.is_task_pool
+            )
         except (ProtocolError, UploadError) as err:
             scores.left_out[name] = f"evaluation: {err}"
             continue
@@ -86,6 +94,9 @@ def collect(host: StagedStrategy, grid: Grid, task: int) -> Scores:
             scores.left_out[name] = f"evaluation: cannot read the counts ({type(err).__name__}: {err})"
             continue
         scores.counts[name] = (correct.numpy(), total.numpy())
+        host.held_out_sizes[name] = sizes
+    for node, why in replies.dropped:
+        scores.left_out[f"node-{node}"] = f"evaluation: {host.nodes_name(node)} (node {node}) {why}"
     for node in targets:
         name = client_name(mapped[node])
         if name not in scores.counts and name not in scores.left_out:

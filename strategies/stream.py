@@ -21,7 +21,9 @@ server holds all K replies of a round at once, and on a real SuperLink it polls 
   earlier attempt never parse as replies to the retry.
 
 So a consumer holds at most ``window`` replies (the one it is reading and those of later
-positions waiting for an earlier one), whatever the number of clients.
+positions waiting for an earlier one), whatever the number of clients. A node that answers a
+round twice has its first reply handed on and the second dropped, and named in
+:attr:`ReplyStream.dropped` (the consumer records it in the stage's ``left_out``).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class ReplyStream:
         self.max_poll = max_poll
         self.max_held = 0  # the most replies held at once (tests, benchmarks)
         self.waited = 0.0  # seconds spent sleeping between pulls
+        self.dropped: list[tuple[int, str]] = []  # (node, why) of replies not handed on: a second answer
 
     def __iter__(self) -> Iterator[Message]:
         count = len(self.nodes)
@@ -89,15 +92,22 @@ class ReplyStream:
         held: dict[int, Message] = {}  # position -> reply pulled, not yet handed on
         done = [False] * count
         good = [False] * count  # a well-formed answer was handed on
+        answered: set[int] = set()  # nodes with a reply held or handed on
         self._send(0, list(range(count)), pending, deadline)
         head, wait = 0, FIRST_POLL
         while head < count:
             window = {mid: p for mid, p in pending.items() if p < head + self.window}
             for reply in self._pull(window) if window else []:
                 p = pending.pop(self._match(reply, window), -1)
+                if (p < 0 or done[p]) and reply.metadata.src_node_id in answered:
+                    self.dropped.append(
+                        (reply.metadata.src_node_id, "answered this round twice: the second reply dropped")
+                    )
+                    continue
                 if p < 0 or done[p] or (self.require_all and reply.has_error()):
                     continue  # an error under require-all-clients: the node gets the round again
                 held[p] = reply
+                answered.add(reply.metadata.src_node_id)
             self.max_held = max(self.max_held, len(held))
             start = head
             while head < count and (head in held or done[head]):
@@ -201,7 +211,13 @@ class InOrder:
         return iter(self.replies)
 
 
-def exchange(grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
+class Replies(list[Message]):
+    """The replies :func:`exchange` collected, and (``dropped``) the nodes that answered twice."""
+
+    dropped: list[tuple[int, str]]
+
+
+def exchange(grid: Grid, messages: list[Message], timeout: float) -> Replies:
     """Send small messages (one per node) and collect every reply that arrives within ``timeout``,
     polling as :class:`ReplyStream` does (Flower's ``send_and_receive`` polls a SuperLink every 3 s)."""
     by_node = {m.metadata.dst_node_id: m for m in messages}
@@ -209,4 +225,7 @@ def exchange(grid: Grid, messages: list[Message], timeout: float) -> list[Messag
     def build(attempt: int, nodes: list[int]) -> list[Message]:
         return [by_node[n] for n in nodes]
 
-    return list(ReplyStream(grid, build, list(by_node), timeout=timeout, window=max(1, len(by_node))))
+    stream = ReplyStream(grid, build, list(by_node), timeout=timeout, window=max(1, len(by_node)))
+    replies = Replies(stream)
+    replies.dropped = stream.dropped
+    return replies

@@ -8,8 +8,8 @@ per-task folders).
 * The fast test runs ``stsa`` over the folders in this process (fcl_flower.local_grid, the real
   ClientApp and ServerApp logic) with a fourth, fifth and sixth site that each have one defect --
   a corrupt image, an unknown class name, an empty task folder -- and checks that each of those
-  clients is left out of every stage with one line naming its file, while the run completes on
-  the good sites.
+  clients is left out of every stage with one generic line (the line naming its file stays in the
+  site's log), while the run completes on the good sites.
 * The end-to-end test (marked ``slow``, like tests/test_deployment.py) starts a real SuperLink
   and three real SuperNodes (deploy/local_federation.py: TLS, SuperNode auth), each with only
   ``data-dir=<its folder> partition-id=k``, runs ``stsa`` with ``evaluation = federated`` and
@@ -21,6 +21,7 @@ per-task folders).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from clients.app import SITE_DATA_REASON
 from experiments.digits_sites import RUN_CONFIG, write_sites
 from experiments.sim import run_local
 from fcl_flower.config import RunConfig
@@ -96,10 +98,11 @@ def _empty_task_folder(site: Path) -> str:
     return str(site / "task-1")
 
 
-def test_a_site_with_a_bad_folder_is_left_out_with_one_line_naming_the_file(sites, tmp_path) -> None:
+def test_a_site_with_a_bad_folder_is_left_out_with_one_line_naming_the_file(sites, tmp_path, caplog) -> None:
     """Clients 3, 4, 5 are copies of sites 1, 2 and 2 with one defect each; each is left out of
-    every stage (training and evaluation) with its one-line reason, and the run completes on
-    clients 0..2 with exactly the classifier of those three alone."""
+    every stage (training and evaluation) with one generic line (no path of the site reaches the
+    server), the site's own log has the line naming the file, and the run completes on clients
+    0..2 with exactly the classifier of those three alone."""
     bad = [tmp_path / "corrupt", tmp_path / "unknown", tmp_path / "empty-task"]
     shutil.copytree(sites[1], bad[0])
     shutil.copytree(sites[2], bad[1])
@@ -108,7 +111,9 @@ def test_a_site_with_a_bad_folder_is_left_out_with_one_line_naming_the_file(site
     reasons = ["cannot read image", "is not in the run's class list", "empty task folder"]
 
     cfg = run_config(tmp_path / "with-bad", **{"num-clients": 6, "stage1-rounds": 0, "secure-aggregation": False})
-    run_local(cfg, site_configs([*sites, *bad]))
+    with caplog.at_level(logging.ERROR):
+        run_local(cfg, site_configs([*sites, *bad]))
+    site_log = [r.getMessage() for r in caplog.records if "the site's own data" in r.getMessage()]
     good = run_config(tmp_path / "good-only", **{"stage1-rounds": 0, "secure-aggregation": False})
     run_local(good, site_configs(sites))
 
@@ -119,7 +124,8 @@ def test_a_site_with_a_bad_folder_is_left_out_with_one_line_naming_the_file(site
         assert evaluation["clients"] == ["client-0", "client-1", "client-2"]
         for k, (where, why) in enumerate(zip(named, reasons, strict=True)):
             for reason in (stage["left_out"][f"client-{k + 3}"], evaluation["left_out"][f"client-{k + 3}"]):
-                assert "\n" not in reason and where in reason and why in reason, reason
+                assert "\n" not in reason and SITE_DATA_REASON in reason and str(tmp_path) not in reason, reason
+            assert any(where in line and why in line and "\n" not in line for line in site_log), (where, site_log)
     assert torch.equal(_final_weights(cfg), _final_weights(good))
     assert [s["accuracy"] for s in _stages(cfg)] == [s["accuracy"] for s in _stages(good)]
 

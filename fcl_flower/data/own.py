@@ -25,6 +25,13 @@ are drawn per class: ``round(test_fraction * n)`` of a class's ``n`` samples (no
 never all), chosen by a generator seeded with the run seed and the class name over the samples
 sorted by file path (or row), so the same folder gives the same split on every call and machine.
 
+Every file a site reads lies inside its folder (``data-dir``): a manifest row, or a file of an
+image folder that is a symbolic link, that resolves outside it is refused naming the row or file,
+unless the site opts in (``OwnSettings.files_outside``, node config ``files-outside-data-dir``).
+No image larger than :data:`MAX_PIXELS` (40 megapixels; node config ``max-image-pixels``) is
+decoded: PIL's decompression-bomb limit is set to it, and its warning made an error, around
+every open, so a small file that would decode to gigabytes is one line naming the file.
+
 Images are decoded lazily and converted to the plan's channels (``L`` for 1, ``RGB`` for 3)
 and resized (bilinear, aspect ratio not kept) to its height and width; the decoded uint8 arrays
 are cached per process up to :data:`CACHE_BYTES`. Every problem a site can fix is one
@@ -41,6 +48,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -64,6 +72,10 @@ HF_MARKERS = ("dataset_dict.json", "state.json")
 TRAIN, TEST = "train", "test"
 TASK_FOLDER = re.compile(r"task-(\d+)")
 DEFAULT_TEST_FRACTION = 0.2
+#: The most pixels (width x height) of one image a site decodes, unless its node config says
+#: otherwise (``max-image-pixels``): 40 megapixels (e.g. 7300 x 5480, more than most cameras).
+#: PIL's own default warns from 89 megapixels and refuses only from 179.
+MAX_PIXELS = 40_000_000
 #: Decoded images (uint8 at the plan's size) kept per process; beyond it images are decoded on use.
 CACHE_BYTES = 512 * 2**20
 _SUFFIXES_TEXT = "/".join(IMAGE_SUFFIXES)
@@ -100,6 +112,21 @@ def _raise() -> Problems:
 
 
 # ---------------------------------------------------------------------------- decoding
+@contextmanager
+def pixel_cap(limit: int) -> Iterator[None]:
+    """PIL's decompression-bomb limit set to ``limit`` pixels, its warning an error, for the
+    ``with`` body (PIL checks the size from the file's header, before decoding anything). Not
+    thread-safe: a site decodes in its handler's thread (data loaders run no worker processes)."""
+    previous = Image.MAX_IMAGE_PIXELS
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        Image.MAX_IMAGE_PIXELS = limit
+        try:
+            yield
+        finally:
+            Image.MAX_IMAGE_PIXELS = previous
+
+
 def to_plan(image: Image.Image, image_shape: tuple[int, int, int]) -> np.ndarray:
     """``image`` in the plan's channels and size: uint8 ``(H, W)`` (grayscale) or ``(H, W, 3)``."""
     channels, height, width = image_shape
@@ -122,11 +149,16 @@ class PlanImages:
     cache has room. Decoding errors become one line naming the sample (``names[j]``)."""
 
     def __init__(
-        self, names: Sequence[str], load: Callable[[int], Image.Image], image_shape: tuple[int, int, int]
+        self,
+        names: Sequence[str],
+        load: Callable[[int], Image.Image],
+        image_shape: tuple[int, int, int],
+        max_pixels: int = MAX_PIXELS,
     ) -> None:
         self.names = list(names)
         self._load = load
         self.image_shape = image_shape
+        self.max_pixels = max_pixels
         self._cache: dict[int, np.ndarray] = {}
         self._cached_bytes = 0
 
@@ -138,8 +170,15 @@ class PlanImages:
         if hit is not None:
             return hit
         try:
-            image = self._load(j)
+            with pixel_cap(self.max_pixels):
+                image = self._load(j)
             try:
+                width, height = image.size
+                if width * height > self.max_pixels:  # an image PIL had opened before (datasets)
+                    raise DatasetError(
+                        f"cannot read image {self.names[j]}: {width * height} pixels exceeds the limit of "
+                        f"{self.max_pixels} pixels (node config max-image-pixels)"
+                    )
                 array = to_plan(image, self.image_shape)
             finally:
                 image.close()
@@ -174,14 +213,14 @@ def _open_file(path: Path) -> Image.Image:
     return image
 
 
-def check_files(files: Iterable[Path], problems: Problems | None = None) -> None:
+def check_files(files: Iterable[Path], problems: Problems | None = None, max_pixels: int = MAX_PIXELS) -> None:
     """Open every file and check it without decoding it (PIL's ``verify``: the header, and for PNG
     every chunk's checksum, so a truncated or damaged PNG fails too): a bad file stops the site at
     its first use of the folder, naming the file, rather than in a later task."""
     problems = problems or _raise()
     for path in files:
         try:
-            with Image.open(path) as image:
+            with pixel_cap(max_pixels), Image.open(path) as image:
                 image.verify()
         except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
             problems.add(DatasetError(f"cannot read image {path}: {one_line(err)}"))
@@ -224,9 +263,18 @@ class OwnIndex:
 
 
 class _Collector:
-    def __init__(self, root: Path, fmt: str) -> None:
+    def __init__(self, root: Path, fmt: str, confined: bool = True) -> None:
         self.index = OwnIndex(root, fmt, [], [], [], [], ignored=[], notes=[])
         self.sources: list[Any] = []
+        self.confined = confined  # refuse files that resolve outside root
+
+    def check_inside(self, path: Path, where: str) -> None:
+        """DatasetError unless ``path`` (links followed) lies in the site's folder, or the site opted out."""
+        if self.confined and not path.resolve().is_relative_to(self.index.root.resolve()):
+            raise DatasetError(
+                f"{where} is outside the site's folder {self.index.root} (a site that means it sets node "
+                "config files-outside-data-dir=true)"
+            )
 
     def add(self, source: Any, name: str, key: str, label: int, held_out: bool | None) -> None:
         self.sources.append(source)
@@ -282,6 +330,7 @@ def _scan_class(out: _Collector, folder: Path, label: int, held_out: bool | None
         raise DatasetError(f"{folder}: empty class folder (no {_SUFFIXES_TEXT} images); remove it or add images")
     root = out.index.root
     for path in files:
+        out.check_inside(path, str(path))
         out.add(path, str(path), path.relative_to(root).as_posix(), label, held_out)
 
 
@@ -332,10 +381,12 @@ def _scan_tree(
                 _scan_class(out, folder, label, held_out)
 
 
-def index_image_folder(root: Path, plan: TaskPlan, problems: Problems | None = None) -> tuple[OwnIndex, list[Path]]:
+def index_image_folder(
+    root: Path, plan: TaskPlan, problems: Problems | None = None, *, confined: bool = True
+) -> tuple[OwnIndex, list[Path]]:
     """Index an ImageFolder-style tree (see the module doc); returns the index and the files."""
     problems = problems or _raise()
-    out = _Collector(root, "imagefolder")
+    out = _Collector(root, "imagefolder", confined)
     top = _subdirs(root)
     names = {p.name for p in top}
     if TEST in names and TRAIN not in names and TEST in plan.class_names:
@@ -399,11 +450,11 @@ def _column(row: dict[str, Any], names: tuple[str, ...]) -> Any:
 
 
 def index_manifest(
-    root: Path, manifest: Path, plan: TaskPlan, problems: Problems | None = None
+    root: Path, manifest: Path, plan: TaskPlan, problems: Problems | None = None, *, confined: bool = True
 ) -> tuple[OwnIndex, list[Path]]:
     """Index the samples a manifest lists (see the module doc)."""
     problems = problems or _raise()
-    out = _Collector(root, "manifest")
+    out = _Collector(root, "manifest", confined)
     rows = _manifest_rows(manifest, problems)
     if not rows and not problems.found:
         raise DatasetError(f"manifest {manifest}: no samples")
@@ -431,6 +482,7 @@ def _manifest_row(
         raise DatasetError(f"{where}: empty file")
     path = Path(file).expanduser()
     path = path if path.is_absolute() else root / path
+    out.check_inside(path, f"{where}: {path}")
     if not path.is_file():
         raise DatasetError(f"{where}: {path} does not exist")
     if path in seen:
@@ -584,8 +636,14 @@ class OwnSettings:
     test_fraction: float = DEFAULT_TEST_FRACTION
     augment: str = "auto"
     seed: int = 0
+    max_pixels: int = MAX_PIXELS  # the largest image decoded (node config max-image-pixels)
+    files_outside: bool = False  # manifest rows / links may leave the folder (files-outside-data-dir)
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_pixels, bool) or not isinstance(self.max_pixels, int) or self.max_pixels < 1:
+            raise DatasetError(f"max-image-pixels must be a whole number >= 1 (got {self.max_pixels!r})")
+        if not isinstance(self.files_outside, bool):
+            raise DatasetError(f"files-outside-data-dir must be true or false (got {self.files_outside!r})")
         if self.data_format not in FORMATS:
             raise DatasetError(f"data-format must be one of {', '.join(FORMATS)} (got {self.data_format!r})")
         if self.augment not in AUGMENTATIONS:
@@ -701,14 +759,17 @@ def index_folder(root: Path, plan: TaskPlan, settings: OwnSettings, problems: Pr
     fmt = detect_format(root, settings)
     if fmt == "hf":
         index, hf_sources = index_hf(root, plan, problems)
-        index.reader = PlanImages(index.names, lambda j: _hf_image(hf_sources[j]), plan.image_shape)
+        index.reader = PlanImages(
+            index.names, lambda j: _hf_image(hf_sources[j]), plan.image_shape, settings.max_pixels
+        )
         return index
+    confined = not settings.files_outside
     if fmt == "manifest":
-        index, files = index_manifest(root, manifest_of(root, settings), plan, problems)
+        index, files = index_manifest(root, manifest_of(root, settings), plan, problems, confined=confined)
     else:
-        index, files = index_image_folder(root, plan, problems)
-    check_files(files, problems)
-    index.reader = PlanImages(index.names, lambda j: _open_file(files[j]), plan.image_shape)
+        index, files = index_image_folder(root, plan, problems, confined=confined)
+    check_files(files, problems, settings.max_pixels)
+    index.reader = PlanImages(index.names, lambda j: _open_file(files[j]), plan.image_shape, settings.max_pixels)
     return index
 
 

@@ -92,16 +92,25 @@ def public_plan(
 
 
 def custom_plan(
-    *, class_names: str, plan_file: str, num_tasks: int, first_task_classes: int, image_size: int
+    *,
+    class_names: str,
+    plan_file: str,
+    num_tasks: int,
+    first_task_classes: int,
+    image_size: int,
+    plan_text: str = "",
 ) -> TaskPlan:
-    """The plan of a federation that brings its own data (``class-names`` or ``task-plan``)."""
+    """The plan of a federation that brings its own data (``class-names``, a ``task-plan`` file
+    or its text, ``task-plan-content``: what the clients get)."""
     shape: tuple[int, int, int] | None = None
     tasks: list[list[str]] | None = None
-    if plan_file:
+    if plan_text:
+        names, tasks, shape = read_plan_text(plan_text)
+    elif plan_file:
         path = Path(plan_file).expanduser()
         try:
             doc = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, RecursionError) as err:
             raise DatasetError(f"cannot read the task plan {path}: {err}") from None
         names, tasks, shape = _read_plan(doc, path)
     else:
@@ -127,7 +136,18 @@ def custom_plan(
     return TaskPlan(CUSTOM, tuple(names), tuple(ranges), shape)
 
 
-def _read_plan(doc: Any, path: Path) -> tuple[list[str], list[list[str]] | None, tuple[int, int, int] | None]:
+def read_plan_text(text: str) -> tuple[list[str], list[list[str]] | None, tuple[int, int, int] | None]:
+    """(class names, tasks, image shape) of a task plan's JSON text; DatasetError (one line,
+    naming ``task-plan-content``) on anything else, however deeply nested."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        reason = "nested too deeply" if isinstance(err, RecursionError) else str(err).splitlines()[0]
+        raise DatasetError(f"task-plan-content is not JSON ({reason})") from None
+    return _read_plan(doc, "task-plan-content")
+
+
+def _read_plan(doc: Any, path: Path | str) -> tuple[list[str], list[list[str]] | None, tuple[int, int, int] | None]:
     if not isinstance(doc, dict) or not isinstance(doc.get("classes"), list):
         raise DatasetError(f"task plan {path}: expected an object with a 'classes' list")
     names = [str(n) for n in doc["classes"]]

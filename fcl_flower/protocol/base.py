@@ -170,7 +170,7 @@ class Instruction:
         content = RecordDict(
             {
                 HEADER: self.header.to_record(),
-                CONFIG: ConfigRecord(dict[str, ConfigRecordValues](self.config.to_mapping())),
+                CONFIG: ConfigRecord(dict[str, ConfigRecordValues](self.config.client_mapping())),
             }
         )
         self._fill(content)

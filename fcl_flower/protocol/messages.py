@@ -195,6 +195,7 @@ def parse_instruction(message: Message) -> Instruction:
         config = RunConfig.from_mapping(dict(content.config_records[CONFIG]))
     except ConfigError as err:
         raise ProtocolError(f"run config: {err}") from None
+    check_client_config(config)
     round_ = content.config_records.get(ROUND)
     if kind is Kind.INFO:
         return InfoIns(header, config)
@@ -219,6 +220,25 @@ def parse_instruction(message: Message) -> Instruction:
         rank=read_int(entry(round_, "rank", ROUND), "rank"),
         secagg=SecAggRound.from_entries(round_) if "secagg-round-nodes" in round_ else None,
     )
+
+
+def check_client_config(config: RunConfig) -> None:
+    """What a client refuses in a server's run config before it acts on it: a file path it would
+    open (``task-plan``: the plan travels as its text, ``task-plan-content``, checked here), with
+    one line that is the same whatever the path (no file-existence oracle)."""
+    if config.task_plan:
+        raise ProtocolError(
+            "run config: task-plan names a file on this client; a client opens no file the server names "
+            "(the server sends the plan's text as task-plan-content)"
+        )
+    if config.task_plan_content:
+        from fcl_flower.data.errors import DatasetError
+        from fcl_flower.data.plan import read_plan_text
+
+        try:
+            read_plan_text(config.task_plan_content)
+        except DatasetError as err:
+            raise ProtocolError(f"run config: {err}") from None
 
 
 def encode_backfill(owed: Mapping[int, tuple[int, ...] | list[int]]) -> str:
@@ -375,13 +395,15 @@ def parse_reply(message: Message, sent: Header, kind: Kind) -> Reply:
     """The typed reply of a ``kind`` round whose instruction carried ``sent``.
 
     Raises ProtocolError (one line) for anything that does not fit: an error reply, a reply to
-    another run/task/stage/round/attempt, missing or unexpected records and metrics, wrong types.
+    another run/task/stage/round/attempt, missing or unexpected records (metric, array or config
+    records other than the kind's own: refused by name) and metrics, wrong types.
     Array *contents* are checked by the strategy (:mod:`fcl_flower.protocol.payloads`).
     """
     if message.has_error():
         raise ProtocolError(f"client failed: {message.error.reason}")
     content = message.content
     sent.require(Header.from_record(content.config_records.get(HEADER)))
+    only(content.metric_records, {METRICS}, "metric records")
     metrics = content.metric_records.get(METRICS)
     if metrics is None:
         raise ProtocolError(f"reply has no '{METRICS}' record")

@@ -8,7 +8,7 @@ arrays, numeric dtype, shape and finiteness, and raises :class:`UploadError` wit
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -236,14 +236,42 @@ def read_prototypes(record: ArrayRecord, classes: range, shapes: list[tuple[int,
     return out
 
 
+#: the most held-out samples of one class one client may report (no site holds two billion test
+#: images of a class); so per-class sums over clients stay far inside int64
+MAX_CLASS_SAMPLES = 2**31 - 1
+
+
 def read_counts(record: ArrayRecord, num_seen: int, num_examples: int) -> tuple[Tensor, Tensor]:
     """An evaluate reply's per-class ``correct`` and ``total`` (int64, ``num_seen`` each): integers,
-    non-negative, correct <= total, adding up to the reply's number of examples."""
+    non-negative, at most :data:`MAX_CLASS_SAMPLES` each, correct <= total, adding up (in exact
+    integers: no int64 wrap) to the reply's number of examples."""
     _exact_keys(record, ("correct", "total"))
     correct = read_tensor(record, "correct", shape=(num_seen,), floating=False, nonnegative=True).to(torch.int64)
     total = read_tensor(record, "total", shape=(num_seen,), floating=False, nonnegative=True).to(torch.int64)
+    totals = [int(v) for v in total.tolist()]
+    largest = max(totals, default=0)
+    if largest > MAX_CLASS_SAMPLES:
+        raise UploadError(f"a class count of {largest} exceeds {MAX_CLASS_SAMPLES} held-out samples")
     if bool((correct > total).any()):
         raise UploadError("a class has more correct predictions than test samples")
-    if int(total.sum()) != num_examples:
-        raise UploadError(f"the counts add up to {int(total.sum())} samples, the reply says {num_examples}")
+    if sum(totals) != num_examples:
+        raise UploadError(f"the counts add up to {sum(totals)} samples, the reply says {num_examples}")
     return correct, total
+
+
+def check_declared(total: Sequence[int], declared: Sequence[int], *, zero_is_final: bool = True) -> list[int]:
+    """A client's held-out samples per class against those it declared at its first evaluation
+    of each class (``declared``: the classes evaluated before, in class order); returns the
+    declaration extended by the classes evaluated now for the first time. UploadError naming the
+    first class that differs. ``zero_is_final=False`` (the task pool, where a client takes on
+    classes seen before) fixes a class at its first non-zero count instead."""
+    fixed = [int(v) for v in declared]
+    for label, (now, before) in enumerate(zip(total, declared, strict=False)):
+        if before == 0 and not zero_is_final:
+            fixed[label] = int(now)
+        elif int(now) != int(before):
+            raise UploadError(
+                f"class {label}: {int(now)} held-out samples, {int(before)} at its first evaluation "
+                "(a client's held-out set is fixed)"
+            )
+    return [*fixed, *(int(v) for v in total[len(declared) :])]
