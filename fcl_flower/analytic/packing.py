@@ -104,13 +104,24 @@ def pack_symmetrised(gram: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         return pack_upper(0.5 * (gram + gram.T), dtype)
     out = torch.empty(packed_length(dim), dtype=dtype or gram.dtype, device=gram.device)
     g, o = _np(gram), out.numpy()
-    for a, b, mask in packed_blocks(dim, _TILE * dim):
+    for a in range(0, dim, _TILE):
+        b = min(dim, a + _TILE)
         block = g[a:b, a:].copy()
         for c in range(a, dim, _TILE):  # + Gᵀ, one square tile at a time (cache-friendly transposes)
             block[:, c - a : c - a + _TILE] += g[c : c + _TILE, a:b].T
         block *= 0.5
-        o[row_offset(a, dim) : row_offset(b, dim)] = block[mask]
+        _copy_rows(block, a, dim, o)
     return out
+
+
+def _copy_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
+    """Rows a.. of the upper triangle from ``block`` = G[a:a + rows, a:] into the packed ``out``,
+    one contiguous slice per row (a boolean-mask gather of the block is ~1.5x slower)."""
+    offset = row_offset(a, dim)
+    for r in range(block.shape[0]):
+        length = dim - a - r
+        out[offset : offset + length] = block[r, r:]
+        offset += length
 
 
 def symmetrised(gram: Tensor) -> Tensor:
