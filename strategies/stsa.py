@@ -202,6 +202,7 @@ class STSAStrategy(AnalyticStrategy):
         self.secure = SecureRounds(cfg) if cfg.secure_aggregation else None
         # stage-1 FedAvg under secure aggregation: masked uploads, only each round's sum is opened
         self.masked_fedavg = MaskedFedAvg(self.model, cfg.weighted_fedavg) if cfg.secure_aggregation else None
+        self._train_blame: dict[str, list[str]] = {}  # who the stage's FedAvg rounds named, with the evidence
         self._request: dict[int, tuple[int, ...]] = {}  # the backfill request of the round in progress
         self._round_sums: dict[int, TaskSum] = {}  # running sums per task of the plain round in progress
         self._in_ridge: set[int] = set()  # tasks whose own stage's statistics went into the ridge state
@@ -246,6 +247,9 @@ class STSAStrategy(AnalyticStrategy):
             raise RoundFailed(f"round {server_round}: {err}") from None
         finally:  # what was revealed for a FedAvg round says nothing about who owes statistics
             self.secure.revealed = set()
+            for name, items in self.secure.blame.items():  # named in the stage's secagg_blame
+                self._train_blame.setdefault(name, []).extend(f"round {server_round}: {item}" for item in items)
+            self.secure.blame = {}
 
     def read_train(self, reply: Reply) -> Any:
         """Under secure aggregation every stage-1 reply must be masked: a clear state is refused."""
@@ -567,9 +571,13 @@ class STSAStrategy(AnalyticStrategy):
 
     def secure_extras(self) -> dict[str, Any]:
         """Who the stage's secure round named, with the evidence (``secagg_blame``)."""
-        if self.secure is None or not self.secure.blame:
+        train, self._train_blame = self._train_blame, {}
+        if self.secure is None or not (self.secure.blame or train):
             return {}
-        return {"secagg_blame": {name: list(items) for name, items in sorted(self.secure.blame.items())}}
+        blame = {name: list(items) for name, items in train.items()}
+        for name, items in self.secure.blame.items():
+            blame.setdefault(name, []).extend(items)
+        return {"secagg_blame": dict(sorted(blame.items()))}
 
     def kernel_solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]] | None:
         """W through the stacked factors (fcl_flower/analytic/kernel.py: equal to the G solve, N × N
