@@ -1,7 +1,7 @@
 """Stage-1 FedAvg under secure aggregation against plain FedAvg: the cost of one round, clients and server.
 
-    python -m experiments.bench_secagg_stage1            # digits CNN and ResNet-18, 3 and 5 clients
-    python -m experiments.bench_secagg_stage1 --quick    # the digits CNN only
+    python -m experiments.bench_secagg_stage1            # digits CNN and ResNet-18, 3 and 5 clients (~3 min)
+    python -m experiments.bench_secagg_stage1 --quick    # the digits CNN only (~10 s)
 
 Models: the default run's digits CNN (``small-cnn``, the trainable state stage 1 averages) and
 torchvision's ResNet-18 built with ``weights=None`` (no download; 11.7 M entries of trainable
@@ -18,7 +18,8 @@ Every client of the round is played with the functions the client handlers call
   and the n − 1 pairwise masks, the SHA-256 digest for its ledger and the signature over its view;
 * ``unmask``: the check of the unmask request (every survivor's view signature) and the ledger
   write (atomic, fsync);
-* client columns are the median over the round's clients (each does the same work).
+* client columns are the median over the round's clients (each does the same work); the table
+  gives the median over ``--repeats`` rounds (3), plain and secure run alternately.
 * ``server`` secure: verify the view signatures, rebuild every survivor's seed (with a dropout,
   also the dropped client's mask key) from shares checked against the commitments, sum the masked
   uploads in the ring, strip the masks, decode, divide and load the average into the model.
@@ -140,6 +141,7 @@ def secure_round(
     context = round_context("bench", 0, 1, 3, 0, nodes)
     view = view_context(context, nodes)
     threshold = threshold_for(n, MIN_CLIENTS, signed=True)
+    dropouts = [d for d in dropouts if n - d >= threshold]  # 3 clients in signed-keys mode: t = 3, no dropout
     key_s, keys = zip(*(timed(lambda: (generate_keypair(), generate_keypair())) for _ in nodes), strict=True)
     c_pair = {node: pair[0] for node, pair in zip(nodes, keys, strict=True)}
     s_pair = {node: pair[1] for node, pair in zip(nodes, keys, strict=True)}
@@ -272,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="the digits CNN only")
     parser.add_argument("--clients", type=int, nargs="+", default=[3, 5])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per setting; the table shows medians")
     parser.add_argument("--out", default=None, help="JSON path (default experiments/results/bench_secagg_stage1.json)")
     args = parser.parse_args(argv)
     models = args.models or (["digits-cnn"] if args.quick else ["digits-cnn", "resnet18"])
@@ -283,28 +286,34 @@ def main(argv: list[str] | None = None) -> None:
         for n in args.clients:
             print(f"{name} ({entries} entries), {n} clients ...", flush=True)
             states, counts = client_states(model, n, seed=1000 * n + entries % 997)
-            plain = plain_round(model, states, counts)
-            secure = secure_round(model, states, counts, [0, 1])
+            plains, secures = [], []
+            for _ in range(args.repeats):  # alternately, so that a load spike hits both alike
+                plains.append(plain_round(model, states, counts))
+                secures.append(secure_round(model, states, counts, [0, 1]))
             del states
-            for row in secure["rounds"]:
+            for i, row in enumerate(secures[0]["rounds"]):
                 sent = row["client_bytes"]
+
+                def median(key: str, i: int = i) -> float:
+                    return statistics.median(s["rounds"][i][key] for s in secures)
+
                 table.append(
                     {
                         "model": name,
                         "entries": entries,
                         "clients": n,
                         "dropouts": row["dropouts"],
-                        "plain server s": plain["server_s"],
-                        "secure server s": row["server_s"],
-                        "client keys s": row["client_keys_s"],
-                        "client shares s": row["client_shares_s"],
-                        "client mask s": row["client_mask_s"],
-                        "client unmask s": row["client_unmask_s"],
-                        "plain MiB/client": plain["client_upload_bytes"] / 2**20,
+                        "plain server s": statistics.median(p["server_s"] for p in plains),
+                        "secure server s": median("server_s"),
+                        "client keys s": median("client_keys_s"),
+                        "client shares s": median("client_shares_s"),
+                        "client mask s": median("client_mask_s"),
+                        "client unmask s": median("client_unmask_s"),
+                        "plain MiB/client": plains[0]["client_upload_bytes"] / 2**20,
                         "secure MiB/client": sum(sent.values()) / 2**20,
                     }
                 )
-            records.append({"model": name, "entries": entries, "clients": n, "plain": plain, "secure": secure})
+            records.append({"model": name, "entries": entries, "clients": n, "plain": plains, "secure": secures})
     load_after = os.getloadavg()
     print(format_table(table, list(table[0])))
     path = write_json(
@@ -317,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
                 "weighted_fedavg": True,
                 "wire_dtype_plain": "float32",
                 "torch_threads": torch.get_num_threads(),
+                "repeats": args.repeats,
             },
             "loadavg_before": list(load_before),
             "loadavg_after": list(load_after),

@@ -191,3 +191,41 @@ def test_a_train_round_with_a_masked_count_in_clear_is_refused(tmp_path) -> None
     cfg = small_config(tmp_path, **{**SETTINGS, "stage1_rounds": 1}, secure_aggregation=True)
     strategy, _, _, _ = run_spied(cfg, leak)
     assert "num-examples" in strategy.accounting.rejected["client-2"]
+
+
+def test_the_fixed_point_average_stays_within_the_stated_bound_and_impossible_counts_are_refused() -> None:
+    from fcl_flower.privacy.secagg import decode_fixed_point, encode_fixed_point
+    from fcl_flower.privacy.secure_fedavg import (
+        COUNT,
+        WEIGHTS,
+        OpenedSumRejected,
+        flatten_state,
+        opened_average,
+        quantisation_bound,
+        upload_vector,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    like = {"w": torch.zeros(3, 4), "b": torch.zeros(5), "tracked": torch.zeros((), dtype=torch.long)}
+    states = [
+        {"w": 99 * torch.rand(3, 4, generator=gen), "b": -50 * torch.rand(5, generator=gen), "tracked": torch.tensor(7)}
+        for _ in range(3)
+    ]
+    counts, f = [13, 250, 1], 24
+    vectors = [upload_vector(s, c, weighted=True) for s, c in zip(states, counts, strict=True)]
+    opened = {
+        name: decode_fixed_point(np.stack([encode_fixed_point(v[name], f, 3) for v in vectors]).sum(axis=0), f)
+        for name in (WEIGHTS, COUNT)
+    }
+    state, examples = opened_average(opened, 3, True, like)
+    assert examples == 264 and state is not None
+    clear = sum(c * flatten_state(s) for s, c in zip(states, counts, strict=True)) / 264
+    got = flatten_state(state)
+    ulp = np.finfo(np.float32).eps * np.abs(clear)
+    assert np.all(np.abs(got - clear)[:-1] <= quantisation_bound(3, 264, f) + ulp[:-1])
+    assert int(state["tracked"]) == 7
+    with pytest.raises(OpenedSumRejected, match="not a non-negative integer"):
+        opened_average({**opened, COUNT: np.array([264.5])}, 3, True, like)
+    with pytest.raises(OpenedSumRejected, match="not the 3 survivors"):
+        opened_average({**opened, COUNT: np.array([2.0])}, 3, False, like)
+    assert opened_average({WEIGHTS: np.zeros(18), COUNT: np.zeros(1)}, 3, True, like) == (None, 0)
