@@ -148,10 +148,12 @@ class Ledger:
         for task, digest in digests.items():
             earlier = data["inputs"].get(digest)
             if earlier is not None and _view_text(earlier) != view:
-                what = "upload" if isinstance(task, str) else "statistics"
+                what, were, they = (
+                    ("upload", "was", "it is") if isinstance(task, str) else ("statistics", "were", "they are")
+                )
                 return (
-                    f"the {what} of {_label(task)} were already opened over nodes {_view_text(earlier)} "
-                    f"(in this or another run); they are not contributed again over {view}: refused"
+                    f"the {what} of {_label(task)} {were} already opened over nodes {_view_text(earlier)} "
+                    f"(in this or another run); {they} not contributed again over {view}: refused"
                 )
         return None
 

@@ -229,3 +229,23 @@ def test_the_fixed_point_average_stays_within_the_stated_bound_and_impossible_co
     with pytest.raises(OpenedSumRejected, match="not the 3 survivors"):
         opened_average({**opened, COUNT: np.array([2.0])}, 3, False, like)
     assert opened_average({WEIGHTS: np.zeros(18), COUNT: np.zeros(1)}, 3, True, like) == (None, 0)
+
+
+def test_a_stage1_round_rerun_over_another_set_is_refused_in_signed_mode(tmp_path) -> None:
+    """Signed-keys mode: a second run (a new run id, a "resume" after a claimed crash) repeats stage
+    1's first FedAvg round without the victim. The others train the very same weights from the same
+    seeded model, so that sum less the first would be the victim's n · w: their ledgers know each
+    upload by its digest, and every survivor refuses to reveal; the round is never opened."""
+    from tests.test_secagg_malicious import run_on, signed_grid
+
+    grid = signed_grid(tmp_path, LocalGrid(client_app, 5, first_node_id=NODE_BASE))
+    settings = {**SETTINGS, "num_clients": 5, "stage1_rounds": 1}
+    cfg = small_config(tmp_path / "a", **settings, secure_aggregation=True, secagg_signed_keys=True)
+    assert run_on(grid, cfg).masked_fedavg.opened_examples > 0
+    grid.replies.clear()
+    grid.unavailable.add(NODE_BASE + 1)
+    again = run_on(grid, small_config(tmp_path / "b", **settings, secure_aggregation=True, secagg_signed_keys=True))
+    refusals = [r.error.reason for r in grid.replies if r.has_error() and r.metadata.message_type == "query.unmask"]
+    assert len(refusals) == 4
+    assert all("the upload of stage-1 FedAvg round 1 was already opened over nodes" in e for e in refusals)
+    assert again.masked_fedavg.opened_examples == 0  # the model was left as it was
