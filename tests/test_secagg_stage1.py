@@ -249,3 +249,22 @@ def test_a_stage1_round_rerun_over_another_set_is_refused_in_signed_mode(tmp_pat
     assert len(refusals) == 4
     assert all("the upload of stage-1 FedAvg round 1 was already opened over nodes" in e for e in refusals)
     assert again.masked_fedavg.opened_examples == 0  # the model was left as it was
+
+
+def test_a_stage1_round_that_cannot_open_leaves_the_model_as_it_was(tmp_path) -> None:
+    """Two valid masked uploads where three are needed (secagg-min-clients=3): nothing is opened,
+    the round leaves the global model as it was (as a plain round without replies does), and the
+    stage goes on to its statistics round."""
+
+    def lose(task, phase, replies):
+        return [m for m in replies if m.has_error() or reply_partition(m) != 1] if phase == "fedavg" else replies
+
+    cfg = small_config(tmp_path, **{**SETTINGS, "stage1_rounds": 1}, secure_aggregation=True, secagg_min_clients=3)
+    initial = trainable_state(build(cfg).model)
+    strategy, reads, states, _ = run_spied(cfg, lose)
+    assert states == []  # aggregate_train raised: no state after the round
+    after = trainable_state(strategy.model)
+    assert all(torch.equal(after[k], initial[k]) for k in initial)
+    assert strategy.masked_fedavg.opened_examples == 0
+    stage = strategy.recorder.stages[0]
+    assert "failed" not in stage.extra and stage.clients == ["client-0", "client-1", "client-2"]
