@@ -46,7 +46,7 @@ quiet_known_noise()
 app = ClientApp()
 
 Handler = Callable[..., Reply]
-SECURE_ONLY = "secure-aggregation"  # node config: this node's statistics leave it only masked
+SECURE_ONLY = "secure-aggregation"  # node config: this node's statistics and model leave it only masked
 #: what the server is told when this site's own files or node config fail a round (the detail is logged here)
 SITE_DATA_REASON = "this site cannot read its own data for this round (the detail is in the site's log)"
 SITE_CONFIG_REASON = "this site's node config does not fit the run (the detail is in the site's log)"
@@ -117,9 +117,10 @@ def _handle(message: Message, context: Context) -> Message:
         assert isinstance(ins, (TrainIns, StatsIns))
         from clients.job import make_job
 
-        if isinstance(ins, StatsIns) and ins.secagg is None and context.node_config.get(SECURE_ONLY) is True:
+        if ins.secagg is None and context.node_config.get(SECURE_ONLY) is True:
+            what = "statistics" if isinstance(ins, StatsIns) else "its model"
             raise ProtocolError(
-                "this node uploads statistics only inside a secure round (node config secure-aggregation=true); "
+                f"this node uploads {what} only inside a secure round (node config secure-aggregation=true); "
                 "the run asks for a plain upload: refused"
             )
 

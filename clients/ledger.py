@@ -11,7 +11,9 @@ stage.
 
 Two keys per entry:
 
-* **run**: (run id, task). Every run of a federation has its own entries; two runs never collide.
+* **run**: (run id, task), or (run id, ``fedavg-round-<n>``) for a stage-1 FedAvg round under secure
+  aggregation (:func:`train_ledger_key`: a string, never equal to a task's key). Every run of a
+  federation has its own entries; two runs never collide.
 * **input** (signed-keys mode, where a malicious server is in scope): the SHA-256 of the statistics
   themselves. A server that claims a *new* run to ask for the same statistics over another set
   is refused too, whatever run id it names.
@@ -65,6 +67,22 @@ def input_digest(*arrays: bytes) -> str:
     return h.hexdigest()
 
 
+Key = int | str  # an analytic stage (its task index) or a stage-1 FedAvg round (train_ledger_key)
+TRAIN_PREFIX = "fedavg-round-"
+
+
+def train_ledger_key(server_round: int) -> str:
+    """The ledger key of a stage-1 FedAvg round under secure aggregation: a string, so it never
+    equals an analytic stage's key (the task index, written as its digits)."""
+    return f"{TRAIN_PREFIX}{int(server_round)}"
+
+
+def _label(key: Key) -> str:
+    if isinstance(key, str):
+        return f"stage-1 FedAvg round {key.removeprefix(TRAIN_PREFIX)}"
+    return f"stage {key + 1}"
+
+
 def _view_text(view: Iterable[Any]) -> list[int]:
     members = list(view)
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in members):
@@ -109,7 +127,7 @@ class Ledger:
             raise SecureAggregationError(f"secure-aggregation ledger {self.path} is damaged: refusing to reveal")
         return data
 
-    def contributed(self, run_id: str, task: int) -> list[int] | None:
+    def contributed(self, run_id: str, task: Key) -> list[int] | None:
         """The set over which this node revealed its shares for ``task`` of ``run_id``, if it did."""
         view = self._read()["runs"].get(run_id, {}).get(str(task))
         return None if view is None else [int(n) for n in view]
@@ -117,27 +135,30 @@ class Ledger:
     # ------------------------------------------------------------------ the rule
     @staticmethod
     def _conflicts(
-        data: dict[str, Any], run_id: str, tasks: Iterable[int], view: list[int], digests: Mapping[int, str]
+        data: dict[str, Any], run_id: str, tasks: Iterable[Key], view: list[int], digests: Mapping[Key, str]
     ) -> str | None:
         runs = data["runs"].get(run_id, {})
         for task in tasks:
             earlier = runs.get(str(task))
             if earlier is not None and _view_text(earlier) != view:
                 return (
-                    f"stage {task + 1} was already opened over nodes {_view_text(earlier)}; "
+                    f"{_label(task)} was already opened over nodes {_view_text(earlier)}; "
                     f"it is not contributed again over {view}: refused"
                 )
         for task, digest in digests.items():
             earlier = data["inputs"].get(digest)
             if earlier is not None and _view_text(earlier) != view:
+                what, were, they = (
+                    ("upload", "was", "it is") if isinstance(task, str) else ("statistics", "were", "they are")
+                )
                 return (
-                    f"the statistics of stage {task + 1} were already opened over nodes {_view_text(earlier)} "
-                    f"(in this or another run); they are not contributed again over {view}: refused"
+                    f"the {what} of {_label(task)} {were} already opened over nodes {_view_text(earlier)} "
+                    f"(in this or another run); {they} not contributed again over {view}: refused"
                 )
         return None
 
     def check(
-        self, run_id: str, tasks: Iterable[int], view: Iterable[int], digests: Mapping[int, str] | None = None
+        self, run_id: str, tasks: Iterable[Key], view: Iterable[int], digests: Mapping[Key, str] | None = None
     ) -> None:
         """Raise SecureAggregationError (one line naming the stage) unless every task may be
         contributed over ``view``: never contributed in this run, or over this very set; and, for
@@ -147,7 +168,7 @@ class Ledger:
             raise SecureAggregationError(reason)
 
     def record(
-        self, run_id: str, tasks: Iterable[int], view: Iterable[int], digests: Mapping[int, str] | None = None
+        self, run_id: str, tasks: Iterable[Key], view: Iterable[int], digests: Mapping[Key, str] | None = None
     ) -> None:
         """Check, then write (atomically, before anything is revealed) that ``tasks`` are opened over ``view``."""
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -38,9 +38,10 @@ from flwr.app import ConfigRecord, Context
 from flwr.app.typing import ConfigRecordValues
 
 from clients.job import ClientJob
-from clients.ledger import FEDERATION_KEY, Ledger, ledger_folder
+from clients.ledger import FEDERATION_KEY, Key, Ledger, input_digest, ledger_folder, train_ledger_key
 from clients.node_data import NodeConfigError, node_data
 from fcl_flower.config import RunConfig
+from fcl_flower.models import trainable_state
 from fcl_flower.privacy.secagg import (
     SecureAggregationError,
     check_unmask_request,
@@ -59,6 +60,7 @@ from fcl_flower.privacy.secagg import (
     verify_view,
     view_context,
 )
+from fcl_flower.privacy.secure_fedavg import COUNT, WEIGHTS, upload_vector
 from fcl_flower.protocol import (
     Header,
     KeysIns,
@@ -68,9 +70,12 @@ from fcl_flower.protocol import (
     SharesIns,
     SharesRes,
     StatsIns,
+    TrainIns,
+    TrainRes,
     UnmaskIns,
     UnmaskRes,
 )
+from fcl_flower.protocol.payloads import MaskedFedAvgState
 
 STATE_RECORD = "secagg"  # context.state record of this node's secrets of the current secure round
 SIGNING_KEY, TRUSTED_KEYS = "secagg-signing-key", "secagg-trusted-keys"  # node-config keys (signed-keys mode)
@@ -153,7 +158,9 @@ def handle_keys(ins: KeysIns, context: Context) -> KeysRes:
     return KeysRes(ins.header, partition, 0, keys=PublicKeys(c_public, s_public, signer, signature))
 
 
-def _check_peers(context: Context, ins: SharesIns | StatsIns, keys: Mapping[int, PublicKeys], header: Header) -> None:
+def _check_peers(
+    context: Context, ins: SharesIns | StatsIns | TrainIns, keys: Mapping[int, PublicKeys], header: Header
+) -> None:
     """My own keys are the ones I made; in signed mode every peer's are signed by a listed key."""
     state = _state(context, header)
     me = int(context.node_id)
@@ -237,20 +244,22 @@ def node_ledger(context: Context, signed: bool) -> Ledger:
 
 def masked_upload(
     job: ClientJob,
-    arrays: Mapping[str, torch.Tensor],
+    arrays: Mapping[str, torch.Tensor | np.ndarray],
     included: tuple[int, ...],
-    contributed: Mapping[int, str],
+    contributed: Mapping[int, str] | Mapping[str, str],
 ) -> tuple[dict[str, np.ndarray], MaskedReport]:
     """Encode and mask ``arrays`` for this round's participants; keep only what unmasking needs.
 
     ``included``: the owed tasks whose statistics ride in the upload (checked again at unmasking);
-    ``contributed``: task -> digest of the statistics this node itself puts in (its current task
-    and the owed ones it sends), which its ledger must allow over this view.
+    ``contributed``: ledger key -> digest of what this node itself puts in (a statistics round: its
+    current task and the owed ones it sends; a stage-1 FedAvg round: that round's key,
+    :func:`~clients.ledger.train_ledger_key`), which its ledger must allow over this view.
     Returns the masked arrays and what rides beside them: the signature over the view (signed-keys
     mode) and the dealers this node accuses.
     """
     ins = job.ins
-    assert isinstance(ins, StatsIns) and ins.secagg is not None
+    assert isinstance(ins, (StatsIns, TrainIns)) and ins.secagg is not None
+    backfill = ins.backfill if isinstance(ins, StatsIns) else {}
     sec, header = ins.secagg, ins.header
     signed = signed_mode(job.context, job.cfg)
     state = _state(job.context, header)
@@ -264,8 +273,10 @@ def masked_upload(
     view = sorted(sec.participants)
     digests = {task: digest for task, digest in contributed.items() if digest}
     ledger = node_ledger(job.context, signed)
-    for task in contributed:
-        earlier = ledger.contributed(header.run_id, task) if task != header.task else None
+    for task in contributed:  # a stage-1 round's key is checked when the node reveals (ledger.record)
+        if not isinstance(task, int) or task == header.task:
+            continue
+        earlier = ledger.contributed(header.run_id, task)
         if earlier is not None:
             raise SecureAggregationError(
                 f"the server asks this node to backfill stage {task + 1}, which it already contributed "
@@ -275,7 +286,7 @@ def masked_upload(
     context = round_context(
         header.run_id, header.task, header.stage, header.server_round, header.attempt, sec.round_nodes
     )
-    masks = view_context(context, view, sec.binding(ins.backfill))
+    masks = view_context(context, view, sec.binding(backfill))
     received, accused = open_shares(
         me,
         _bytes(state, "c-private"),
@@ -285,7 +296,7 @@ def masked_upload(
         context,
     )
     masked = mask_arrays(
-        {name: t.detach().cpu().double().numpy() for name, t in arrays.items()},
+        {name: _float64(values) for name, values in arrays.items()},
         me,
         _bytes(state, "s-private"),
         _bytes(state, "seed"),
@@ -295,7 +306,9 @@ def masked_upload(
         job.cfg.secagg_min_clients,
     )
     signature = sign_view(load_signing_key(_node_path(job.context, SIGNING_KEY)), masks) if signed else b""
-    owing = [client for client, tasks in ins.backfill.items() if set(tasks) & set(included)]
+    owing = [client for client, tasks in backfill.items() if set(tasks) & set(included)]
+    tasks = sorted(t for t in contributed if isinstance(t, int))
+    rounds = sorted(t for t in contributed if isinstance(t, str))
     entries: dict[str, ConfigRecordValues] = {
         "round": _round_id(header),
         "participants": view,
@@ -309,13 +322,35 @@ def masked_upload(
         "clients": [sec.clients[n] for n in sorted(sec.clients)],
         "included": list(included),
         "owing": owing,
-        "owed": [",".join(str(t) for t in ins.backfill.get(c, ())) for c in owing],
-        "tasks": sorted(contributed),
-        "digests": [digests.get(t, "") for t in sorted(contributed)],
+        "owed": [",".join(str(t) for t in backfill.get(c, ())) for c in owing],
+        "tasks": tasks,
+        "digests": [digests.get(t, "") for t in tasks],
+        "rounds": rounds,
+        "round-digests": [digests.get(t, "") for t in rounds],
         "signed": signed,
     }
     job.context.state.config_records[STATE_RECORD] = ConfigRecord(entries)  # the private keys and seed are gone
     return masked, MaskedReport(signature, accused)
+
+
+def _float64(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().double().numpy()
+    return np.asarray(values, dtype=np.float64)
+
+
+def masked_train_reply(job: ClientJob, num_examples: int) -> TrainRes:
+    """A stage-1 FedAvg round under secure aggregation: the trained state leaves only masked, as
+    the fixed-point vector of (n_k · w_k, n_k) (fcl_flower/privacy/secure_fedavg.py); the reply's
+    ``num-examples`` and ``train-loss`` are 0. The node's ledger knows the round by its own key
+    (never an analytic stage's) and, in signed-keys mode, the upload by its digest."""
+    ins = job.ins
+    assert isinstance(ins, TrainIns) and ins.secagg is not None
+    vector = upload_vector(trainable_state(job.model), num_examples, job.cfg.weighted_fedavg)
+    digest = input_digest(vector[WEIGHTS].tobytes(), vector[COUNT].tobytes()) if job.cfg.secagg_signed_keys else ""
+    ring, report = masked_upload(job, vector, (), {train_ledger_key(ins.header.server_round): digest})
+    model = MaskedFedAvgState(ring[WEIGHTS], ring[COUNT]).to_record()
+    return TrainRes(ins.header, job.partition, 0, model=model, loss=0.0, secagg=report)
 
 
 def _check_view(ins: UnmaskIns, state: ConfigRecord, participants: list[int]) -> None:
@@ -363,8 +398,12 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
     sources = _list(state, "share-src", int)  # the dealers whose bundles opened (the accused are not among them)
     seed_share = dict(zip(sources, _list(state, "seed-share", bytes), strict=True))
     key_share = dict(zip(sources, _list(state, "key-share", bytes), strict=True))
-    tasks = _list(state, "tasks", int)
-    digests = {t: d for t, d in zip(tasks, _list(state, "digests", str), strict=True) if d}
+    tasks: list[Key] = [*_list(state, "tasks", int), *_list(state, "rounds", str)]
+    digests = {
+        t: d
+        for t, d in zip(tasks, [*_list(state, "digests", str), *_list(state, "round-digests", str)], strict=True)
+        if d
+    }
     # the set the sum is opened over is the survivors': each input is opened over one such set only
     node_ledger(context, signed).record(ins.header.run_id, tasks, ins.survivors, digests)
     del context.state.config_records[STATE_RECORD]  # nothing of the round stays on the node

@@ -129,7 +129,12 @@ class AnalyticStrategy(StagedStrategy):
             "releases": releases,
         }
         if cfg.stage1_rounds > 0:
-            record["not_covered"] = "stage-1 FedAvg model updates (stage1-rounds > 0) travel without noise"
+            record["not_covered"] = (
+                "stage-1 FedAvg model updates (stage1-rounds > 0) carry no noise (under secure aggregation "
+                "only their average over each round's survivors is opened)"
+                if cfg.secure_aggregation
+                else "stage-1 FedAvg model updates (stage1-rounds > 0) travel without noise"
+            )
         return {"privacy": record}
 
     def note_sums_noise(self, classes: range, uploads: float) -> None:
@@ -179,13 +184,21 @@ class AnalyticStrategy(StagedStrategy):
 
     def read_reply(self, plan: RoundPlan, reply: Reply) -> Any:
         if plan.phase == FEDAVG_PHASE:
-            return self.fedavg.read(reply)
+            return self.read_train(reply)
         if not isinstance(reply, StatsRes):
             raise UploadError("expected a statistics reply")
         if not self.masked():  # the server has seen this client's noisy statistics, whatever comes next
             for task in (plan.task, *reply.backfill):
                 self.record_release([f"client-{reply.client}"], task)
         return self.read_stats(plan, f"client-{reply.client}", reply)
+
+    def read_train(self, reply: Reply) -> Any:
+        """One stage-1 FedAvg reply (a method under secure aggregation reads it masked)."""
+        return self.fedavg.read(reply)
+
+    def train_fold(self, plan: RoundPlan) -> RoundFold | None:
+        """A fold for a stage-1 FedAvg round (None: the clear states are averaged together)."""
+        return None
 
     def stats_fold(self, plan: RoundPlan) -> RoundFold | None:
         """A method whose statistics round can be folded reply by reply returns its fold here (then
@@ -194,15 +207,15 @@ class AnalyticStrategy(StagedStrategy):
 
     def round_fold(self, plan: RoundPlan) -> RoundFold | None:
         if plan.phase == FEDAVG_PHASE:
-            return None
+            return self.train_fold(plan)
         fold = self.stats_fold(plan)
         return None if fold is None else _CountWithheld(self, fold)
 
     def aggregate_round(self, plan: RoundPlan, replies: list[Accepted[Any]]) -> None:
-        if plan.phase == FEDAVG_PHASE:
+        fold = self.round_fold(plan)
+        if plan.phase == FEDAVG_PHASE and fold is None:
             self.fedavg.aggregate([r.payload for r in replies], [r.num_examples for r in replies])
             return
-        fold = self.round_fold(plan)
         if fold is not None:  # the same fold as when the replies stream in
             for r in replies:
                 fold.add(r)

@@ -1,7 +1,9 @@
-"""Secure statistics rounds as a component: keys, shares, masked upload, unmasking -- one attempt.
+"""Secure rounds as a component: keys, shares, masked upload, unmasking -- one attempt.
 
-With ``secure-aggregation`` the statistics round of a stage is four exchanges
-(fcl_flower/privacy/secagg.py has the math, fcl_flower/protocol/secure.py the messages):
+With ``secure-aggregation`` the statistics round of a stage, and every stage-1 FedAvg round, is
+four exchanges (fcl_flower/privacy/secagg.py has the math, fcl_flower/protocol/secure.py the
+messages; in a FedAvg round step 3 is the ``train`` message and the masked upload is the
+fixed-point vector of (n_k · w_k, n_k), fcl_flower/privacy/secure_fedavg.py):
 
 1. ``query.keys``: every node makes two fresh key pairs and answers with the public halves
    (signed with its SuperNode key in signed-keys mode). U1: the nodes that answered.
@@ -75,6 +77,7 @@ from fcl_flower.protocol import (
     SharesIns,
     SharesRes,
     StatsIns,
+    TrainIns,
     UnmaskIns,
     UnmaskRes,
     UploadError,
@@ -203,17 +206,18 @@ class SecureRounds:
         context = round_context(header.run_id, header.task, header.stage, header.server_round, header.attempt, keys)
         participants = {node: keys[node] for node in bundles}
         self.current = SecAggRound(tuple(sorted(keys)), participants, {n: clients[n] for n in bundles}, threshold)
-        stats_ins = host.instruction(plan, header)
-        assert isinstance(stats_ins, StatsIns)
+        upload_ins = host.instruction(plan, header)  # a statistics round, or a stage-1 FedAvg round
+        assert isinstance(upload_ins, (StatsIns, TrainIns))
+        backfill = upload_ins.backfill if isinstance(upload_ins, StatsIns) else {}
         # what every mask and every view signature binds: the participants, clients and backfill request
-        view = view_context(context, participants, self.current.binding(stats_ins.backfill))
+        view = view_context(context, participants, self.current.binding(backfill))
 
         def build(node: int) -> Instruction:
             assert self.current is not None
             shares = {src: bundles[src][node] for src in bundles}
             commitments = {src: self._commitments[src][node] for src in bundles}
             secagg = dataclasses.replace(self.current, shares=shares, commitments=commitments)
-            return dataclasses.replace(stats_ins, secagg=secagg)
+            return dataclasses.replace(upload_ins, secagg=secagg)
 
         def messages(attempt: int, nodes: list[int]) -> list[Message]:
             return host.messages(grid, plan, 0, set(), build=build, only=set(nodes))

@@ -66,13 +66,15 @@ from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.privacy.noise import secure_share
 from fcl_flower.privacy.secagg import unmask_sum
-from fcl_flower.protocol import WIRE_DTYPES, Instruction, StatsIns, StatsRes, UploadError
+from fcl_flower.privacy.secure_fedavg import OpenedSumRejected
+from fcl_flower.protocol import WIRE_DTYPES, Instruction, Reply, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaFactorStats, StsaStats
 from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.state_io import StateError, load_state, save_state
 from strategies.accounting import client_name, client_order
 from strategies.analytic import (
+    FEDAVG_PHASE,
     AnalyticStrategy,
     noisy_total,
     ridge_extras,
@@ -81,9 +83,10 @@ from strategies.analytic import (
     upload_checks,
 )
 from strategies.backfill import Backfill
-from strategies.base import Accepted, RoundFold, RoundPlan, StageFailed
+from strategies.base import Accepted, RoundFailed, RoundFold, RoundPlan, StageFailed
 from strategies.loop import RunFailed
 from strategies.secure import MAX_ATTEMPTS, RestartSecureRound, SecureRounds
+from strategies.secure_fedavg import MaskedFedAvg
 from strategies.spool import UploadSpool
 from strategies.stream import InOrder
 
@@ -267,6 +270,9 @@ class STSAStrategy(AnalyticStrategy):
         self.ridge = RidgeState.empty(self.rf_dim, split.num_classes)
         self.backfill: Backfill[StsaStats | StsaFactorStats] = Backfill(cfg.num_clients)
         self.secure = SecureRounds(cfg) if cfg.secure_aggregation else None
+        # stage-1 FedAvg under secure aggregation: masked uploads, only each round's sum is opened
+        self.masked_fedavg = MaskedFedAvg(self.model, cfg.weighted_fedavg) if cfg.secure_aggregation else None
+        self._train_blame: dict[str, list[str]] = {}  # who the stage's FedAvg rounds named, with the evidence
         self._request: dict[int, tuple[int, ...]] = {}  # the backfill request of the round in progress
         self._round_sums: dict[int, TaskSum] = {}  # running sums per task of the plain round in progress
         self._spool: UploadSpool | None = None  # the plain round's uploads, until its sums are certified
@@ -291,11 +297,51 @@ class STSAStrategy(AnalyticStrategy):
         self._resumed_opening = self.saved_opening(plan)
         if self._resumed_opening is not None:
             return []  # the sum was opened before the interruption: nobody is asked again
-        if self.secure is not None and plan.phase == self.stats_phase:
+        if self.secure is not None and plan.phase in (self.stats_phase, FEDAVG_PHASE):
             return InOrder(self.secure.run(self, grid, plan, timeout))
         return super().run_round(grid, plan, timeout)
 
     def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if self.secure is None or self._require_plan().phase != FEDAVG_PHASE:
+            return self._aggregate(server_round, replies)
+        # a stage-1 FedAvg round under secure aggregation: one that cannot open leaves the model as
+        # it was (as a plain training round without replies does); the next round has fresh keys
+        try:
+            return self._aggregate(server_round, replies)
+        except OpenedSumRejected as err:
+            reason = f"round {server_round}: the opened secure FedAvg sum fails its checks: {err}"
+            if self.cfg.secagg_failed_sum == "stop":
+                raise RunFailed(f"{reason} (secagg-failed-sum=stop)") from None
+            raise RoundFailed(reason) from None
+        except StageFailed as err:
+            raise RoundFailed(f"round {server_round}: {err}") from None
+        finally:  # what was revealed for a FedAvg round says nothing about who owes statistics
+            self.secure.revealed = set()
+            for name, items in self.secure.blame.items():  # named in the stage's secagg_blame
+                self._train_blame.setdefault(name, []).extend(f"round {server_round}: {item}" for item in items)
+            self.secure.blame = {}
+
+    def read_train(self, reply: Reply) -> Any:
+        """Under secure aggregation every stage-1 reply must be masked: a clear state is refused."""
+        return self.fedavg.read(reply) if self.masked_fedavg is None else self.masked_fedavg.read(reply)
+
+    def train_fold(self, plan: RoundPlan) -> RoundFold | None:
+        return None if self.masked_fedavg is None else self.masked_fedavg.fold(self.open_ring_sums)
+
+    def open_ring_sums(self, sums: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Σ over the survivors of each named masked array (fcl_flower.privacy.secagg.unmask_sum)."""
+        assert self.secure is not None and self.secure.opening is not None
+        opening, bits = self.secure.opening, self.cfg.secagg_fraction_bits
+        return {
+            name: unmask_sum(
+                [ring], name, opening.seeds, opening.dropped_keys, opening.s_publics, opening.context, bits
+            )
+            for name, ring in sums.items()
+        }
+
+    def _aggregate(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         saved, self._resumed_opening = self._resumed_opening, None
@@ -720,9 +766,13 @@ class STSAStrategy(AnalyticStrategy):
 
     def secure_extras(self) -> dict[str, Any]:
         """Who the stage's secure round named, with the evidence (``secagg_blame``)."""
-        if self.secure is None or not self.secure.blame:
+        train, self._train_blame = self._train_blame, {}
+        if self.secure is None or not (self.secure.blame or train):
             return {}
-        return {"secagg_blame": {name: list(items) for name, items in sorted(self.secure.blame.items())}}
+        blame = {name: list(items) for name, items in train.items()}
+        for name, items in self.secure.blame.items():
+            blame.setdefault(name, []).extend(items)
+        return {"secagg_blame": dict(sorted(blame.items()))}
 
     def kernel_solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]] | None:
         """W through the stacked factors (fcl_flower/analytic/kernel.py: equal to the G solve, N × N

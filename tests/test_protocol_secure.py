@@ -24,6 +24,8 @@ from fcl_flower.protocol import (
     SharesRes,
     StatsIns,
     StatsRes,
+    TrainIns,
+    TrainRes,
     UnmaskIns,
     UnmaskRes,
     parse_instruction,
@@ -40,6 +42,7 @@ SECAGG = SecAggRound(
     (LOW, MID, TOP), KEYS, {LOW: 0, TOP: 2}, 2, {LOW: b"from-low", TOP: b"from-top"}, {LOW: b"L" * 64, TOP: b"T" * 64}
 )
 STATS_INS = StatsIns(HEADER, CFG, num_seen=6, model=MODEL, secagg=SECAGG)
+TRAIN_INS = TrainIns(HEADER, CFG, lr=0.05, num_seen=6, model=MODEL, secagg=SECAGG)  # stage-1 FedAvg, secure
 SHARES_INS = SharesIns(
     HEADER, CFG, keys={**KEYS, MID: PublicKeys(b"m" * 32, b"n" * 32)}, clients={LOW: 0, MID: 1, TOP: 2}, threshold=3
 )
@@ -73,7 +76,7 @@ def _round(ins, changes: dict | None = None, drop: str | None = None) -> Message
 
 # =============================================================================== round trips
 @pytest.mark.parametrize(
-    "ins", [STATS_INS, SHARES_INS, UNMASK_INS, KeysIns(HEADER, CFG)], ids=lambda i: type(i).__name__
+    "ins", [STATS_INS, TRAIN_INS, SHARES_INS, UNMASK_INS, KeysIns(HEADER, CFG)], ids=lambda i: type(i).__name__
 )
 def test_secure_instructions_survive_the_wire_with_64_bit_node_ids(ins) -> None:
     parsed = parse_instruction(_over_the_wire(_deliver(ins)))
@@ -329,6 +332,24 @@ def test_a_masked_uploads_report_survives_the_wire() -> None:
     assert isinstance(parsed, StatsRes) and parsed.secagg == REPORT
     plain = parse_reply(_stats_reply(None), HEADER, Kind.STATS)
     assert isinstance(plain, StatsRes) and plain.secagg is None
+
+
+def test_a_masked_train_reply_and_its_instruction_survive_the_wire() -> None:
+    """Stage 1 under secure aggregation: the train instruction carries the round, the reply its
+    report; a plain train instruction and reply carry neither."""
+    parsed = parse_instruction(_deliver(TRAIN_INS))
+    assert isinstance(parsed, TrainIns) and parsed.secagg == SECAGG and parsed.lr == 0.05
+    plain_ins = parse_instruction(_deliver(dataclasses.replace(TRAIN_INS, secagg=None)))
+    assert isinstance(plain_ins, TrainIns) and plain_ins.secagg is None
+    message = TrainRes(HEADER, 3, 0, model=MODEL, secagg=REPORT).reply_to(_deliver(TRAIN_INS))
+    wired = Message(recorddict_from_proto(recorddict_to_proto(message.content)), reply_to=_deliver(TRAIN_INS))
+    reply = parse_reply(wired, HEADER, Kind.TRAIN)
+    assert isinstance(reply, TrainRes) and reply.secagg == REPORT and reply.num_examples == 0
+    plain = parse_reply(TrainRes(HEADER, 3, 7, model=MODEL).reply_to(_deliver(TRAIN_INS)), HEADER, Kind.TRAIN)
+    assert isinstance(plain, TrainRes) and plain.secagg is None
+    message.content.config_records["secagg"]["accused"] = "x"
+    with pytest.raises(ProtocolError, match="secagg"):
+        parse_reply(message, HEADER, Kind.TRAIN)
 
 
 REPORT_BAD = [

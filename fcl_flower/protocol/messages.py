@@ -109,6 +109,7 @@ class TrainIns(Instruction):
     old_model: ArrayRecord | None = None  # LGA: the old model the proxy selected
     synthetic: ArrayRecord | None = None  # TARGET/LANDER: the server's synthetic images (uint8)
     anchors: ArrayRecord | None = None  # LANDER: the label-text embeddings of all classes
+    secagg: SecAggRound | None = None  # set (stage-1 FedAvg under secure aggregation): upload masked
 
     OPTIONAL: ClassVar[dict[str, str]] = {
         TEACHER: "teacher",
@@ -120,7 +121,10 @@ class TrainIns(Instruction):
     }
 
     def _fill(self, content: RecordDict) -> None:
-        content[ROUND] = ConfigRecord({"lr": self.lr, "num-seen": self.num_seen})
+        entries: dict[str, Any] = {"lr": self.lr, "num-seen": self.num_seen}
+        if self.secagg is not None:
+            entries.update(self.secagg.entries())
+        content[ROUND] = ConfigRecord(entries)
         content[MODEL] = self.model
         for name, attribute in self.OPTIONAL.items():
             record = getattr(self, attribute)
@@ -210,7 +214,8 @@ def parse_instruction(message: Message) -> Instruction:
     if kind is Kind.TRAIN:
         optional = {attribute: content.array_records.get(name) for name, attribute in TrainIns.OPTIONAL.items()}
         lr = read_float(entry(round_, "lr", ROUND), "lr")
-        return TrainIns(header, config, lr=lr, num_seen=num_seen, model=model, **optional)
+        secagg = SecAggRound.from_entries(round_) if "secagg-round-nodes" in round_ else None
+        return TrainIns(header, config, lr=lr, num_seen=num_seen, model=model, secagg=secagg, **optional)
     return StatsIns(
         header,
         config,
@@ -305,6 +310,7 @@ class TrainRes(Reply):
     loss: float = 0.0
     lga: LGAReport | None = None
     stamp: StampReport | None = None
+    secagg: MaskedReport | None = None  # a masked upload's view signature and accusations (stage 1, secure)
 
     def metrics(self) -> dict[str, MetricRecordValues]:
         out: dict[str, MetricRecordValues] = {**super().metrics(), "train-loss": self.loss}
@@ -334,6 +340,8 @@ class TrainRes(Reply):
         content[MODEL] = self.model
         if self.lga is not None and self.lga.prototypes is not None:
             content[LGA_PROTO] = self.lga.prototypes
+        if self.secagg is not None:
+            content[SECAGG] = ConfigRecord(self.secagg.entries())
 
 
 @dataclass(frozen=True)
@@ -432,7 +440,8 @@ def _parse_body(content: RecordDict, metrics: MetricRecord, kind: Kind, sent: He
 
 
 def _parse_train(content: RecordDict, metrics: MetricRecord, base: ReplyBase) -> TrainRes:
-    only(content.config_records, {HEADER}, "config records")
+    only(content.config_records, {HEADER, SECAGG}, "config records")
+    report = content.config_records.get(SECAGG)
     only(content.array_records, {MODEL, LGA_PROTO}, "array records")
     only(metrics, {"partition-id", "num-examples", "train-loss"} | _LGA_METRICS | _STAMP_METRICS, "metrics")
     if MODEL not in content.array_records:
@@ -457,7 +466,12 @@ def _parse_train(content: RecordDict, metrics: MetricRecord, base: ReplyBase) ->
             coreset=metric_int(metrics, "stamp-coreset"),
         )
     return TrainRes(
-        *base, model=content.array_records[MODEL], loss=metric_float(metrics, "train-loss", 0.0), lga=lga, stamp=stamp
+        *base,
+        model=content.array_records[MODEL],
+        loss=metric_float(metrics, "train-loss", 0.0),
+        lga=lga,
+        stamp=stamp,
+        secagg=None if report is None else MaskedReport.from_entries(report),
     )
 
 

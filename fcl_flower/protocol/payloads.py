@@ -144,6 +144,32 @@ class MaskedStsaStats:
 
 
 @dataclass(frozen=True)
+class MaskedFedAvgState:
+    """A stage-1 FedAvg upload under secure aggregation (fcl_flower/privacy/secure_fedavg.py): the
+    masked ring elements of n_k · w_k over the flattened trainable state (``weights``) and of n_k
+    (``count``). Nothing of the client's model or sample count travels in clear."""
+
+    weights: np.ndarray
+    count: np.ndarray
+    KEYS = ("weights", "count")
+
+    def to_record(self) -> ArrayRecord:
+        return ArrayRecord({"weights": Array(self.weights), "count": Array(self.count)})
+
+    @classmethod
+    def read(cls, record: ArrayRecord, *, length: int) -> MaskedFedAvgState:
+        if set(record.keys()) != set(cls.KEYS):
+            raise UploadError(
+                "not a masked upload (arrays 'weights' and 'count' of uint64 ring elements): a plain model "
+                "state is refused under secure aggregation"
+            )
+        return cls(  # read in place: the server only adds them into its ring sums
+            read_ring(record, "weights", shape=(length,), copy=False),
+            read_ring(record, "count", shape=(1,), copy=False),
+        )
+
+
+@dataclass(frozen=True)
 class StsaEStats:
     """STSA-E: class sums (K_D × M × c_t) and counts (K_D × c_t) of the client's dummy clients."""
 

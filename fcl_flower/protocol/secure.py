@@ -8,6 +8,8 @@ server -> client        Flower type      client -> server
 :class:`SharesIns`      ``query.shares`` :class:`SharesRes`: Shamir shares of (b_i, s_i), one
                                          encrypted bundle per participant
 :class:`~fcl_flower.protocol.StatsIns`   ``query.stats`` with :class:`SecAggRound`: the masked upload
+:class:`~fcl_flower.protocol.TrainIns`   ``train`` with :class:`SecAggRound` (stage-1 FedAvg): the
+                                         masked (n_k · w_k, n_k)
 :class:`UnmaskIns`      ``query.unmask`` :class:`UnmaskRes`: shares of the survivors' b and of the
                                          dropped participants' s, never both for one node
 ======================  ===============  =====================================================
@@ -71,7 +73,8 @@ def _read_keys(record: Mapping[str, Any], prefix: str, where: str) -> dict[int, 
 
 @dataclass(frozen=True)
 class SecAggRound:
-    """What a masked statistics upload needs (:attr:`fcl_flower.protocol.StatsIns.secagg`)."""
+    """What a masked upload needs (:attr:`fcl_flower.protocol.StatsIns.secagg`, and
+    :attr:`fcl_flower.protocol.TrainIns.secagg` in a stage-1 FedAvg round)."""
 
     round_nodes: tuple[int, ...]  # U1: the nodes of the key round, bound into every key derivation
     participants: Mapping[int, PublicKeys]  # U2: the nodes that shared their secrets; masks cancel over them
