@@ -56,6 +56,7 @@ from fcl_flower.protocol import (
     payload_bytes,
     to_record,
 )
+from fcl_flower.protocol.payloads import MAX_CLASS_SAMPLES
 from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import build_model, resolve_device
@@ -176,6 +177,7 @@ class StagedStrategy(Strategy):
         return {
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "nodes": self.nodes.state_dict(),
+            "held_out_sizes": {name: list(sizes) for name, sizes in sorted(self.held_out_sizes.items())},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -190,6 +192,21 @@ class StagedStrategy(Strategy):
             fields.tensor(fields.entry(saved, name, "state/model"), f"state/model/{name}", tensor.shape, tensor.dtype)
         self.model.load_state_dict(dict(saved))
         self.nodes.load_state_dict(state.get("nodes", {}))
+        self.held_out_sizes = self.restored_held_out_sizes(state.get("held_out_sizes", {}))
+
+    def restored_held_out_sizes(self, saved: Any) -> dict[str, list[int]]:
+        """The clients' held-out sizes per class as fixed before the interruption (evaluation
+        counts must keep matching them after a resume); RestoreError naming the field."""
+        field = "state/held_out_sizes"
+        names = {client_name(i) for i in range(self.cfg.num_clients)}
+        sizes: dict[str, list[int]] = {}
+        for name, values in fields.mapping(saved, field).items():
+            if name not in names:
+                raise RestoreError(f"{field}/{name}", "is not a client of this run")
+            sizes[name] = fields.integers(values, f"{field}/{name}", 0, MAX_CLASS_SAMPLES)
+            if len(sizes[name]) > self.split.num_classes:
+                raise RestoreError(f"{field}/{name}", f"has more than the run's {self.split.num_classes} classes")
+        return sizes
 
     def check_restored(self, completed: int) -> None:
         """After :meth:`load_state_dict`: the restored state is consistent with ``completed`` stages

@@ -10,8 +10,8 @@ gives identical numbers both ways (tests/test_federated_evaluation.py).
 Replies are untrusted like any other: counts must be integers, non-negative, at most
 ``MAX_CLASS_SAMPLES`` per class, correct <= total, adding up (exact integers, no int64 wrap) to
 the reply's sample count, from the node mapped to the client; and a client's held-out samples
-per class are fixed at its first evaluation of the class (``held_out_sizes``, kept for the
-server process: a resumed run fixes them again at its first evaluation): a later reply with
+per class are fixed at its first evaluation of the class (``held_out_sizes``, kept in the
+server's state and checkpoint, so they hold across a resume too): a later reply with
 other totals is left out of the metrics with its reason. Nothing can check that a client's
 counts are true: a client that lies consistently from its first evaluation skews the *reported*
 accuracy by at most its declared share of the samples, never the model. Evaluation traffic is not counted in the upload bytes (those

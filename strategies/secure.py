@@ -358,7 +358,8 @@ class SecureRounds:
         """Send one step, parse and identify every reply; bad ones are logged and left out."""
         answers: dict[int, Reply] = {}
         sent = host.messages(grid, plan, 0, exclude or set(), build=build, only=only, side=True)
-        for message in exchange(grid, sent, timeout):
+        replies = exchange(grid, sent, timeout)
+        for message in replies:
             node = message.metadata.src_node_id
             try:
                 reply = parse_reply(message, header, kind)
@@ -374,6 +375,8 @@ class SecureRounds:
                 continue
             host.accounting.accept(client, 0, message_bytes(message.content))
             answers[node] = reply
+        for node, why in getattr(replies, "dropped", ()):  # a node that answered this step twice
+            host.accounting.duplicate(f"node-{node}", f"{self._name(host, node)} (node {node}) {header.phase}: {why}")
         return answers
 
     @staticmethod

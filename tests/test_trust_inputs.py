@@ -379,3 +379,49 @@ def test_a_duplicate_reply_is_recorded_in_left_out(tmp_path) -> None:
     assert f"client-{VICTIM}" in reason and "\n" not in reason
     assert f"client-{VICTIM}" in stage.clients
     assert float((twice.stage_weights[1] - clean.stage_weights[1]).norm()) == 0.0
+
+
+@pytest.mark.parametrize("step", ["keys", "shares", "unmask"])
+def test_a_duplicate_reply_in_a_secure_step_is_recorded_in_left_out(tmp_path, step: str) -> None:
+    """Under secure aggregation the key, share and unmask steps are exchanges of their own: a node
+    that answers one twice is named in ``left_out`` too, and the stage is the clean one."""
+    from strategies.secure import KEYS_PHASE, SHARES_PHASE, UNMASK_PHASE
+
+    phase = {"keys": KEYS_PHASE, "shares": SHARES_PHASE, "unmask": UNMASK_PHASE}[step]
+
+    def tamper(task: int, seen: str, replies: list[Message]) -> list[Message]:
+        return _duplicate(replies) if task == 1 and seen == phase else replies
+
+    secure = dict(evaluation="central", secure_aggregation=True, secagg_min_clients=2)
+    clean = run_in_process(config(tmp_path, run_name="clean", **secure))
+    twice = run_in_process(config(tmp_path, run_name="twice", **secure), tamper)
+    stage = twice.recorder.stages[1]
+    duplicates = {k: v for k, v in stage.left_out.items() if "twice" in v}
+    assert len(duplicates) == 1, stage.left_out
+    (reason,) = duplicates.values()
+    assert f"client-{VICTIM}" in reason and phase in reason and "\n" not in reason
+    assert float((twice.stage_weights[1] - clean.stage_weights[1]).norm()) == 0.0
+
+
+def test_held_out_sizes_survive_a_resume_and_a_tampered_entry_is_refused_by_name(tmp_path) -> None:
+    """The sizes fixed at each client's first evaluation are part of the checkpoint's state, so a
+    resumed run keeps holding later counts to them; a saved entry for a client outside the run, a
+    negative size or a non-integer is refused with one line naming the field."""
+    from fcl_flower.restore import RestoreError
+    from tests.conftest import build
+
+    cfg = config(tmp_path, evaluation="federated")
+    strategy = run_in_process(cfg)
+    assert strategy.held_out_sizes  # every client evaluated at least once
+    state = strategy.state_dict()
+    resumed = build(cfg.replace(run_name="resumed"))
+    resumed.load_state_dict(state)
+    assert resumed.held_out_sizes == strategy.held_out_sizes
+    name = sorted(state["held_out_sizes"])[0]
+    for bad, words in (
+        ({**state["held_out_sizes"], "client-99": [1]}, "state/held_out_sizes/client-99"),
+        ({name: [-1]}, f"state/held_out_sizes/{name}/0"),
+        ({name: ["3"]}, f"state/held_out_sizes/{name}/0"),
+    ):
+        with pytest.raises(RestoreError, match=words):
+            build(cfg.replace(run_name="bad")).load_state_dict({**state, "held_out_sizes": bad})
