@@ -54,9 +54,12 @@ def resumable_config(cfg: RunConfig) -> dict[str, Any]:
 
 
 def differing_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Result knobs whose values differ (operational knobs never count)."""
+    """Result knobs whose values differ (operational knobs never count). A knob that a folder of
+    an earlier version does not record had its default there (knobs are added with the default
+    that keeps the old behaviour), so it differs only where the current value is not that default."""
+    defaults = RunConfig().to_mapping()
     keys = (set(saved) | set(current)) - OPERATIONAL_KEYS
-    return sorted(k for k in keys if saved.get(k) != current.get(k))
+    return sorted(k for k in keys if saved.get(k, defaults.get(k)) != current.get(k, defaults.get(k)))
 
 
 class CheckpointStore:

@@ -247,3 +247,15 @@ def test_the_defaults_aggregate_by_fedavg_and_fit_five_clients() -> None:
         assert cfg.replace(stage1_aggregation=rule).stage1_aggregation == rule
     assert cfg.replace(stage1_aggregation="bulyan", num_clients=7).stage1_clients == 7
     assert cfg.replace(initial_clients=3, joining_per_task=1, num_clients=5).stage1_clients == 3
+
+
+def test_a_folder_written_before_a_knob_existed_matches_a_run_at_that_knob_s_default() -> None:
+    """Results of an earlier version record no ``stage1-aggregation``: they are the default's
+    (fedavg), and another rule still differs."""
+    from fcl_flower.config import RunConfig
+    from strategies.checkpoint import differing_keys
+
+    current = RunConfig().result_config()
+    saved = {k: v for k, v in current.items() if not k.startswith("stage1-")}
+    assert differing_keys(saved, current) == []
+    assert differing_keys(saved, RunConfig(stage1_aggregation="median").result_config()) == ["stage1-aggregation"]
