@@ -35,6 +35,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -127,13 +128,26 @@ def plain_round(uploads: list[dict[str, np.ndarray]], dim: int) -> dict[str, Any
     return {"server_s": seconds, "client_upload_bytes": upload_bytes}
 
 
-def secure_round(
-    uploads: list[dict[str, np.ndarray]], nodes: list[int], dim: int, dropouts: list[int]
-) -> dict[str, Any]:
-    n = len(nodes)
-    context = round_context("bench", 1, 2, 3, 0, nodes)
-    view = view_context(context, nodes)
-    threshold = threshold_for(n, MIN_CLIENTS, signed=True)  # the round plays signed-keys mode
+@dataclass
+class DealtRound:
+    """One signed-keys round up to the masked upload, every client played here: key pairs, SuperNode
+    signing keys, seeds, the dealt shares and what each client opened of its peers' (with the
+    seconds each client spent on keys and on shares)."""
+
+    key_s: tuple[float, ...]
+    c_pair: dict[int, Any]
+    s_pair: dict[int, Any]
+    s_public: dict[int, Any]
+    signing: dict[int, Any]
+    signer: dict[int, bytes]
+    seeds: dict[int, bytes]
+    share_s: dict[int, float]
+    dealt: dict[int, Any]
+    held: dict[int, dict[int, tuple[bytes, bytes]]]
+
+
+def dealt_round(nodes: list[int], threshold: int, context: bytes) -> DealtRound:
+    """Keys, shares and their opening for ``nodes`` (the same calls the client handlers make)."""
     key_s, keys = zip(*(timed(lambda: (generate_keypair(), generate_keypair())) for _ in nodes), strict=True)
     c_pair = {node: pair[0] for node, pair in zip(nodes, keys, strict=True)}
     s_pair = {node: pair[1] for node, pair in zip(nodes, keys, strict=True)}
@@ -160,6 +174,19 @@ def secure_round(
         )
         assert not accused
         share_s[node] += seconds
+    return DealtRound(key_s, c_pair, s_pair, s_public, signing, signer, seeds, share_s, dealt, held)
+
+
+def secure_round(
+    uploads: list[dict[str, np.ndarray]], nodes: list[int], dim: int, dropouts: list[int]
+) -> dict[str, Any]:
+    n = len(nodes)
+    context = round_context("bench", 1, 2, 3, 0, nodes)
+    view = view_context(context, nodes)
+    threshold = threshold_for(n, MIN_CLIENTS, signed=True)  # the round plays signed-keys mode
+    keys = dealt_round(nodes, threshold, context)
+    key_s, s_pair, s_public, signing, signer = keys.key_s, keys.s_pair, keys.s_public, keys.signing, keys.signer
+    seeds, share_s, dealt, held = keys.seeds, keys.share_s, keys.dealt, keys.held
     mask_s: list[float] = []
     masked: list[dict[str, np.ndarray]] = []
     signatures: dict[int, bytes] = {}

@@ -41,19 +41,16 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from torch import nn
 
 from clients.ledger import Ledger, input_digest, train_ledger_key
+from experiments.bench_secagg import dealt_round
 from experiments.benchlib import format_table, write_json
-from fcl_flower.averaging import average_states
 from fcl_flower.config import RunConfig
 from fcl_flower.models import load_trainable_state, trainable_state
 from fcl_flower.privacy.secagg import (
@@ -61,11 +58,7 @@ from fcl_flower.privacy.secagg import (
     MASK_KEY,
     SEED,
     check_unmask_request,
-    generate_keypair,
-    make_shares,
     mask_arrays,
-    new_seed,
-    open_shares,
     rebuild_secret,
     round_context,
     sign_view,
@@ -77,6 +70,7 @@ from fcl_flower.privacy.secagg import (
 from fcl_flower.privacy.secure_fedavg import COUNT, WEIGHTS, opened_average, quantisation_bound, upload_vector
 from fcl_flower.protocol import to_record
 from fcl_flower.protocol.payloads import read_state
+from strategies.fedavg import average_states
 
 T = TypeVar("T")
 FRACTION_BITS = 24  # the default secagg-fraction-bits
@@ -142,32 +136,9 @@ def secure_round(
     view = view_context(context, nodes)
     threshold = threshold_for(n, MIN_CLIENTS, signed=True)
     dropouts = [d for d in dropouts if n - d >= threshold]  # 3 clients in signed-keys mode: t = 3, no dropout
-    key_s, keys = zip(*(timed(lambda: (generate_keypair(), generate_keypair())) for _ in nodes), strict=True)
-    c_pair = {node: pair[0] for node, pair in zip(nodes, keys, strict=True)}
-    s_pair = {node: pair[1] for node, pair in zip(nodes, keys, strict=True)}
-    c_public = {node: c_pair[node][1] for node in nodes}
-    s_public = {node: s_pair[node][1] for node in nodes}
-    signing = {node: ec.generate_private_key(ec.SECP384R1()) for node in nodes}
-    signer = {
-        node: key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-        for node, key in signing.items()
-    }
-    seeds = {node: new_seed() for node in nodes}
-    share_s: dict[int, float] = {}
-    dealt = {}
-    for node in nodes:
-        share_s[node], dealt[node] = timed(
-            partial(make_shares, node, seeds[node], s_pair[node][0], c_pair[node][0], c_public, threshold, context)
-        )
-    held: dict[int, dict[int, tuple[bytes, bytes]]] = {}
-    for node in nodes:
-        received = {src: dealt[src].bundles[node] for src in nodes}
-        commitments = {src: dealt[src].commitments[node] for src in nodes}
-        seconds, (held[node], accused) = timed(
-            partial(open_shares, node, c_pair[node][0], c_public, received, commitments, context)
-        )
-        assert not accused
-        share_s[node] += seconds
+    keys = dealt_round(nodes, threshold, context)
+    key_s, s_pair, s_public, signing, signer = keys.key_s, keys.s_pair, keys.s_public, keys.signing, keys.signer
+    seeds, share_s, dealt, held = keys.seeds, keys.share_s, keys.dealt, keys.held
     mask_s: list[float] = []
     masked: list[dict[str, np.ndarray]] = []
     signatures: dict[int, bytes] = {}
