@@ -261,7 +261,7 @@ def test_a_stage1_round_that_cannot_open_leaves_the_model_as_it_was(tmp_path) ->
 
     cfg = small_config(tmp_path, **{**SETTINGS, "stage1_rounds": 1}, secure_aggregation=True, secagg_min_clients=3)
     initial = trainable_state(build(cfg).model)
-    strategy, reads, states, _ = run_spied(cfg, lose)
+    strategy, _, states, _ = run_spied(cfg, lose)
     assert states == []  # aggregate_train raised: no state after the round
     after = trainable_state(strategy.model)
     assert all(torch.equal(after[k], initial[k]) for k in initial)
