@@ -22,6 +22,7 @@ from flwr.common.logger import log
 from torch import nn
 
 from fcl_flower.models import load_trainable_state, trainable_state
+from fcl_flower.privacy.secagg import add_ring
 from fcl_flower.privacy.secure_fedavg import COUNT, WEIGHTS, opened_average, state_length
 from fcl_flower.protocol import Reply, TrainRes, UploadError
 from fcl_flower.protocol.payloads import MaskedFedAvgState
@@ -73,11 +74,7 @@ class MaskedFedAvgFold:
 
     def add(self, item: Accepted[Any]) -> None:
         for name, ring in item.payload.items():
-            ring = np.asarray(ring, dtype=np.uint64).reshape(-1)
-            if name in self.sums:
-                self.sums[name] += ring  # wraps around mod 2^64, as the masks need
-            else:
-                self.sums[name] = ring.copy()
+            add_ring(self.sums, name, ring)
         self.clients.add(item.client)
 
     def finish(self) -> None:

@@ -65,7 +65,7 @@ from fcl_flower.analytic.ridge import RidgeState, product_rounding_bound, sum_ro
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.privacy.noise import secure_share
-from fcl_flower.privacy.secagg import unmask_sum
+from fcl_flower.privacy.secagg import add_ring, unmask_sum
 from fcl_flower.privacy.secure_fedavg import OpenedSumRejected
 from fcl_flower.protocol import WIRE_DTYPES, Instruction, Reply, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaFactorStats, StsaStats
@@ -248,11 +248,7 @@ class MaskedFold:
     def add(self, item: Accepted[Any]) -> None:
         masked = item.payload["masked"]
         for name in MASKED_NAMES:
-            ring = np.asarray(getattr(masked, name.replace("-", "_")), dtype=np.uint64).reshape(-1)
-            if name in self.sums:
-                self.sums[name] += ring  # wraps around mod 2^64, as the masks need
-            else:
-                self.sums[name] = ring.copy()
+            add_ring(self.sums, name, getattr(masked, name.replace("-", "_")))
         self.clients.add(item.client)
 
     def finish(self) -> None:

@@ -467,6 +467,16 @@ def rebuild_secret(
 
 
 # ------------------------------------------------------------------------------ opening the sum
+def add_ring(sums: dict[str, np.ndarray], name: str, values: object) -> None:
+    """``sums[name] += values`` in the ring Z/2⁶⁴ (uint64 wraps around, as the masks need); the
+    first values of a name are copied, never aliased."""
+    ring = np.asarray(values, dtype=np.uint64).reshape(-1)
+    if name in sums:
+        sums[name] += ring
+    else:
+        sums[name] = ring.copy()
+
+
 def unmask_sum(
     uploads: Iterable[np.ndarray],
     name: str,
