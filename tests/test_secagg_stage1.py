@@ -268,3 +268,29 @@ def test_a_stage1_round_that_cannot_open_leaves_the_model_as_it_was(tmp_path) ->
     assert strategy.masked_fedavg.opened_examples == 0
     stage = strategy.recorder.stages[0]
     assert "failed" not in stage.extra and stage.clients == ["client-0", "client-1", "client-2"]
+
+
+@pytest.mark.parametrize("lie", ["self-dropped", "no-signatures"])
+def test_a_server_that_lies_in_a_stage1_unmask_request_is_refused(tmp_path, lie: str) -> None:
+    """The stage-1 FedAvg rounds go through the same unmask checks as the statistics rounds: a
+    server that asks node 0 to reveal as though node 0 had dropped, or that sends an unmask request
+    without the survivors' view signatures (signed keys), is refused in the FedAvg round too."""
+    from tests.test_secagg_malicious import SETTINGS as MALICIOUS
+    from tests.test_secagg_malicious import NoSignaturesGrid, SelfDroppedGrid, run_on, signed_grid
+
+    settings = {**MALICIOUS, "num_tasks": 1, "stage1_rounds": 1}
+    if lie == "self-dropped":
+        grid = SelfDroppedGrid(client_app, 5, first_node_id=NODE_BASE)
+        run_on(grid, small_config(tmp_path, **settings))
+        refused = [
+            r for r in grid.replies if r.has_error() and "lists this node itself as dropped: refused" in r.error.reason
+        ]
+        assert {r.metadata.src_node_id for r in refused} == {NODE_BASE}
+        assert len(refused) == 2  # the FedAvg round's unmask and the statistics round's
+    else:
+        grid = signed_grid(tmp_path, NoSignaturesGrid(client_app, 5, first_node_id=NODE_BASE))
+        strategy = run_on(grid, small_config(tmp_path / "run", **settings, secagg_signed_keys=True))
+        refusals = [r.error.reason for r in grid.replies if r.has_error() and r.metadata.message_type == "query.unmask"]
+        assert len(refusals) == 10  # every node, in both rounds
+        assert all("the unmask request carries no signature of survivor" in e for e in refusals)
+        assert strategy.masked_fedavg.opened_examples == 0  # the FedAvg round never opened
