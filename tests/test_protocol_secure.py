@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
@@ -376,3 +377,30 @@ def test_an_accusations_reason_is_one_printable_line_of_at_most_300_characters()
     parsed = parse_reply(_stats_reply(long), HEADER, Kind.STATS)
     assert isinstance(parsed, StatsRes) and parsed.secagg is not None
     assert parsed.secagg.accused == {MID: "x" * 300, TOP: "line one?WARNING forged?[31m"}
+
+
+@pytest.mark.parametrize(
+    ("arrays", "words"),
+    [
+        ({"weights": np.zeros(6, np.uint64), "count": np.zeros(1, np.uint64)}, "shape"),  # another model's length
+        ({"weights": np.zeros(5, np.float32), "count": np.zeros(1, np.uint64)}, "dtype float32, expected uint64"),
+        ({"weights": np.zeros(5, np.uint64), "count": np.zeros(2, np.uint64)}, "shape"),
+        ({"weights": np.zeros(5, np.uint64)}, "not a masked upload"),
+        ({"weights": np.zeros(5, np.uint64), "count": np.zeros(1, np.uint64), "extra": np.zeros(1)}, "not a masked"),
+        ({"head.weight": np.zeros(5, np.float32)}, "plain model state is refused"),
+    ],
+)
+def test_a_garbage_masked_fedavg_upload_is_refused_with_its_reason(arrays, words: str) -> None:
+    """Stage-1 secure uploads are untrusted like the statistics: wrong length, dtype, a missing or
+    extra array, or a clear state are refused at parse with one line."""
+    from flwr.app import Array, ArrayRecord
+
+    from fcl_flower.protocol import UploadError
+    from fcl_flower.protocol.payloads import MaskedFedAvgState
+
+    record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    with pytest.raises(UploadError, match=words) as caught:
+        MaskedFedAvgState.read(record, length=5)
+    assert "\n" not in str(caught.value)
+    good = ArrayRecord({"weights": Array(np.arange(5, dtype=np.uint64)), "count": Array(np.ones(1, np.uint64))})
+    assert MaskedFedAvgState.read(good, length=5).weights.tolist() == [0, 1, 2, 3, 4]
