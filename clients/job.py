@@ -20,7 +20,8 @@ from clients.node_data import DatasetShape, NodeData, OwnSplit, PartitionData, n
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit, LabelledDataset
 from fcl_flower.models import IncrementalClassifier, load_trainable_state, trainable_state
-from fcl_flower.protocol import EvaluateIns, StatsIns, StatsRes, TrainIns, TrainRes, from_record, to_record
+from fcl_flower.protocol import EvaluateIns, StatsIns, StatsRes, TrainIns, TrainRes, to_record
+from fcl_flower.protocol.arrays import view_record
 
 
 @dataclass
@@ -105,5 +106,5 @@ def make_job(ins: TrainIns | StatsIns | EvaluateIns, context: Context) -> Client
     data = node_data(context.node_config, ins.config)
     model = _cached_model(ins.config, data.shape)
     if len(ins.model):
-        load_trainable_state(model, from_record(ins.model))
+        load_trainable_state(model, view_record(ins.model))  # copied into the model: views suffice
     return ClientJob(ins=ins, data=data, model=model, device=resolve_device(ins.config), context=context)

@@ -45,6 +45,7 @@ from fcl_flower.analytic.estimator import GramEstimator
 from fcl_flower.analytic.packing import (
     add_packed_,
     diagonal_of_packed,
+    gram_packed_,
     pack_symmetrised,
     packed_blocks,
     row_offset,
@@ -742,6 +743,49 @@ def test_packing_round_trips_equal_the_direct_definition(dim: int) -> None:
     out = add_packed_(sym, packed)
     assert out is sym  # in place
     assert torch.equal(sym, before + _symmetric_from_packed(packed, dim))
+
+
+@pytest.mark.parametrize("dim", [1, 63, 64, 65, 300])  # around the 64-row product blocks
+def test_gram_packed_is_the_upper_triangle_of_phi_t_phi(dim: int) -> None:
+    """Integer-valued features: every product and sum is exact, so the blocked upper-triangle product
+    equals the direct ΦᵀΦ entry for entry; real-valued ones to float64 rounding."""
+    gen = seeded_generator(dim)
+    phi = torch.randint(0, 5, (23, dim), generator=gen).to(F64)
+    out = np.empty(packed_length(dim))
+    assert torch.equal(torch.from_numpy(gram_packed_(out, phi, accumulate=False)), _upper_reference(phi.T @ phi))
+    gram_packed_(out, phi[:7], accumulate=True)  # adds
+    assert torch.equal(torch.from_numpy(out), _upper_reference(phi.T @ phi + phi[:7].T @ phi[:7]))
+    real = torch.rand(9, dim, dtype=F64, generator=gen)
+    got = torch.from_numpy(gram_packed_(np.empty(packed_length(dim), np.float32), real, accumulate=False))
+    assert got.dtype == F32 and torch.allclose(got.to(F64), _upper_reference(real.T @ real), rtol=1e-6, atol=0)
+    _raises(
+        lambda: gram_packed_(np.empty(3), real.to(F32), accumulate=False),
+        AnalyticInputError,
+        f"gram_packed_ needs 2-D float64 CPU features, got (9, {dim}) torch.float32",
+    )
+
+
+def test_accumulator_folds_batches_into_the_same_g_and_packs_it_once_rounded() -> None:
+    """Batches beyond the buffer (fold) and below it give the G of all rows; the upload is
+    ``pack_upper(result().gram)`` rounded once to the wire dtype; the caller's batch may change after."""
+    dim, classes = 40, 3
+    gen = seeded_generator(1)
+    phi = torch.randint(0, 4, (700, dim), generator=gen).to(F64)  # > 256 rows: folds
+    labels = torch.randint(0, classes, (700,), generator=gen)
+    acc = StatisticsAccumulator(dim, classes)
+    batch = torch.empty(100, dim, dtype=F64)
+    for start in range(0, 700, 100):
+        batch.copy_(phi[start : start + 100])
+        acc.update(batch, labels[start : start + 100])
+    batch.zero_()
+    stats = acc.result()
+    assert torch.equal(stats.gram, phi.T @ phi) and stats.num_samples == 700
+    real = torch.rand(30, dim, dtype=F64, generator=gen)
+    small = StatisticsAccumulator(dim, classes)
+    small.update(real, torch.zeros(30, dtype=torch.int64))
+    assert torch.equal(small.packed_gram(F32), pack_upper(small.result().gram).to(F32))
+    assert torch.equal(small.packed_gram(F64), pack_upper(small.result().gram))
+    assert torch.equal(StatisticsAccumulator(dim, classes).packed_gram(F32), torch.zeros(packed_length(dim), dtype=F32))
 
 
 def test_packing_helpers_reject_bad_shapes_and_keep_the_device() -> None:

@@ -12,11 +12,14 @@ from fcl_flower.protocol.arrays import (
     cast_for_wire,
     from_record,
     message_bytes,
+    npy_array,
+    npy_layout,
     npy_view,
     payload_bytes,
     read_ring,
     read_tensor,
     to_record,
+    view_record,
 )
 from fcl_flower.protocol.errors import UploadError
 from fcl_flower.protocol.payloads import (
@@ -164,6 +167,41 @@ def test_records_round_trip_and_byte_counts_by_hand() -> None:
     large = RecordDict({"x": to_record({"v": torch.zeros(110, dtype=F64)})})
     assert message_bytes(small) > payload_bytes(small)  # framing and .npy headers on top of the data
     assert message_bytes(large) - message_bytes(small) >= 100 * 8
+
+
+@pytest.mark.parametrize(
+    "values",
+    [np.ones((), np.float32), np.arange(6, dtype=np.int64).reshape(2, 3), np.zeros((0, 4)), np.arange(7.0)],
+    ids=["0-d", "int64 2x3", "empty", "float64 vector"],
+)
+def test_npy_array_writes_the_bytes_flower_writes_with_one_copy(values) -> None:
+    """The fast serialisation (one copy of the values, issue 30) is byte for byte Flower's own."""
+    ours, flowers = npy_array(values), Array.from_numpy_ndarray(values)
+    assert ours.data == flowers.data
+    assert (ours.dtype, tuple(ours.shape), ours.stype) == (flowers.dtype, tuple(flowers.shape), flowers.stype)
+    assert np.array_equal(ours.numpy(), values) and ours.numpy().shape == values.shape
+
+
+def test_npy_array_of_a_strided_array_round_trips_in_c_order() -> None:
+    values = np.arange(6.0).reshape(2, 3).T
+    array = npy_array(values)
+    assert np.array_equal(npy_view(array), values) and np.array_equal(array.numpy(), values)
+
+
+def test_cached_npy_header_parse_still_refuses_a_wrong_length_or_truncated_header() -> None:
+    data = npy_array(np.arange(4.0)).data
+    assert npy_layout(data)[:2] == (np.dtype(np.float64), (4,))
+    with pytest.raises(ValueError, match="buffer length does not match its header"):
+        npy_layout(data + b"\0" * 8)
+    with pytest.raises(ValueError):
+        npy_layout(data[:20])
+
+
+def test_view_record_views_the_record_bytes_and_equals_from_record() -> None:
+    record = to_record({"w": torch.arange(6.0, dtype=F64).reshape(2, 3), "n": torch.tensor(3)})
+    views, copies = view_record(record), from_record(record)
+    assert all(torch.equal(views[k], copies[k]) and views[k].shape == copies[k].shape for k in copies)
+    assert views["w"].data_ptr() == npy_view(record["w"]).ctypes.data  # no copy of the values
 
 
 # =============================================================================== payloads

@@ -237,6 +237,34 @@ def test_the_screen_s_cauchy_schwarz_matches_a_dense_computation_entry_by_entry(
                     screen_packed_statistics(*args, **kwargs)
 
 
+def test_the_float32_screen_finds_a_subnormal_entry_of_a_feature_without_energy_in_every_chunk() -> None:
+    """The screen's one pass (Cauchy–Schwarz and zero energy together, zero-energy weights +inf)
+    over a float32 upload of M = 800, two chunks of rows: the smallest float32 (a subnormal) in
+    the row or column of an empty feature, in either chunk, is refused as zero energy; an honest
+    upload with the same empty features, and the same entry between two features with energy, pass."""
+    rng = np.random.default_rng(8)
+    dim = 800
+    gram, sums, counts = _statistics(rng, 40, dim, 2)
+    empty = [3, 799]
+    gram[empty, :] = 0.0
+    gram[:, empty] = 0.0
+    sums[empty] = 0.0
+    args = (torch.from_numpy(sums), torch.from_numpy(counts))
+    tol = 2.0**-24
+    screen_packed_statistics(pack_upper(torch.from_numpy(gram), torch.float32), *args, relative_tolerance=tol)
+    tiny = float(np.finfo(np.float32).smallest_subnormal)
+    for i, j, refused in ((3, 10, True), (10, 799, True), (700, 799, True), (3, 799, True), (10, 700, False)):
+        touched = gram.copy()
+        touched[i, j] = touched[j, i] = tiny
+        packed = pack_upper(torch.from_numpy(touched), torch.float32)
+        assert float(packed.abs().max()) > 0 and (packed != pack_upper(torch.from_numpy(gram), torch.float32)).any()
+        if refused:
+            with pytest.raises(StatisticsRejected, match="zero energy"):
+                screen_packed_statistics(packed, *args, relative_tolerance=tol)
+        else:
+            screen_packed_statistics(packed, *args, relative_tolerance=tol)
+
+
 def test_the_screen_finds_any_non_zero_entry_in_the_row_or_column_of_a_feature_without_energy() -> None:
     """Zero energy, in contiguous passes: with features 2, 5 and 6 empty, a non-zero entry anywhere
     in their rows or columns (but the diagonal) is refused; the same entry elsewhere is not the

@@ -315,8 +315,9 @@ def screen_packed_statistics(
         norm_bound=norm_bound,
         nonnegative=nonnegative,
         noise=noise or NoiseLevels(),
+        zero_energy=False,
     )
-    _check_cauchy_schwarz(gram_packed, scaled.c, scaled.inv, scaled.shift, scaled.slack_rel)
+    _check_cauchy_schwarz(gram_packed, scaled.c, scaled.inv, scaled.slack_rel, scaled.empty)
 
 
 @dataclass(frozen=True)
@@ -342,10 +343,12 @@ def _screen(
     norm_bound: float,
     nonnegative: bool,
     noise: NoiseLevels,
+    zero_energy: bool = True,
 ) -> _Scaled:
     """The O((M + c)²) tests shared by :func:`check_packed_statistics` and
     :func:`screen_packed_statistics` (all but Cauchy–Schwarz, which the PSD test checks while it
-    builds J, and the factorisation)."""
+    builds J, and the factorisation). ``zero_energy=False``: G's part of the zero-energy test is
+    left to the caller (the screen's Cauchy–Schwarz pass does it on the way)."""
     dim, classes = (int(class_sums.shape[0]), int(class_sums.shape[1])) if class_sums.dim() == 2 else (-1, -1)
     if (
         gram_packed.dim() != 1
@@ -378,7 +381,7 @@ def _screen(
     scale = (diag + shift).clamp_min(0.0)
     empty = scale <= 0
     if bool(empty.any()):  # a zero diagonal forces its whole row and column to zero
-        _check_zero_energy(gram_packed, c, empty)
+        _check_zero_energy(gram_packed, c, empty, packed=zero_energy)
     inv = torch.where(empty, 0.0, scale.rsqrt())
     certified = negative_bound(scale[:dim], slack_rel, shift)  # G is a principal block of J
     return _Scaled(c, n, inv, empty, shift, slack_rel, certified)
@@ -553,31 +556,46 @@ def _check_label_block(labels: Tensor, n: Tensor, tau: float, budget: float) -> 
 FLOAT32_EPSILON = 2.0**-24  # wire_epsilon(torch.float32): uploads this coarse may be tested in float32
 
 
+_SCREEN_CHUNK = 1 << 18  # packed entries per pass of the O(M²) screens (1 MiB of float32)
+
+
 def _low(tensor: Tensor) -> float:
     return float(tensor.min()) if tensor.numel() else 0.0
 
 
-def _check_zero_energy(gram_packed: Tensor, c: Tensor, empty: Tensor) -> None:
+def _check_zero_energy(gram_packed: Tensor, c: Tensor, empty: Tensor, packed: bool = True) -> None:
     """Rows/columns of J whose diagonal is zero once lifted must be zero (before anything is
     scaled). Their diagonal entries are not tested: lifted by the slack they are exactly 0 (a
     diagonal below minus the slack was rejected before), so rounding there is no energy.
-    A few contiguous passes over the packed upload, however many features are empty: an entry
-    (i, j ≥ i) is tested where row i is empty (each row's flag repeated over its slice) or column
-    j is (the suffixes of the column flags laid end to end, as the Cauchy–Schwarz screen does)."""
+    Contiguous passes over the packed upload, one cached chunk of rows at a time, however many
+    features are empty: with the diagonal zeroed, |G_ij| times the flag of column j (the suffixes
+    of the column flags laid end to end) must be 0 on every row, and |G_ij| itself on an empty
+    row (per-row maxima by ``np.maximum.reduceat``; an exact test, since |x|·1 = |x| and
+    |x|·0 = 0 for the finite entries the screen has already required)."""
     dim = int(c.shape[0])
     rows, classes = empty[:dim].numpy(), empty[dim:].numpy()
-    packed, sums = gram_packed.numpy(), c.numpy()
+    sums = c.numpy()
     if bool(np.any(sums[rows] != 0)) or bool(np.any(sums[:, classes] != 0)):
         raise StatisticsRejected(ZERO_ENERGY)
-    if not rows.any():
+    if not packed or not rows.any():
         return
-    lengths = np.arange(dim, 0, -1)
-    tested = np.repeat(rows, lengths)
-    tested |= np.concatenate([rows[i:] for i in range(dim)])
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    tested[starts] = False  # the diagonal entries themselves
-    if bool(np.any(packed[tested] != 0)):
-        raise StatisticsRejected(ZERO_ENERGY)
+    values = gram_packed.numpy()
+    flags = rows.astype(values.dtype)
+    rows_per_chunk = max(1, _SCREEN_CHUNK // dim)
+    magnitudes = np.empty(min(values.size, rows_per_chunk * dim), dtype=values.dtype)
+    flagged = np.empty_like(magnitudes)
+    for a in range(0, dim, rows_per_chunk):
+        b = min(dim, a + rows_per_chunk)
+        start, stop = row_offset(a, dim), row_offset(b, dim)
+        part, mask = magnitudes[: stop - start], flagged[: stop - start]
+        np.abs(values[start:stop], out=part)
+        local = np.arange(b - a, dtype=np.int64)
+        starts = local * (dim - a) - local * (local - 1) // 2
+        part[starts] = 0  # the diagonal entries themselves
+        np.concatenate([flags[i:dim] for i in range(a, b)], out=mask)
+        mask *= part
+        if float(mask.max()) > 0 or bool(np.any(np.maximum.reduceat(part, starts)[rows[a:b]] > 0)):
+            raise StatisticsRejected(ZERO_ENERGY)
 
 
 ZERO_ENERGY = "a feature or class with zero energy has non-zero sums"
@@ -611,27 +629,54 @@ def _scaled_blocks(
         yield a, b, block, corner
 
 
-def _check_cauchy_schwarz(gram_packed: Tensor, c: Tensor, inv: Tensor, lift: float, slack_rel: float) -> None:
+def _check_cauchy_schwarz(gram_packed: Tensor, c: Tensor, inv: Tensor, slack_rel: float, empty: Tensor) -> None:
     """Cauchy–Schwarz |R_ij| <= 1 + slack on every entry of R = D^{-1/2} (J + lift·I) D^{-1/2}
-    (the screen's part of :func:`_positive_factor`), in a few contiguous passes over the packed
-    upload: row i of the upper triangle is a slice, scaled by the suffix w[i:] of the weights (all
-    suffixes laid end to end are one copy of the upload's size), its maximum taken per row by
-    ``np.maximum.reduceat`` and scaled by w_i. In the upload's own precision: float32 products of
-    float32 entries are off by a few units of 2⁻²⁴, far inside the slack 4(M + c)·2⁻²⁴ (and the
-    stage's PSD test on the sum decides anyway). The lift only raises the diagonal, where R_ii = 1."""
+    (the screen's part of :func:`_positive_factor`) and the zero-energy test of G, together, in
+    contiguous passes over the packed upload, one chunk of rows (~1 MiB) at a time so each pass
+    after the first reads from cache: row i of the upper triangle is a slice, scaled by the suffix
+    v[i:] of the weights, its maximum taken per row by ``np.fmax.reduceat`` and scaled by v_i.
+
+    v_i = w_i = D_ii^{-1/2}, and +inf for a feature of zero energy: a non-zero entry in its column
+    becomes +inf (rejected), a zero one NaN (0·inf), which ``fmax`` passes over (the screen has
+    already required finite entries); its row is tested unweighted (its maximum must be 0). The
+    diagonal is left out (R_ii ≤ 1 always).
+    In the upload's own precision: float32 products of float32 entries are off by a few units of
+    2⁻²⁴, far inside the slack 4(M + c)·2⁻²⁴ (and the stage's PSD test on the sum decides anyway).
+    """
     dim = int(c.shape[0])
     if dim == 0:
         return
     dtype = np.float32 if gram_packed.dtype == torch.float32 else np.float64
-    w = inv.numpy().astype(dtype)
-    weights = np.concatenate([w[i:dim] for i in range(dim)])
-    scaled = np.abs(gram_packed.numpy(), dtype=dtype)
-    scaled *= weights
-    rows = np.arange(dim, dtype=np.int64)
-    per_row = np.maximum.reduceat(scaled, rows * dim - rows * (rows - 1) // 2) * w[:dim]
-    corner = np.abs(c.numpy()) * inv.numpy()[:dim, None] * inv.numpy()[None, dim:]
+    rows = empty.numpy()[:dim]
+    v = inv.numpy()[:dim].astype(dtype)
+    v[rows] = np.inf
+    packed = gram_packed.numpy()
     limit = 1.0 + slack_rel + (1e-6 if dtype == np.float32 else 1e-12)
-    if float(per_row.max()) > limit or (corner.size and float(corner.max()) > limit):
+    rows_per_chunk = max(1, _SCREEN_CHUNK // dim)
+    magnitudes = np.empty(min(packed.size, rows_per_chunk * dim), dtype=dtype)
+    scaled = np.empty_like(magnitudes)
+    worst = 0.0
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        for a in range(0, dim, rows_per_chunk):
+            b = min(dim, a + rows_per_chunk)
+            start, stop = row_offset(a, dim), row_offset(b, dim)
+            magnitude, part = magnitudes[: stop - start], scaled[: stop - start]
+            np.abs(packed[start:stop], out=magnitude, dtype=dtype)
+            local = np.arange(b - a, dtype=np.int64)
+            starts = local * (dim - a) - local * (local - 1) // 2
+            magnitude[starts] = 0  # the diagonal
+            # an empty row unweighted (a subnormal times a small w_j would round to 0)
+            if rows[a:b].any() and bool(np.any(np.maximum.reduceat(magnitude, starts)[rows[a:b]] > 0)):
+                raise StatisticsRejected(ZERO_ENERGY)
+            np.concatenate([v[i:dim] for i in range(a, b)], out=part)
+            part *= magnitude
+            per_row = np.fmax.reduceat(part, starts)
+            per_row *= v[a:b]
+            worst = max(worst, float(np.fmax.reduce(per_row, initial=0.0)))
+    if worst == math.inf:  # a zero-energy feature with a non-zero entry, or an overflow: say which
+        _check_zero_energy(gram_packed, c, empty)
+    corner = np.abs(c.numpy()) * inv.numpy()[:dim, None] * inv.numpy()[None, dim:]
+    if worst > limit or (corner.size and float(corner.max()) > limit):
         raise StatisticsRejected(
             "an entry breaks Cauchy-Schwarz |J_ij| <= sqrt(J_ii J_jj): class sums too large for G and the counts"
         )

@@ -25,6 +25,7 @@ from .errors import AnalyticInputError
 __all__ = [
     "add_packed_",
     "diagonal_of_packed",
+    "gram_packed_",
     "pack_symmetrised",
     "pack_upper",
     "packed_blocks",
@@ -36,6 +37,7 @@ __all__ = [
 
 _BLOCK_ELEMENTS = 1 << 22  # ~4 M entries per block: 32 MiB of float64, a 4 MiB mask
 _TILE = 256  # square tiles of transposed copies: 512 KiB of float64 each
+_GRAM_ROWS = 64  # rows of G per product block of gram_packed_: 64 × M float64 (1 MiB at M = 2000)
 
 
 def packed_length(dim: int) -> int:
@@ -122,6 +124,44 @@ def _copy_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
         length = dim - a - r
         out[offset : offset + length] = block[r, r:]
         offset += length
+
+
+def _add_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
+    """:func:`_copy_rows`, adding into ``out`` instead of overwriting it."""
+    offset = row_offset(a, dim)
+    for r in range(block.shape[0]):
+        length = dim - a - r
+        out[offset : offset + length] += block[r, r:]
+        offset += length
+
+
+def gram_packed_(out: np.ndarray, phi: Tensor, *, accumulate: bool) -> np.ndarray:
+    """The packed upper triangle of G = ΦᵀΦ written (or, with ``accumulate``, added) into ``out``
+    (1-D, dim(dim+1)/2 entries, any float dtype), straight from the n × dim float64 features.
+
+    Only the upper triangle is computed, one block of rows at a time: G[a:b, a:] = Φ[:, a:b]ᵀ Φ[:, a:]
+    (one ``torch.mm`` into a reused buffer), whose rows go to their packed slices. So each G_ij
+    (i ≤ j) is computed exactly once and G is symmetric by construction (no 0.5·(G + Gᵀ) pass), in
+    half the products of ΦᵀΦ, and no M × M matrix is ever formed (issue 30: a fresh 32 MiB buffer,
+    its symmetrisation and packing were most of a small client's cost at M = 2000)."""
+    if phi.dim() != 2 or phi.dtype != torch.float64 or phi.device.type != "cpu":
+        raise AnalyticInputError(f"gram_packed_ needs 2-D float64 CPU features, got {tuple(phi.shape)} {phi.dtype}")
+    dim = int(phi.shape[1])
+    if out.ndim != 1 or out.shape[0] != packed_length(dim):
+        raise AnalyticInputError(f"packed output has shape {out.shape}, expected ({packed_length(dim)},)")
+    if phi.shape[0] == 0:
+        if not accumulate:
+            out[:] = 0
+        return out
+    write = _add_rows if accumulate else _copy_rows
+    buffer = torch.empty(min(_GRAM_ROWS, dim) * dim, dtype=torch.float64)
+    transposed = phi.T
+    for a in range(0, dim, _GRAM_ROWS):
+        b = min(dim, a + _GRAM_ROWS)
+        block = buffer[: (b - a) * (dim - a)].view(b - a, dim - a)
+        torch.mm(transposed[a:b], phi[:, a:], out=block)
+        write(block.numpy(), a, dim, out)
+    return out
 
 
 def symmetrised(gram: Tensor) -> Tensor:

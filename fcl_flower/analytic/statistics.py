@@ -18,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .errors import AnalyticInputError
-from .packing import pack_symmetrised, symmetrised
+from .packing import gram_packed_, packed_length, unpack_upper
 
 __all__ = ["ClassStatistics", "StatisticsAccumulator", "accumulate_over_stages", "aggregate"]
 
@@ -92,11 +93,16 @@ class ClassStatistics:
 class StatisticsAccumulator:
     """Streaming ΦᵀΦ, ΦᵀY and counts over batches, in float64.
 
-    Memory is O(M² + batch·M): the n × M feature matrix and the n × num_classes one-hot
-    matrix are never formed. ΦᵀY is accumulated with ``index_add_`` (row c of CᵀY += Σ Φ of
+    Memory is O(M² + batch·M): the n × num_classes one-hot matrix is never formed, and G is kept
+    as its packed upper triangle. ΦᵀY is accumulated with ``index_add_`` (row c of CᵀY += Σ Φ of
     class c, on contiguous rows: ~50x faster than adding strided columns of C) instead of
-    multiplying by a one-hot matrix. G += ΦᵀΦ runs at 85-95 % of the machine's float64 matmul
-    peak even for 64-row batches (experiments/bench_gram_throughput.py).
+    multiplying by a one-hot matrix.
+
+    G: feature rows are buffered (up to ``max(M // 2, 256)`` of them, no more memory than the packed
+    G) and folded into the packed float64 upper triangle in blocks (packing.gram_packed_: each
+    G_ij, i ≤ j, computed once, so G is symmetric by construction). A client with fewer rows than
+    that (the usual case) never folds: :meth:`packed_gram` computes its upload straight into the
+    wire dtype from the buffered rows, with no M × M matrix and no float64 copy of the upload.
     """
 
     def __init__(self, rf_dim: int, num_classes: int, with_gram: bool = True) -> None:
@@ -107,10 +113,10 @@ class StatisticsAccumulator:
         self.rf_dim = rf_dim
         self.num_classes = num_classes
         self.with_gram = with_gram
-        # allocated without zeroing: the first batch writes ΦᵀΦ into it (the same numbers as adding
-        # ΦᵀΦ to zeros, one M² pass fewer, which is most of a small client's cost at large M)
-        self._gram = torch.empty(rf_dim, rf_dim, dtype=torch.float64) if with_gram else None
-        self._gram_written = False
+        self._rows: list[Tensor] = []  # feature rows not yet folded into G
+        self._buffered = 0
+        self._fold_rows = max(rf_dim // 2, 256)
+        self._packed: np.ndarray | None = None  # the folded part of G: packed upper triangle, float64
         self._class_sums_t = torch.zeros(num_classes, rf_dim, dtype=torch.float64)  # Cᵀ: rows are contiguous
         self._counts = torch.zeros(num_classes, dtype=torch.int64)
         self._num_samples = 0
@@ -130,36 +136,47 @@ class StatisticsAccumulator:
         if low < 0 or high >= self.num_classes:
             raise AnalyticInputError(f"labels must lie in [0, {self.num_classes - 1}], got range [{low}, {high}]")
         phi = phi_batch.to(device="cpu", dtype=torch.float64)
-        if self._gram is not None and self._gram_written:
-            self._gram.addmm_(phi.T, phi)
-        elif self._gram is not None:
-            torch.mm(phi.T, phi, out=self._gram)
-            self._gram_written = True
+        if self.with_gram:
+            # a copy: the caller may reuse its batch tensor before G is computed
+            self._rows.append(phi.clone() if phi.data_ptr() == phi_batch.data_ptr() else phi)
+            self._buffered += int(phi.shape[0])
+            if self._buffered >= self._fold_rows:
+                self._fold()
         self._class_sums_t.index_add_(0, labels, phi)
         self._counts += torch.bincount(labels, minlength=self.num_classes)
         self._num_samples += int(phi.shape[0])
 
-    def packed_gram(self, dtype: torch.dtype = torch.float64) -> Tensor:
-        """The upload form of G: the packed upper triangle of 0.5·(G + Gᵀ) (the same numbers as
-        ``pack_upper(result().gram)``), built straight from the accumulator in ``dtype`` without
-        forming the symmetrised M × M matrix (packing.pack_symmetrised)."""
-        if self._gram is None:
-            raise AnalyticInputError("this accumulator has no Gram matrix (with_gram=False)")
-        return pack_symmetrised(self._written_gram(), dtype)
+    def _buffered_rows(self) -> Tensor:
+        rows = self._rows[0] if len(self._rows) == 1 else torch.cat(self._rows)
+        self._rows = [rows]
+        return rows
 
-    def _written_gram(self) -> Tensor:
-        """G so far (zero before the first batch)."""
-        assert self._gram is not None
-        if not self._gram_written:
-            self._gram.zero_()
-            self._gram_written = True
-        return self._gram
+    def _fold(self) -> np.ndarray:
+        """Add the buffered rows' G to the packed float64 G; returns it."""
+        if self._packed is None:
+            self._packed = np.zeros(packed_length(self.rf_dim), dtype=np.float64)
+        if self._rows:
+            gram_packed_(self._packed, self._buffered_rows(), accumulate=True)
+            self._rows, self._buffered = [], 0
+        return self._packed
+
+    def packed_gram(self, dtype: torch.dtype = torch.float64) -> Tensor:
+        """The upload form of G: its packed upper triangle in ``dtype`` (the same numbers as
+        ``pack_upper(result().gram)``, each rounded once to ``dtype``). Without an earlier fold it
+        is computed straight into ``dtype`` from the buffered rows."""
+        if not self.with_gram:
+            raise AnalyticInputError("this accumulator has no Gram matrix (with_gram=False)")
+        if self._packed is None and dtype != torch.float64:
+            out = torch.empty(packed_length(self.rf_dim), dtype=dtype)
+            rows = self._buffered_rows() if self._rows else torch.zeros(0, self.rf_dim, dtype=torch.float64)
+            gram_packed_(out.numpy(), rows, accumulate=False)
+            return out
+        return torch.from_numpy(self._fold()).to(dtype, copy=True)
 
     def result(self, with_gram: bool = True) -> ClassStatistics:
-        """Copy of the statistics so far; G is symmetrised to remove BLAS rounding asymmetry
-        (``with_gram=False``: without G, e.g. after :meth:`packed_gram`)."""
-        gram = None if self._gram is None or not with_gram else self._written_gram()
-        gram = None if gram is None else symmetrised(gram)
+        """Copy of the statistics so far (``with_gram=False``: without G, e.g. after
+        :meth:`packed_gram`)."""
+        gram = unpack_upper(torch.from_numpy(self._fold()), self.rf_dim) if self.with_gram and with_gram else None
         return ClassStatistics(
             gram=gram,
             class_sums=self._class_sums_t.T.contiguous(),
