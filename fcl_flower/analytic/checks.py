@@ -85,7 +85,7 @@ import torch
 from torch import Tensor
 
 from .factor import factor_gram, factor_max_rows
-from .packing import diagonal_of_packed, pack_upper, packed_blocks, row_offset
+from .packing import diagonal_of_packed, pack_upper, row_offset
 
 MAGNITUDE_LIMIT = 1e150  # entries beyond this could overflow float64 in sums of squares (1e300 < 1.8e308)
 FALSE_REJECTION = 1e-9  # chance that the noise alone makes an honest upload fail a check (all checks together)
@@ -557,6 +557,7 @@ FLOAT32_EPSILON = 2.0**-24  # wire_epsilon(torch.float32): uploads this coarse m
 
 
 _SCREEN_CHUNK = 1 << 18  # packed entries per pass of the O(M²) screens (1 MiB of float32)
+_FACTOR_ROWS = 256  # rows of J per block while the PSD test builds it
 
 
 def _low(tensor: Tensor) -> float:
@@ -604,15 +605,25 @@ ZERO_ENERGY = "a feature or class with zero energy has non-zero sums"
 def _scaled_blocks(
     gram_packed: Tensor, c: Tensor, inv: Tensor, lift: float, slack_rel: float, dtype: np.dtype[Any]
 ) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
-    """(a, b, R[a:b, a:M], R[a:b, M:]) of R = D^{-1/2} (J + lift·I) D^{-1/2}, one block of rows at
-    a time in ``dtype`` (lower-triangle positions of the first block are zero), after checking
-    Cauchy–Schwarz |R_ij| <= 1 + slack_rel on it."""
+    """(a, b, R[a:b, a:M], R[a:b, M:]) of R = D^{-1/2} (J + lift·I) D^{-1/2}, one block of
+    ``_FACTOR_ROWS`` rows at a time in ``dtype`` (lower-triangle positions of the block are zero;
+    the block is a view of one reused buffer, valid until the next), after checking
+    Cauchy–Schwarz |R_ij| <= 1 + slack_rel on it. Rows are copied from their packed slices (a
+    boolean-mask scatter of the whole triangle, as before, was most of the certificate's cost
+    beside the factorisation)."""
     dim = int(c.shape[0])
     limit = 1.0 + slack_rel + 1e-12
     packed, sums, w = gram_packed.numpy(), c.numpy(), inv.numpy().astype(dtype)
-    for a, b, mask in packed_blocks(dim):
-        block = np.zeros(mask.shape, dtype=dtype)
-        block[mask] = packed[row_offset(a, dim) : row_offset(b, dim)]
+    scratch = np.empty(min(_FACTOR_ROWS, max(dim, 1)) * dim, dtype=dtype)
+    for a in range(0, dim, _FACTOR_ROWS):
+        b = min(dim, a + _FACTOR_ROWS)
+        block = scratch[: (b - a) * (dim - a)].reshape(b - a, dim - a)
+        offset = row_offset(a, dim)
+        for r in range(b - a):
+            length = dim - a - r
+            block[r, :r] = 0.0
+            block[r, r:] = packed[offset : offset + length]
+            offset += length
         rows = np.arange(b - a)
         block[rows, rows] += lift
         block *= w[None, a:dim]
