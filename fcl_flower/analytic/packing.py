@@ -154,7 +154,7 @@ def gram_packed_(out: np.ndarray, phi: Tensor, *, accumulate: bool) -> np.ndarra
             out[:] = 0
         return out
     write = _add_rows if accumulate else _copy_rows
-    buffer = torch.empty(min(_GRAM_ROWS, dim) * dim, dtype=torch.float64)
+    buffer = torch.empty(min(_GRAM_ROWS, dim) * dim, dtype=torch.float64, device="cpu")
     transposed = phi.T
     for a in range(0, dim, _GRAM_ROWS):
         b = min(dim, a + _GRAM_ROWS)
@@ -189,16 +189,19 @@ def unpack_upper(packed: Tensor, dim: int) -> Tensor:
     how the server rejects a truncated or mis-sized upload.
     """
     _check_packed(packed, dim)
-    out = torch.zeros(dim, dim, dtype=packed.dtype, device=packed.device)
     if packed.device.type != "cpu":  # another device (CUDA, meta): row by row, where the input lives
+        out = torch.zeros(dim, dim, dtype=packed.dtype, device=packed.device)
         offset = 0
         for row in range(dim):
             out[row, row:] = packed[offset : offset + dim - row]
             offset += dim - row
         return out + torch.triu(out, diagonal=1).T
+    out = torch.empty(dim, dim, dtype=packed.dtype, device="cpu")  # every entry written: upper rows, then their mirror
     o, p = out.numpy(), _np(packed)
-    for a, b, mask in packed_blocks(dim):
-        o[a:b, a:][mask] = p[row_offset(a, dim) : row_offset(b, dim)]
+    offset = 0
+    for row in range(dim):  # one contiguous slice per row (a boolean-mask scatter is several times slower)
+        o[row, row:] = p[offset : offset + dim - row]
+        offset += dim - row
     _mirror_upper(o)
     return out
 

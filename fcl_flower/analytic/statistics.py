@@ -167,8 +167,10 @@ class StatisticsAccumulator:
         if not self.with_gram:
             raise AnalyticInputError("this accumulator has no Gram matrix (with_gram=False)")
         if self._packed is None and dtype != torch.float64:
-            out = torch.empty(packed_length(self.rf_dim), dtype=dtype)
-            rows = self._buffered_rows() if self._rows else torch.zeros(0, self.rf_dim, dtype=torch.float64)
+            out = torch.empty(packed_length(self.rf_dim), dtype=dtype, device="cpu")
+            rows = (
+                self._buffered_rows() if self._rows else torch.zeros(0, self.rf_dim, dtype=torch.float64, device="cpu")
+            )
             gram_packed_(out.numpy(), rows, accumulate=False)
             return out
         return torch.from_numpy(self._fold()).to(dtype, copy=True)
