@@ -10,8 +10,8 @@ so every stage is exactly one statistics round + solve + evaluation), fixed ridg
 
 * ``floor``: the same math done directly in plain torch (features, per-client G_k = ΦᵀΦ and
   C_k, their sum, one Cholesky solve, predict): what any implementation has to do;
-* ``direct``: the project's own functions as plain calls (StatisticsAccumulator, solve_ridge,
-  predict), no messages;
+* ``direct``: the project's own functions as plain calls (StatisticsAccumulator and its packed G
+  added into the running G, solve_ridge, predict), no messages;
 * ``direct + upload checks``: the same, plus what the server must do with every upload however it
   travels: the client packs G's upper triangle in the wire dtype, the server screens it
   (``check_counts``, ``screen_packed_statistics``: O(M²)) and adds it to a packed float64 running
@@ -133,9 +133,9 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
             data = split.client_train(task, client, eval_transform=True)
             for features, y in iter_features(model, data, cfg, device):
                 acc.update(random_features(features, projection), y - classes.start)
-            if packed_sum is None:
-                stats = acc.result()
-                gram += stats.gram
+            if packed_sum is None:  # G as the server adds it: the packed upper triangle into its running G
+                add_packed_(gram, acc.packed_gram())
+                stats = acc.result(with_gram=False)
             else:
                 packed = acc.packed_gram(wire)
                 stats = acc.result(with_gram=False)

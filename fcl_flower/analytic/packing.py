@@ -215,9 +215,10 @@ def add_packed_(gram: Tensor, packed: Tensor) -> Tensor:
     if gram.device.type != "cpu" or packed.device.type != "cpu":
         return gram.add_(unpack_upper(packed, dim).to(gram.device))
     g, p = _np(gram), _np(packed)
-    for a, b, mask in packed_blocks(dim):
-        rows = g[a:b, a:]
-        rows[mask] += p[row_offset(a, dim) : row_offset(b, dim)]
+    offset = 0
+    for row in range(dim):  # one contiguous slice per row (a boolean-mask gather is several times slower)
+        g[row, row:] += p[offset : offset + dim - row]
+        offset += dim - row
     _mirror_upper(g)
     return gram
 
