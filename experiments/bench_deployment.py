@@ -111,7 +111,8 @@ print(json.dumps({"flwr_runtime": span(t0, t1), "clients_app": span(t1, t2), "ha
 
 # ------------------------------------------------------------------------------ Flower's floor
 # A minimal Flower app (issue 32), written next to the run by write_floor_app: the ClientApp imports
-# only flwr and replies at once; the ServerApp sends one ``query`` message per node per round and
+# only flwr and replies at once; the ServerApp sends one ``query`` message per node per round (and
+# pulls the replies as the project's ServerApp does, strategies/stream.py) and
 # writes each round's seconds by its own clock (as the project's results.json does) to the run
 # config's ``out``. A round of it is what any app pays on this federation: Flower's floor, against
 # which the project's rounds are measured, on the same SuperLink and SuperNodes, runs alternating.
@@ -176,6 +177,22 @@ def online(grid: Grid, count: int, timeout: float = 120.0) -> list[int]:
         time.sleep(0.2)
 
 
+def exchange(grid: Grid, asks: list, timeout: float = 600.0) -> list:
+    """Push, then pull as replies come (2 ms doubling to 0.1 s between pulls): what the project's
+    ServerApp does (strategies/stream.py), not send_and_receive's 3 s poll of the SuperLink."""
+    pending = list(grid.push_messages(asks))
+    replies, wait, deadline = [], 0.002, time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        got = list(grid.pull_messages(pending))
+        done = {m.metadata.reply_to_message_id for m in got}
+        replies += got
+        pending = [m for m in pending if m not in done]
+        wait = 0.002 if got else min(2 * wait, 0.1)
+        if pending:
+            time.sleep(wait)
+    return replies
+
+
 def write(path: str, record: dict) -> None:
     with open(path + ".tmp", "w") as file:
         json.dump(record, file)
@@ -193,7 +210,7 @@ def main(grid: Grid, context: Context) -> None:
             Message(RecordDict({"ask": ConfigRecord({"round": server_round})}), dst_node_id=node, message_type="query")
             for node in nodes
         ]
-        replies = list(grid.send_and_receive(asks, timeout=600.0))
+        replies = exchange(grid, asks)
         seconds = time.perf_counter() - began
         answered = sorted(
             m.metadata.src_node_id
