@@ -70,7 +70,9 @@ def test_messages_without_a_model_never_import_torch(tmp_path: Path) -> None:
 
 
 def test_the_clientapp_imports_no_torch() -> None:
-    loaded = _modules_after("import clients.app, clients.secure, clients.node_data, fcl_flower.protocol")
+    loaded = _modules_after(
+        "import clients.app, clients.secure, clients.node_data, fcl_flower.protocol, fcl_flower.data.plan"
+    )  # the plan: what a custom-dataset run's instruction is checked against at parse
     assert "torch" not in loaded and "fcl_flower.protocol.payloads" not in loaded
 
 
