@@ -6,7 +6,9 @@ steps of a secure statistics round (clients/secure.py), ``query.info`` which cli
 serves, ``evaluate`` the federated evaluation after each stage (clients/evaluate.py). Every message
 is parsed into its typed instruction (fcl_flower/protocol); the handler of the instruction's
 phase comes from the method's registry entry and is imported only when first needed, so a
-process that answers a statistics message never imports the training code. Raw samples never
+process that answers a statistics message never imports the training code, and one that answers
+a message without a model (``query.info``, ``query.keys``, ``query.shares``, ``query.unmask``)
+never imports torch (the protocol is NumPy only; tests/test_client_startup.py). Raw samples never
 leave this process: handlers reply with model weights or aggregate statistics only.
 
 Nor does anything about this machine's files: a failure that involves the site's own files or
@@ -96,9 +98,9 @@ def handle(message: Message, context: Context) -> Message:
 def _handle(message: Message, context: Context) -> Message:
     ins = parse_instruction(message)
     if isinstance(ins, InfoIns):
-        from clients.node_data import node_data
+        from clients.node_data import node_partition
 
-        reply: Reply = InfoRes(ins.header, node_data(context.node_config, ins.config).partition, 0)
+        reply: Reply = InfoRes(ins.header, node_partition(context.node_config, ins.config), 0)
     elif isinstance(ins, (KeysIns, SharesIns, UnmaskIns)):
         from clients import secure
 

@@ -15,8 +15,9 @@ from clients.job import ClientJob
 from fcl_flower import methods
 from fcl_flower.analytic import random_projection
 from fcl_flower.metrics import class_counts
-from fcl_flower.protocol import EvaluateIns, EvaluateRes, ProtocolError, from_record, to_record
+from fcl_flower.protocol import EvaluateIns, EvaluateRes, ProtocolError, to_record
 from fcl_flower.runtime import predict_logits, predict_ridge
+from fcl_flower.tensors import record_tensors
 
 
 def handle_evaluate(job: ClientJob) -> EvaluateRes:
@@ -31,7 +32,7 @@ def handle_evaluate(job: ClientJob) -> EvaluateRes:
     else:
         preds, labels = predict_logits(job.model, test, cfg, job.device, num_seen)
     correct, total = class_counts(preds.numpy(), labels.numpy(), num_seen)
-    counts = to_record({"correct": torch.from_numpy(correct), "total": torch.from_numpy(total)})
+    counts = to_record({"correct": correct, "total": total})
     return EvaluateRes(ins.header, job.partition, int(total.sum()), counts=counts)
 
 
@@ -39,7 +40,7 @@ def _ridge_weights(ins: EvaluateIns, projection: torch.Tensor | None, feature_di
     """W from the server, shape-checked: (M, num_seen) with M the random-feature dimension."""
     if ins.ridge is None:
         return None  # no classifier yet (a failed first stage): every prediction is class 0
-    arrays = from_record(ins.ridge)
+    arrays = record_tensors(ins.ridge)
     if set(arrays) != {"weights"}:
         raise ProtocolError("the ridge record must hold exactly 'weights'")
     weights = arrays["weights"].to(torch.float64)

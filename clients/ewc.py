@@ -20,8 +20,9 @@ from clients.lwf import new_task_ce_from, server_arrays
 from fcl_flower.fcl.ewc import diagonal_fisher, ewc_penalty, trainable_parameters
 from fcl_flower.fcl.training import ExtraLoss
 from fcl_flower.models import IncrementalClassifier
-from fcl_flower.protocol import StatsRes, TrainRes, cast_for_wire, to_record
+from fcl_flower.protocol import StatsRes, TrainRes
 from fcl_flower.runtime import make_loader
+from fcl_flower.tensors import cast_for_wire, tensor_record
 
 
 def ewc_extra_loss(
@@ -59,5 +60,5 @@ def local_fisher(job: ClientJob) -> dict[str, torch.Tensor]:
 
 def handle_fisher(job: ClientJob) -> StatsRes:
     fisher = local_fisher(job)
-    arrays = to_record({k: cast_for_wire(v, job.cfg.wire_dtype) for k, v in fisher.items()})
+    arrays = tensor_record({k: cast_for_wire(v, job.cfg.wire_dtype) for k, v in fisher.items()})
     return job.stats_reply(len(job.local_data(eval_transform=True)), arrays=arrays)

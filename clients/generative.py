@@ -20,8 +20,9 @@ from torch import Tensor
 from clients.job import ClientJob
 from fcl_flower.fcl.generative import augment, cycle_batches, from_pool, replay_augment
 from fcl_flower.models import IncrementalClassifier
-from fcl_flower.protocol import ProtocolError, TrainIns, from_record
+from fcl_flower.protocol import ProtocolError, TrainIns
 from fcl_flower.runtime import make_loader
+from fcl_flower.tensors import record_tensors
 
 # batch_loss(model, images, labels, synthetic images or None) -> {"loss": total, <term>: value, ...}
 BatchLoss = Callable[[IncrementalClassifier, Tensor, Tensor, Tensor | None], dict[str, Tensor]]
@@ -39,7 +40,7 @@ def synthetic_pool(job: ClientJob) -> Tensor:
     record = job.ins.synthetic if isinstance(job.ins, TrainIns) else None
     if record is None:
         raise ProtocolError(f"phase '{job.ins.header.phase}' needs the server's synthetic images")
-    pool = from_record(record).get("images")
+    pool = record_tensors(record).get("images")
     channels, height, width = job.data.shape.image_shape
     if pool is None or pool.dtype != torch.uint8 or tuple(pool.shape[1:]) != (height, width, channels) or not len(pool):
         raise ProtocolError(f"synthetic images must be uint8 (N>0, {height}, {width}, {channels})")

@@ -20,8 +20,8 @@ from clients.node_data import DatasetShape, NodeData, OwnSplit, PartitionData, n
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit, LabelledDataset
 from fcl_flower.models import IncrementalClassifier, load_trainable_state, trainable_state
-from fcl_flower.protocol import EvaluateIns, StatsIns, StatsRes, TrainIns, TrainRes, to_record
-from fcl_flower.protocol.arrays import view_record
+from fcl_flower.protocol import EvaluateIns, StatsIns, StatsRes, TrainIns, TrainRes
+from fcl_flower.tensors import record_views, tensor_record
 
 
 @dataclass
@@ -84,7 +84,7 @@ class ClientJob:
             self.ins.header,
             self.partition,
             int(num_examples),
-            model=to_record(trainable_state(self.model)),
+            model=tensor_record(trainable_state(self.model)),
             loss=float(loss),
             **reports,
         )
@@ -106,5 +106,5 @@ def make_job(ins: TrainIns | StatsIns | EvaluateIns, context: Context) -> Client
     data = node_data(context.node_config, ins.config)
     model = _cached_model(ins.config, data.shape)
     if len(ins.model):
-        load_trainable_state(model, view_record(ins.model))  # copied into the model: views suffice
+        load_trainable_state(model, record_views(ins.model))  # copied into the model: views suffice
     return ClientJob(ins=ins, data=data, model=model, device=resolve_device(ins.config), context=context)

@@ -41,9 +41,10 @@ from fcl_flower.fcl.lga_proxy import (
     prototype_indices,
 )
 from fcl_flower.fcl.training import seeded_global_rng
-from fcl_flower.protocol import LGAReport, TrainRes, from_record
+from fcl_flower.protocol import LGAReport, TrainRes
 from fcl_flower.protocol.payloads import prototype_record
 from fcl_flower.runtime import iter_features
+from fcl_flower.tensors import record_tensors
 
 MEMORY_STATE = "lga-memory"
 TEACHER_STATE = "lga-teacher"
@@ -125,7 +126,7 @@ def handle_lga(job: ClientJob) -> TrainRes:
     if task > 0:
         if TEACHER_STATE not in state.array_records or int(meta.get("teacher-task", -1)) != task:
             raise MissingOldModel(f"LGA task {task}: no old model from the server for this task")
-        teacher = frozen_teacher(job.model, from_record(state.array_records[TEACHER_STATE]), job.device)
+        teacher = frozen_teacher(job.model, record_tensors(state.array_records[TEACHER_STATE]), job.device)
 
     exemplars = exemplar_datasets(job, memory, eval_transform=False)
     datasets = ([current] if len(current) else []) + list(exemplars.values())

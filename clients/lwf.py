@@ -26,7 +26,8 @@ from clients.job import ClientJob
 from fcl_flower.fcl.distill import frozen_teacher, kd_loss
 from fcl_flower.fcl.training import ExtraLoss
 from fcl_flower.models import IncrementalClassifier
-from fcl_flower.protocol import ProtocolError, TrainIns, TrainRes, from_record
+from fcl_flower.protocol import ProtocolError, TrainIns, TrainRes
+from fcl_flower.tensors import record_tensors
 
 NEW_CLASSES_ONLY_CE = True  # the new task's cross-entropy covers its own classes only
 
@@ -36,7 +37,7 @@ def server_arrays(job: ClientJob, attribute: str) -> dict[str, torch.Tensor]:
     record: ArrayRecord | None = getattr(job.ins, attribute, None) if isinstance(job.ins, TrainIns) else None
     if record is None:
         raise ProtocolError(f"phase '{job.ins.header.phase}' needs the server's '{attribute}' arrays")
-    return from_record(record)
+    return record_tensors(record)
 
 
 def new_task_ce_from(job: ClientJob) -> int:

@@ -29,7 +29,7 @@ def load_memory(state: RecordDict, key: str, memory_size: int) -> ExemplarMemory
 
 
 def save_memory(state: RecordDict, key: str, memory: ExemplarMemory) -> None:
-    state.array_records[key] = to_record({k: torch.from_numpy(v) for k, v in memory.to_state().items()})
+    state.array_records[key] = to_record(memory.to_state())
 
 
 def load_meta(state: RecordDict, key: str) -> dict[str, float]:

@@ -18,7 +18,10 @@ image folders, a manifest or a Hugging Face ``datasets`` folder, and ``partition
 client id (clients/own_data.py; recipe in docs/own_data.md).
 
 Either way a client handler sees one interface, :class:`NodeData`: the task layout, the shape
-of the model's input and output, and ``train(task)`` -- its own samples of that task.
+of the model's input and output, and ``train(task)`` -- its own samples of that task. A message
+that only needs to know which client this node serves (``query.info`` and the key, share and
+unmask steps of a secure round) asks :func:`node_partition`, which reads the node config and a
+client folder's ``meta.json`` and opens no samples (and imports no torch, issue 32).
 """
 
 from __future__ import annotations
@@ -28,15 +31,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from fcl_flower.config import RunConfig
-from fcl_flower.data import FederatedSplit, LabelledDataset
 from fcl_flower.data.array_cache import CACHE_DIR, cached_arrays, source_key
-from fcl_flower.data.federated import PROTOCOL_ARGS
-from fcl_flower.data.labelled import Transform
+from fcl_flower.data.paper_partitions import PROTOCOL_ARGS
+
+if TYPE_CHECKING:  # the datasets import torch: a message that only asks which client this is does not
+    from fcl_flower.data import FederatedSplit, LabelledDataset
+    from fcl_flower.data.labelled import Transform
 
 FORMAT = "fcl-flower-client-data/1"
 META_FILE = "meta.json"
@@ -169,14 +174,18 @@ class FolderData:
 
     def check_matches(self, cfg: RunConfig) -> None:
         """Refuse a run whose split settings differ from those the folder was exported with."""
-        wanted, defaults = cfg.to_mapping(), RunConfig().to_mapping()
-        exported = {k: self.meta.get(k, defaults[k]) for k in SPLIT_KEYS}  # older folders lack newer keys
-        changed = [f"{k} (folder {exported[k]!r}, run {wanted[k]!r})" for k in SPLIT_KEYS if exported[k] != wanted[k]]
-        if changed:
-            raise NodeConfigError(
-                f"client folder {self.folder} was exported for another split: {', '.join(changed)}; "
-                "re-run experiments/export_partitions.py with the run's settings"
-            )
+        _check_meta(self.folder, self.meta, cfg)
+
+
+def _check_meta(folder: Path, meta: Mapping[str, Any], cfg: RunConfig) -> None:
+    wanted, defaults = cfg.to_mapping(), RunConfig().to_mapping()
+    exported = {k: meta.get(k, defaults[k]) for k in SPLIT_KEYS}  # older folders lack newer keys
+    changed = [f"{k} (folder {exported[k]!r}, run {wanted[k]!r})" for k in SPLIT_KEYS if exported[k] != wanted[k]]
+    if changed:
+        raise NodeConfigError(
+            f"client folder {folder} was exported for another split: {', '.join(changed)}; "
+            "re-run experiments/export_partitions.py with the run's settings"
+        )
 
 
 class OwnSplit:
@@ -214,15 +223,22 @@ def load_folder(folder: str | Path) -> FolderData:
     return _load_folder(str(path), meta_path.stat().st_mtime_ns)
 
 
-@lru_cache(maxsize=4)
-def _load_folder(path: str, _mtime: int) -> FolderData:
-    folder = Path(path)
+def _read_meta(folder: Path) -> dict[str, Any]:
     try:
         meta = json.loads((folder / META_FILE).read_text())
     except (OSError, ValueError) as exc:
         raise NodeConfigError(f"cannot read {folder / META_FILE}: {exc}") from None
-    if meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise NodeConfigError(f"{folder / META_FILE} is not a client folder of format {FORMAT}")
+    return meta
+
+
+@lru_cache(maxsize=4)
+def _load_folder(path: str, _mtime: int) -> FolderData:
+    from fcl_flower.data import LabelledDataset
+
+    folder = Path(path)
+    meta = _read_meta(folder)
     try:
         c, h, w = (int(v) for v in meta["image-shape"])
         shape = DatasetShape(str(meta["dataset"]), int(meta["num-classes"]), (c, h, w))
@@ -292,6 +308,34 @@ def transforms_for(dataset: str, image_size: int | None) -> tuple[Transform | No
 
 
 # ---------------------------------------------------------------------------- entry point
+def node_partition(node_config: Mapping[str, Any], cfg: RunConfig) -> int:
+    """Which client (partition) this node serves, with :func:`node_data`'s checks of the node
+    config and of a client folder's ``meta.json`` against the run, but without opening a sample
+    (no dataset, no torch): what ``query.info`` and the key, share and unmask steps of a secure
+    round answer with. A custom dataset (its site's own images) goes through :func:`node_data`."""
+    node_config = getattr(node_config, "node_config", node_config)  # a flwr Context works too
+    if cfg.dataset == "custom":
+        return node_data(node_config, cfg).partition
+    if "data-dir" not in node_config:
+        return partition_of(node_config, cfg.num_clients)
+    folder = Path(str(node_config["data-dir"])).expanduser().resolve()
+    if not (folder / META_FILE).is_file():
+        raise NodeConfigError(f"data-dir {folder} has no {META_FILE}; write it with experiments/export_partitions.py")
+    meta = _read_meta(folder)
+    _check_meta(folder, meta, cfg)
+    try:
+        partition = int(meta["partition-id"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise NodeConfigError(
+            f"{folder / META_FILE} is incomplete or malformed ({type(exc).__name__}: {exc})"
+        ) from None
+    if "partition-id" in node_config and partition_of(node_config, cfg.num_clients) != partition:
+        raise NodeConfigError(
+            f"node config says partition-id={node_config['partition-id']} but {folder} holds partition {partition}"
+        )
+    return partition
+
+
 def node_data(node_config: Mapping[str, Any], cfg: RunConfig) -> NodeData:
     """This node's data, from its node config: its own images under ``dataset = custom``, else
     ``data-dir`` if given, else the partition spec."""

@@ -27,21 +27,19 @@ key, which would open the dealer's real bundle to a server that altered what it 
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from flwr.app import ConfigRecord, Context
 from flwr.app.typing import ConfigRecordValues
 
-from clients.job import ClientJob
 from clients.ledger import FEDERATION_KEY, Key, Ledger, input_digest, ledger_folder, train_ledger_key
-from clients.node_data import NodeConfigError, node_data
+from clients.node_data import NodeConfigError, node_partition
 from fcl_flower.config import RunConfig
-from fcl_flower.models import trainable_state
 from fcl_flower.privacy.secagg import (
     SecureAggregationError,
     check_unmask_request,
@@ -60,7 +58,6 @@ from fcl_flower.privacy.secagg import (
     verify_view,
     view_context,
 )
-from fcl_flower.privacy.secure_fedavg import COUNT, WEIGHTS, upload_vector
 from fcl_flower.protocol import (
     Header,
     KeysIns,
@@ -75,7 +72,11 @@ from fcl_flower.protocol import (
     UnmaskIns,
     UnmaskRes,
 )
-from fcl_flower.protocol.payloads import MaskedFedAvgState
+
+if TYPE_CHECKING:  # the masked upload's side (a model, torch); keys, shares and unmask import none of it
+    import torch
+
+    from clients.job import ClientJob
 
 STATE_RECORD = "secagg"  # context.state record of this node's secrets of the current secure round
 SIGNING_KEY, TRUSTED_KEYS = "secagg-signing-key", "secagg-trusted-keys"  # node-config keys (signed-keys mode)
@@ -154,7 +155,7 @@ def handle_keys(ins: KeysIns, context: Context) -> KeysRes:
     context.state.config_records[STATE_RECORD] = ConfigRecord(
         {"round": _round_id(ins.header), "c-private": c_private, "s-private": s_private}
     )
-    partition = node_data(context.node_config, ins.config).partition
+    partition = node_partition(context.node_config, ins.config)
     return KeysRes(ins.header, partition, 0, keys=PublicKeys(c_public, s_public, signer, signature))
 
 
@@ -217,7 +218,7 @@ def handle_shares(ins: SharesIns, context: Context) -> SharesRes:
     )
     state["seed"] = seed
     state["round-nodes"] = sorted(ins.keys)
-    partition = node_data(context.node_config, cfg).partition
+    partition = node_partition(context.node_config, cfg)
     return SharesRes(
         ins.header, partition, 0, shares=dealt.bundles, commitments=dealt.commitments, secrets=dealt.secrets
     )
@@ -334,7 +335,8 @@ def masked_upload(
 
 
 def _float64(values: torch.Tensor | np.ndarray) -> np.ndarray:
-    if isinstance(values, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor implies torch is loaded; never import it for this
+    if torch is not None and isinstance(values, torch.Tensor):
         return values.detach().cpu().double().numpy()
     return np.asarray(values, dtype=np.float64)
 
@@ -344,6 +346,10 @@ def masked_train_reply(job: ClientJob, num_examples: int) -> TrainRes:
     the fixed-point vector of (n_k · w_k, n_k) (fcl_flower/privacy/secure_fedavg.py); the reply's
     ``num-examples`` and ``train-loss`` are 0. The node's ledger knows the round by its own key
     (never an analytic stage's) and, in signed-keys mode, the upload by its digest."""
+    from fcl_flower.models import trainable_state
+    from fcl_flower.privacy.secure_fedavg import COUNT, WEIGHTS, upload_vector
+    from fcl_flower.protocol.payloads import MaskedFedAvgState
+
     ins = job.ins
     assert isinstance(ins, TrainIns) and ins.secagg is not None
     vector = upload_vector(trainable_state(job.model), num_examples, job.cfg.weighted_fedavg)
@@ -407,7 +413,7 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
     # the set the sum is opened over is the survivors': each input is opened over one such set only
     node_ledger(context, signed).record(ins.header.run_id, tasks, ins.survivors, digests)
     del context.state.config_records[STATE_RECORD]  # nothing of the round stays on the node
-    partition = node_data(context.node_config, ins.config).partition
+    partition = node_partition(context.node_config, ins.config)
     return UnmaskRes(
         ins.header,
         partition,

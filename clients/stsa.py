@@ -47,9 +47,10 @@ from fcl_flower.analytic import StatisticsAccumulator, random_features
 from fcl_flower.analytic.factor import factor_is_smaller, rotated_factor
 from fcl_flower.privacy.disclosure import per_class_counts
 from fcl_flower.privacy.noise import noise_generator, secure_share
-from fcl_flower.protocol import WIRE_DTYPES, SecAggRound, StatsIns, StatsRes
+from fcl_flower.protocol import SecAggRound, StatsIns, StatsRes
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaFactorStats, StsaStats
 from fcl_flower.runtime import iter_features
+from fcl_flower.tensors import WIRE_DTYPES
 
 ROTATION_STREAM = 2  # the seeded generator key of a factor upload's rotation (0, 1: the noise's streams)
 

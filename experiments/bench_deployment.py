@@ -25,6 +25,15 @@ the evaluation). The JSON (experiments/results/bench_deployment.json) holds ever
 stage, the machine and the load average before and after; the table prints medians and maxima.
 Targets (issue 16, 3 SuperNodes, 2 cores): analytic stage <= 3 s, FedAvg round <= 3 s.
 
+Flower's floor (issue 32): the same federation also runs a minimal Flower app written by this
+script (:data:`FLOOR_CLIENT`: a ClientApp that imports only flwr and replies at once;
+:data:`FLOOR_SERVER`: one ``query`` message per node per round, timed by the server's clock), with
+as many rounds as the project's run, alternating with it -- floor, project, floor, project, ...,
+``--repeats`` (default 3) of each. The JSON records the floor's rounds (``floor``), the ratios of
+the project's medians to the floor's median round (``ratios_to_floor``) and the load average
+before and after every run. The run is watched through the Control API from this process
+(deploy/local_federation.py ``wait_run``), never by a ``flwr`` CLI process while rounds are timed.
+
 Paper-size uploads (issue 16 item 3): ``--wire-dtype float32 float64`` runs the federation once
 per wire dtype (each a fresh SuperLink and SuperNodes), e.g.::
 
@@ -98,6 +107,150 @@ span = lambda a, b: [b[0] - a[0], b[1] - a[1]]
 print(json.dumps({"flwr_runtime": span(t0, t1), "clients_app": span(t1, t2), "handle": span(t2, t3),
                   "total": span(t0, t3), "peak_rss_mib": peak}))
 """
+
+
+# ------------------------------------------------------------------------------ Flower's floor
+# A minimal Flower app (issue 32), written next to the run by write_floor_app: the ClientApp imports
+# only flwr and replies at once; the ServerApp sends one ``query`` message per node per round (and
+# pulls the replies as the project's ServerApp does, strategies/stream.py) and
+# writes each round's seconds by its own clock (as the project's results.json does) to the run
+# config's ``out``. A round of it is what any app pays on this federation: Flower's floor, against
+# which the project's rounds are measured, on the same SuperLink and SuperNodes, runs alternating.
+FLOOR_PYPROJECT = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "fcl-flower-floor"
+version = "1.0.0"
+description = "Flower's floor: a ClientApp that imports only flwr and replies at once"
+license = "Apache-2.0"
+dependencies = ["flwr==1.41.0"]
+
+[tool.flwr.app]
+publisher = "fcl-flower"
+
+[tool.flwr.app.components]
+serverapp = "floor_server:app"
+clientapp = "floor_client:app"
+
+[tool.flwr.app.config]
+num-rounds = 3
+num-nodes = 3
+out = ""
+"""
+
+FLOOR_CLIENT = '''"""Flower's floor: a ClientApp that imports only flwr and answers at once."""
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+app = ClientApp()
+
+
+@app.query()
+def query(message: Message, context: Context) -> Message:
+    asked = message.content.config_records["ask"]["round"]
+    return Message(RecordDict({"answer": ConfigRecord({"round": asked})}), reply_to=message)
+'''
+
+FLOOR_SERVER = '''"""Flower's floor: one ``query`` message per node per round, each round timed by the server."""
+
+import json
+import os
+import time
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+app = ServerApp()
+
+
+def online(grid: Grid, count: int, timeout: float = 120.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= count:
+            return nodes
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(nodes)} of {count} SuperNodes online after {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def exchange(grid: Grid, asks: list, timeout: float = 600.0) -> list:
+    """Push, then pull as replies come (2 ms doubling to 0.1 s between pulls): what the project's
+    ServerApp does (strategies/stream.py), not send_and_receive's 3 s poll of the SuperLink."""
+    pending = list(grid.push_messages(asks))
+    replies, wait, deadline = [], 0.002, time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        got = list(grid.pull_messages(pending))
+        done = {m.metadata.reply_to_message_id for m in got}
+        replies += got
+        pending = [m for m in pending if m not in done]
+        wait = 0.002 if got else min(2 * wait, 0.1)
+        if pending:
+            time.sleep(wait)
+    return replies
+
+
+def write(path: str, record: dict) -> None:
+    with open(path + ".tmp", "w") as file:
+        json.dump(record, file)
+    os.replace(path + ".tmp", path)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    config = context.run_config
+    nodes = online(grid, int(config["num-nodes"]))
+    record = {"status": "running", "nodes": len(nodes), "rounds": []}
+    for server_round in range(1, int(config["num-rounds"]) + 1):
+        began = time.perf_counter()
+        asks = [
+            Message(RecordDict({"ask": ConfigRecord({"round": server_round})}), dst_node_id=node, message_type="query")
+            for node in nodes
+        ]
+        replies = exchange(grid, asks)
+        seconds = time.perf_counter() - began
+        answered = sorted(
+            m.metadata.src_node_id
+            for m in replies
+            if not m.has_error() and m.content.config_records["answer"]["round"] == server_round
+        )
+        if answered != nodes:
+            raise RuntimeError(f"round {server_round}: answers from {answered}, expected {nodes}")
+        record["rounds"].append({"round": server_round, "seconds": seconds})
+    record["status"] = "completed"
+    write(str(config["out"]), record)
+'''
+
+
+def write_floor_app(folder: Path) -> Path:
+    """The minimal Flower app above, as a folder ``flwr run`` takes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in (
+        ("pyproject.toml", FLOOR_PYPROJECT),
+        ("floor_client.py", FLOOR_CLIENT),
+        ("floor_server.py", FLOOR_SERVER),
+    ):
+        (folder / name).write_text(text)
+    return folder
+
+
+def floor_run(federation: Any, app: Path, rounds: int, nodes: int, out: Path, timeout: float) -> dict[str, Any]:
+    """One run of the floor app on ``federation``: its rounds' seconds and the load around it."""
+    out.unlink(missing_ok=True)
+    load_before = os.getloadavg()
+    run_id = federation.submit({"num-rounds": rounds, "num-nodes": nodes, "out": str(out)}, app=app)
+    status = federation.wait_run(run_id, timeout=timeout)
+    if status != "finished:completed" or not out.is_file():
+        raise SystemExit(f"error: floor run {run_id} {status}:\n{federation.run_log(run_id)[-3000:]}")
+    record = json.loads(out.read_text())
+    return {
+        "round_seconds": [r["seconds"] for r in record["rounds"]],
+        "load_average_before": list(load_before),
+        "load_average_after": list(os.getloadavg()),
+    }
 
 
 def federation_module() -> Any:
@@ -239,16 +392,46 @@ class PeakSampler(threading.Thread):
         }
 
 
+def project_run(federation: Any, cfg: RunConfig, timeout: float) -> dict[str, Any]:
+    """One run of this app (``cfg``) on ``federation``: its results.json and the load around it."""
+    load_before = os.getloadavg()
+    began = time.monotonic()
+    run_id = federation.submit(cfg.to_mapping())
+    submit_seconds = time.monotonic() - began
+    print(f"  run {run_id} submitted; waiting for it ...", flush=True)
+    status = federation.wait_run(run_id, timeout=timeout)
+    run_seconds = time.monotonic() - began
+    if status != "finished:completed":
+        raise SystemExit(f"error: run {run_id} {status}:\n{federation.run_log(run_id)[-3000:]}")
+    return {
+        "results": json.loads((cfg.output_dir / "results.json").read_text()),
+        "submit_seconds": submit_seconds,
+        "run_wall_seconds": run_seconds,
+        "load_average_before": list(load_before),
+        "load_average_after": list(os.getloadavg()),
+    }
+
+
+def ratio(value: float, floor: float) -> float:
+    return value / floor if floor > 0 else float("nan")
+
+
 def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Start the federation, then alternate Flower's floor app (A) and this app (B), A B A B ...,
+    ``--repeats`` times each on the same SuperLink and SuperNodes, the floor with as many rounds
+    as the project's run; medians over every round of every repeat, and their ratios."""
     fed = federation_module()
     cfg = run_config(args, workdir / "out")
     data = workdir / "data"
     began = time.monotonic()
     export_partitions(cfg, data)
     export_seconds = time.monotonic() - began
+    floor_app = write_floor_app(workdir / "floor-app")
     load_before = os.getloadavg()
     federation = fed.LocalFederation(workdir / "federation", fed.node_configs_for(args.num_nodes, data))
     sampler: PeakSampler | None = None
+    floors: list[dict[str, Any]] = []
+    projects: list[dict[str, Any]] = []
     with federation:
         began = time.monotonic()
         federation.start(say=lambda line: print(f"  {line}", flush=True))
@@ -258,27 +441,37 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             sampler = PeakSampler(roots, args.sample_interval, fed.descendants)
             sampler.start()
         try:
-            began = time.monotonic()
-            run_id = federation.submit(cfg.to_mapping())
-            submit_seconds = time.monotonic() - began
-            print(f"  run {run_id} submitted; waiting for it ...", flush=True)
-            status = federation.wait_run(run_id, timeout=args.timeout)
-            run_seconds = time.monotonic() - began
+            for repeat in range(args.repeats):
+                if args.floor:
+                    print(f"  floor app, repeat {repeat + 1} of {args.repeats} ...", flush=True)
+                    out = workdir / f"floor-{repeat}.json"
+                    rounds = cfg.stage1_rounds + cfg.num_tasks  # as many rounds as the project's run
+                    floors.append(floor_run(federation, floor_app, rounds, args.num_nodes, out, args.timeout))
+                print(f"  this app, repeat {repeat + 1} of {args.repeats} ...", flush=True)
+                run_cfg = cfg.replace(out=str(workdir / "out" / f"repeat-{repeat}"))
+                projects.append(project_run(federation, run_cfg, args.timeout))
         finally:
             if sampler is not None:
                 sampler.stop()
         core_rss = process_rss_mib([p.pid for p in federation.core.values()])
-        if status != "finished:completed":
-            raise SystemExit(f"error: run {run_id} {status}:\n{federation.run_log(run_id)[-3000:]}")
     survivors = federation.surviving()
     if survivors:
         raise SystemExit(f"error: processes survived the stop: {survivors}")
     load_after = os.getloadavg()
-    results = json.loads((cfg.output_dir / "results.json").read_text())
-    rounds, stages = results["rounds"], results["stages"]
-    train_rounds = [r["seconds"] for r in rounds[: cfg.stage1_rounds]]
-    stats_round_1 = rounds[cfg.stage1_rounds]["seconds"]
-    analytic = [s["seconds"] for s in stages[1:]]
+    train_rounds: list[float] = []
+    stats_round_1: list[float] = []
+    analytic: list[float] = []
+    analytic_rounds: list[float] = []
+    for run in projects:
+        rounds, stages = run["results"]["rounds"], run["results"]["stages"]
+        train_rounds += [r["seconds"] for r in rounds[: cfg.stage1_rounds]]
+        stats_round_1.append(rounds[cfg.stage1_rounds]["seconds"])
+        analytic += [s["seconds"] for s in stages[1:]]
+        analytic_rounds += [r["seconds"] for r in rounds[cfg.stage1_rounds + 1 :]]
+    last = projects[-1]["results"]
+    rounds, stages = last["rounds"], last["stages"]
+    floor_rounds = [t for run in floors for t in run["round_seconds"]]
+    floor = median(floor_rounds) if floor_rounds else float("nan")
     extra = {
         "peak_memory": sampler.report() if sampler is not None else None,
         "server_reply_seconds": [s["extra"].get("server_reply_seconds") for s in stages],
@@ -293,17 +486,32 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         **extra,
         "config": {k: v for k, v in cfg.to_mapping().items() if k not in ("out",)},
         "num_nodes": args.num_nodes,
+        "repeats": args.repeats,
+        "order": "floor, this app, alternating (A B A B)" if args.floor else "this app only",
+        "floor": {
+            "app": "a ClientApp that imports only flwr and replies at once; one query message per node per round",
+            "round_seconds": floor_rounds,
+            "median_round_seconds": floor,
+            "runs": floors,
+        },
+        "ratios_to_floor": {
+            "fedavg_round": ratio(median(train_rounds), floor) if train_rounds else None,
+            "analytic_stage": ratio(median(analytic), floor),
+            "analytic_round": ratio(median(analytic_rounds), floor),
+        },
         "fedavg_round_seconds": train_rounds,
         "stage1_statistics_round_seconds": stats_round_1,
         "analytic_stage_seconds": analytic,
-        "analytic_round_seconds": [r["seconds"] for r in rounds[cfg.stage1_rounds + 1 :]],
+        "analytic_round_seconds": analytic_rounds,
         "stage_seconds": [s["seconds"] for s in stages],
         "rounds": rounds,
         "accuracy": [s["accuracy"] for s in stages],
+        "accuracy_per_repeat": [[s["accuracy"] for s in run["results"]["stages"]] for run in projects],
+        "project_runs": [{k: v for k, v in run.items() if k != "results"} for run in projects],
         "export_seconds": export_seconds,
         "federation_startup_seconds": startup_seconds,
-        "submit_seconds": submit_seconds,
-        "run_wall_seconds": run_seconds,
+        "submit_seconds": median([run["submit_seconds"] for run in projects]),
+        "run_wall_seconds": median([run["run_wall_seconds"] for run in projects]),
         "superlink_supernodes_rss_mib_at_end": core_rss,
         "load_average_before": list(load_before),
         "load_average_after": list(load_after),
@@ -444,13 +652,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sample-interval", type=float, default=0.1, help="seconds between memory samples (0: no sampling)"
     )
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the run")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for each run")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of this app, each after one of Flower's floor app (default 3)"
+    )
+    parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip Flower's floor app (no ratios)")
     parser.add_argument(
         "--cold-repeats", type=int, default=3, help="fresh ClientApp processes per message type (0: skip)"
     )
     parser.add_argument("--keep", default=None, help="work folder to keep (default: a temporary one, removed)")
     parser.add_argument("--out", default=None, help="JSON output (default experiments/results/bench_deployment.json)")
     args = parser.parse_args(argv)
+    if args.wire_dtype:  # the upload runs measure bytes, memory and the server's work: one run each, no floor
+        args.repeats, args.floor = 1, False
+    if args.repeats < 1:
+        parser.error("need --repeats >= 1")
     if args.stage1_rounds < (0 if args.wire_dtype else 1) or args.num_tasks < 2:
         parser.error(
             "need --num-tasks >= 2 (an analytic stage) and --stage1-rounds >= 1 (a FedAvg round; 0 with --wire-dtype)"
@@ -476,11 +692,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {write_json('bench_deployment_uploads', result, out)}")
         return 0
     rows = []
+    floor = result["floor"]["median_round_seconds"]
     for name, values in (
+        ("Flower's floor round (minimal app)", result["floor"]["round_seconds"]),
         ("FedAvg round (stage 1)", result["fedavg_round_seconds"]),
         ("analytic stage (stages 2..)", result["analytic_stage_seconds"]),
         ("  its statistics round", result["analytic_round_seconds"]),
     ):
+        if not values:
+            continue
         target = TARGET_SECONDS.get("fedavg_round" if "FedAvg" in name else "analytic_stage", float("nan"))
         rows.append(
             {
@@ -488,10 +708,12 @@ def main(argv: list[str] | None = None) -> int:
                 "n": len(values),
                 "median s": median(values),
                 "max s": max(values),
-                "target s": target if not name.startswith("  ") else "",
+                "/ floor": ratio(median(values), floor),
+                "target s": target if not name.startswith(("  ", "Flower")) else "",
             }
         )
-    print(format_table(rows, ["what", "n", "median s", "max s", "target s"], floats="{:.2f}"))
+    print(f"{result['repeats']} repeats, {result['order']}:")
+    print(format_table(rows, ["what", "n", "median s", "max s", "/ floor", "target s"], floats="{:.2f}"))
     cold = result.get("cold_clientapp_process", {})
     if cold:
         rows = []

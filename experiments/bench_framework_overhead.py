@@ -110,8 +110,8 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
     )
     from fcl_flower.analytic.packing import add_packed_
     from fcl_flower.metrics import accuracy_by_task  # noqa: F401  (same work as the strategy's evaluation)
-    from fcl_flower.protocol import WIRE_DTYPES
     from fcl_flower.runtime import build_model, federated_split, iter_features
+    from fcl_flower.tensors import WIRE_DTYPES
 
     split = federated_split(cfg)
     model = build_model(cfg, split).eval()

@@ -68,8 +68,8 @@ from fcl_flower.privacy.secagg import (
     view_context,
 )
 from fcl_flower.privacy.secure_fedavg import COUNT, WEIGHTS, opened_average, quantisation_bound, upload_vector
-from fcl_flower.protocol import to_record
 from fcl_flower.protocol.payloads import read_state
+from fcl_flower.tensors import tensor_record
 from strategies.fedavg import average_states
 
 T = TypeVar("T")
@@ -116,7 +116,7 @@ def client_states(model: nn.Module, n: int, seed: int) -> tuple[list[dict[str, t
 
 
 def plain_round(model: nn.Module, states: list[dict[str, torch.Tensor]], counts: list[int]) -> dict[str, Any]:
-    records = [to_record(s) for s in states]  # what travels (float32)
+    records = [tensor_record(s) for s in states]  # what travels (float32)
     expected = trainable_state(model)
 
     def serve() -> dict[str, torch.Tensor]:

@@ -45,10 +45,11 @@ from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.privacy.accountant import PrivacyLedger
 from fcl_flower.privacy.noise import effective_multiplier, noise_multiplier, upload_scale
-from fcl_flower.protocol import WIRE_DTYPES, Reply, StatsRes, UploadError, to_record
+from fcl_flower.protocol import Reply, StatsRes, UploadError
 from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import predict_ridge
+from fcl_flower.tensors import WIRE_DTYPES, tensor_record
 from strategies.base import Accepted, RoundFold, RoundPlan, StagedStrategy, StageFailed
 from strategies.fedavg import Aggregation, FedAvg
 
@@ -261,7 +262,7 @@ class AnalyticStrategy(StagedStrategy):
 
     def evaluate_arrays(self) -> dict[str, Any]:
         """What a client needs besides the backbone to score the model: the ridge weights W."""
-        return {} if self.weights is None else {"ridge": to_record({"weights": self.weights})}
+        return {} if self.weights is None else {"ridge": tensor_record({"weights": self.weights})}
 
     def state_dict(self) -> dict[str, Any]:
         state = {**super().state_dict(), "weights": self.weights}

@@ -54,12 +54,12 @@ from fcl_flower.protocol import (
     message_bytes,
     parse_reply,
     payload_bytes,
-    to_record,
 )
 from fcl_flower.protocol.payloads import MAX_CLASS_SAMPLES
 from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import build_model, resolve_device
+from fcl_flower.tensors import tensor_record
 from strategies.accounting import StageAccounting, client_name, client_order
 from strategies.checkpoint import CheckpointStore
 from strategies.nodes import NodeDirectory
@@ -165,7 +165,7 @@ class StagedStrategy(Strategy):
 
     def global_arrays(self) -> ArrayRecord:
         """What the clients receive: the trainable state of the global model."""
-        return to_record(trainable_state(self.model))
+        return tensor_record(trainable_state(self.model))
 
     def stage_failed(self, task: int, reason: str) -> dict[str, Any]:
         """The stage failed (:class:`StageFailed`): keep the previous classifier; result extras."""

@@ -24,9 +24,10 @@ import torch
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.fcl.ewc import aggregate_fishers, merge_task_fishers, trainable_parameters
-from fcl_flower.protocol import Instruction, Reply, StatsRes, TrainIns, UploadError, cast_for_wire, to_record
+from fcl_flower.protocol import Instruction, Reply, StatsRes, TrainIns, UploadError
 from fcl_flower.protocol.payloads import read_fisher
 from fcl_flower.results import ResultsRecorder
+from fcl_flower.tensors import cast_for_wire, tensor_record
 from strategies.base import Accepted, RoundPlan
 from strategies.fedavg import fedavg_weights
 from strategies.gradient import GradientStrategy
@@ -75,8 +76,8 @@ class EWCStrategy(GradientStrategy):
         if self.fisher is None or self.anchor is None:
             raise RuntimeError("EWC round planned before any Fisher was aggregated")
         assert isinstance(ins, TrainIns)
-        fisher = to_record({k: cast_for_wire(v, self.cfg.wire_dtype) for k, v in self.fisher.items()})
-        return dataclasses.replace(ins, ewc_fisher=fisher, ewc_anchor=to_record(self.anchor))
+        fisher = tensor_record({k: cast_for_wire(v, self.cfg.wire_dtype) for k, v in self.fisher.items()})
+        return dataclasses.replace(ins, ewc_fisher=fisher, ewc_anchor=tensor_record(self.anchor))
 
     def end_stage(self, task: int) -> dict[str, Any]:
         extra = super().end_stage(task)

@@ -28,10 +28,10 @@ from fcl_flower.analytic.subspace import pad_label_corr, select_subspace_ridge_g
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import FedranReport, Instruction, StatsIns, StatsRes, UploadError
-from fcl_flower.protocol.arrays import WIRE_DTYPES
 from fcl_flower.protocol.payloads import FedranStats
 from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
+from fcl_flower.tensors import WIRE_DTYPES
 from strategies.analytic import AnalyticStrategy, ridge_extras, upload_checks
 from strategies.base import Accepted, RoundPlan
 

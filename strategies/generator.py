@@ -62,7 +62,7 @@ from fcl_flower.fcl.generative import (
     to_pool,
 )
 from fcl_flower.models import IncrementalClassifier
-from fcl_flower.protocol import to_record
+from fcl_flower.tensors import tensor_record
 
 Flavour = Literal["target", "lander"]
 
@@ -151,7 +151,7 @@ class DataFreeReplay:
 
     def record(self) -> ArrayRecord:
         """The pool as the clients receive it: one uint8 array ``images`` (N, H, W, C)."""
-        return to_record({"images": self.pool})
+        return tensor_record({"images": self.pool})
 
     @torch.no_grad()
     def intended_accuracy(self, model: IncrementalClassifier, num_seen: int) -> float:

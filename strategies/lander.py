@@ -34,8 +34,9 @@ from flwr.app import ArrayRecord
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.models import load_trainable_state, trainable_state
-from fcl_flower.protocol import Instruction, TrainIns, TrainRes, to_record
+from fcl_flower.protocol import Instruction, TrainIns, TrainRes
 from fcl_flower.results import ResultsRecorder
+from fcl_flower.tensors import tensor_record
 from strategies.anchors import class_names, label_text_embeddings
 from strategies.base import Accepted, RoundPlan
 from strategies.generator import DataFreeReplay
@@ -52,7 +53,7 @@ class LANDERStrategy(GradientStrategy):
         self.anchors, self.anchor_source = label_text_embeddings(names, cfg.text_encoder, self.method.anchor_dim)
         self.replay = DataFreeReplay(cfg, split.image_shape, "lander", self.device, anchors=self.anchors)
         self.teacher: dict[str, torch.Tensor] | None = None
-        self._anchor_record = to_record({"anchors": self.anchors})
+        self._anchor_record = tensor_record({"anchors": self.anchors})
         self._records: tuple[ArrayRecord, ArrayRecord] | None = None
         self._best: tuple[float, int, dict[str, torch.Tensor]] | None = None  # (loss, round, model)
 
@@ -63,7 +64,7 @@ class LANDERStrategy(GradientStrategy):
         if self.teacher is None:
             raise RuntimeError("LANDER round of a later task planned before any task ended: no teacher")
         if self._records is None:
-            self._records = (to_record(self.teacher), self.replay.record())
+            self._records = (tensor_record(self.teacher), self.replay.record())
         teacher, synthetic = self._records
         return dataclasses.replace(ins, anchors=self._anchor_record, teacher=teacher, synthetic=synthetic)
 

@@ -43,9 +43,10 @@ from fcl_flower.fcl.lga_proxy import (
     update_omega,
 )
 from fcl_flower.models import trainable_state
-from fcl_flower.protocol import Instruction, Reply, TrainIns, TrainRes, UploadError, to_record
+from fcl_flower.protocol import Instruction, Reply, TrainIns, TrainRes, UploadError
 from fcl_flower.protocol.payloads import read_prototypes
 from fcl_flower.results import ResultsRecorder
+from fcl_flower.tensors import tensor_record
 from strategies.base import Accepted, RoundPlan
 from strategies.gradient import GradientStrategy
 
@@ -78,7 +79,7 @@ class LGAStrategy(GradientStrategy):
         if self.teacher is None:
             raise RuntimeError("LGA round of a later task planned before any task ended: no old model")
         assert isinstance(ins, TrainIns)
-        return dataclasses.replace(ins, old_model=to_record(self.teacher))
+        return dataclasses.replace(ins, old_model=tensor_record(self.teacher))
 
     # ---------------------------------------------------------------- replies
     def read_reply(self, plan: RoundPlan, reply: Reply) -> dict[str, Any]:

@@ -21,8 +21,9 @@ import torch
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.models import trainable_state
-from fcl_flower.protocol import Instruction, TrainIns, to_record
+from fcl_flower.protocol import Instruction, TrainIns
 from fcl_flower.results import ResultsRecorder
+from fcl_flower.tensors import tensor_record
 from strategies.base import RoundPlan
 from strategies.gradient import GradientStrategy
 
@@ -49,7 +50,7 @@ class LwFStrategy(GradientStrategy):
         if self.teacher is None:
             raise RuntimeError("LwF round planned before any task ended: no teacher")
         assert isinstance(ins, TrainIns)
-        return dataclasses.replace(ins, teacher=to_record(self.teacher))
+        return dataclasses.replace(ins, teacher=tensor_record(self.teacher))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "teacher": self.teacher}

@@ -67,11 +67,12 @@ from fcl_flower.data import FederationLayout
 from fcl_flower.privacy.noise import secure_share
 from fcl_flower.privacy.secagg import add_ring, unmask_sum
 from fcl_flower.privacy.secure_fedavg import OpenedSumRejected
-from fcl_flower.protocol import WIRE_DTYPES, Instruction, Reply, StatsIns, StatsRes, UploadError
+from fcl_flower.protocol import Instruction, Reply, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.payloads import MaskedStsaStats, StsaFactorStats, StsaStats
 from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.state_io import StateError, load_state, save_state
+from fcl_flower.tensors import WIRE_DTYPES
 from strategies.accounting import client_name, client_order
 from strategies.analytic import (
     FEDAVG_PHASE,

@@ -33,10 +33,10 @@ from fcl_flower.analytic.ridge import RidgeState
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import Instruction, StatsIns, StatsRes, UploadError
-from fcl_flower.protocol.arrays import WIRE_DTYPES
 from fcl_flower.protocol.payloads import StsaEStats
 from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
+from fcl_flower.tensors import WIRE_DTYPES
 from strategies.analytic import AnalyticStrategy, solve_dense, upload_checks
 from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundPlan

@@ -28,8 +28,9 @@ from flwr.app import ArrayRecord
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.models import trainable_state
-from fcl_flower.protocol import Instruction, TrainIns, to_record
+from fcl_flower.protocol import Instruction, TrainIns
 from fcl_flower.results import ResultsRecorder
+from fcl_flower.tensors import tensor_record
 from strategies.base import RoundPlan
 from strategies.generator import DataFreeReplay
 from strategies.gradient import GradientStrategy
@@ -58,7 +59,7 @@ class TARGETStrategy(GradientStrategy):
         if self.teacher is None:
             raise RuntimeError("TARGET round of a later task planned before any task ended: no teacher")
         if self._records is None:
-            self._records = (to_record(self.teacher), self.replay.record())
+            self._records = (tensor_record(self.teacher), self.replay.record())
         assert isinstance(ins, TrainIns)
         teacher, synthetic = self._records
         return dataclasses.replace(ins, teacher=teacher, synthetic=synthetic)

@@ -26,9 +26,10 @@ from fcl_flower.fcl.ewc import (
 from fcl_flower.local_grid import LocalGrid
 from fcl_flower.methods import Kind
 from fcl_flower.models import trainable_state
-from fcl_flower.protocol import Header, StatsRes, TrainIns, UploadError, to_record
+from fcl_flower.protocol import Header, StatsRes, TrainIns, UploadError
 from fcl_flower.protocol.messages import EWC_ANCHOR, EWC_FISHER, TEACHER
 from fcl_flower.runtime import build_model, federated_split, make_loader
+from fcl_flower.tensors import tensor_record
 from strategies.base import RoundPlan
 from tests.conftest import build, in_process_grid, round_messages, sent_header, server_identity, small_config
 
@@ -277,7 +278,7 @@ def test_ewc_rejects_malformed_fisher_uploads(out_dir) -> None:
     header = Header("run", "ewc-stats", 0, 1, 1)
 
     def reply(arrays: dict[str, torch.Tensor]) -> StatsRes:
-        return StatsRes(header, 0, 10, arrays=to_record(arrays))
+        return StatsRes(header, 0, 10, arrays=tensor_record(arrays))
 
     good = {k: torch.zeros_like(p) for k, p in trainable_parameters(strategy.model).items()}
     strategy.read_reply(plan, reply(good))

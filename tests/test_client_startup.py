@@ -3,6 +3,9 @@ real SuperNode, so the import path and the data loading of one message must be l
 
 * importing the ClientApp (and the client modules of a statistics or FedAvg message) does not
   import torchvision, timm, sklearn or torch._dynamo: each costs seconds per message;
+* a message without a model (``query.info``, ``query.keys``, ``query.shares``, ``query.unmask``)
+  is parsed, handled and answered without importing torch at all (the protocol is NumPy only,
+  issue 32): about a second less per message on a real SuperNode;
 * node data comes from an on-disk array cache (fcl_flower/data/array_cache.py) that gives the
   same arrays, builds once, and rebuilds a damaged entry;
 * local SGD without ``torch.optim`` (fcl_flower/fcl/sgd.py) trains bit for bit like
@@ -44,6 +47,33 @@ def test_clientapp_import_path_leaves_heavy_packages_out() -> None:
     )
     assert "torch" in loaded  # the model needs it; the rest must wait until a message needs it
     assert not {m for m in loaded if m.split(".")[0] in HEAVY or m.startswith("torch._dynamo")}
+
+
+def test_messages_without_a_model_never_import_torch(tmp_path: Path) -> None:
+    """A fresh process answers query.info and a whole secure round's keys, shares and unmask
+    (three nodes, through the ClientApp's own entry; tests/model_free_probe.py) with torch never
+    imported, and the replies are the real ones: each node's partition, and at unmasking every
+    survivor's seed share from each node."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.model_free_probe", str(tmp_path / "ledger")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    steps = json.loads(out.strip().splitlines()[-1])
+    for step in ("info", "keys", "shares", "unmask"):
+        assert steps[step]["torch"] is False, f"{step} imported torch"
+        assert steps[step]["partitions"] == [0, 1, 2]
+    assert steps["unmask"]["seed_shares"] == [[11, 12, 13]] * 3
+
+
+def test_the_clientapp_imports_no_torch() -> None:
+    loaded = _modules_after(
+        "import clients.app, clients.secure, clients.node_data, fcl_flower.protocol, fcl_flower.data.plan"
+    )  # the plan: what a custom-dataset run's instruction is checked against at parse
+    assert "torch" not in loaded and "fcl_flower.protocol.payloads" not in loaded
 
 
 @pytest.mark.parametrize(("momentum", "weight_decay"), [(0.9, 5e-4), (0.0, 0.0), (0.5, 0.0), (0.0, 1e-3)])

@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 import torch
 
-from clients.node_data import NodeConfigError, OwnSplit, load_folder, node_data
+from clients.node_data import NodeConfigError, OwnSplit, load_folder, node_data, node_partition
 from experiments.export_partitions import export_partitions
 from fcl_flower.config import RunConfig
 from fcl_flower.runtime import federated_split
@@ -127,18 +127,25 @@ def test_folder_node_serves_only_its_own_partition(exported) -> None:
 
 
 def test_folder_for_another_split_is_refused(exported) -> None:
+    """node_data refuses a folder that does not fit the run, and node_partition (query.info and the
+    secure steps without a model: meta.json only, no samples) gives the same partitions and the
+    same refusals."""
     cfg, out = exported
-    with pytest.raises(NodeConfigError, match="exported for another split: seed"):
-        node_data({"data-dir": str(out / "client-0")}, cfg.replace(seed=1))
-    with pytest.raises(NodeConfigError, match="holds partition 0"):
-        node_data({"data-dir": str(out / "client-0"), "partition-id": 1}, cfg)
-    with pytest.raises(NodeConfigError, match=r"has no meta\.json"):
-        node_data({"data-dir": str(out)}, cfg)
-    with pytest.raises(NodeConfigError, match="names no data"):
-        node_data({}, cfg)
-
-    with pytest.raises(NodeConfigError, match="exported for another split: partition"):
-        node_data({"data-dir": str(out / "client-0")}, cfg.replace(partition="class-subsets"))
+    for k in range(cfg.num_clients):
+        folder = {"data-dir": str(out / f"client-{k}")}
+        assert node_partition(folder, cfg) == node_data(folder, cfg).partition == k
+        assert node_partition({"partition-id": k, "num-partitions": cfg.num_clients}, cfg) == k
+    for read in (node_data, node_partition):
+        with pytest.raises(NodeConfigError, match="exported for another split: seed"):
+            read({"data-dir": str(out / "client-0")}, cfg.replace(seed=1))
+        with pytest.raises(NodeConfigError, match="holds partition 0"):
+            read({"data-dir": str(out / "client-0"), "partition-id": 1}, cfg)
+        with pytest.raises(NodeConfigError, match=r"has no meta\.json"):
+            read({"data-dir": str(out)}, cfg)
+        with pytest.raises(NodeConfigError, match="names no data"):
+            read({}, cfg)
+        with pytest.raises(NodeConfigError, match="exported for another split: partition"):
+            read({"data-dir": str(out / "client-0")}, cfg.replace(partition="class-subsets"))
 
 
 @pytest.mark.parametrize(
@@ -192,6 +199,60 @@ def test_folder_exported_before_the_protocol_keys_still_serves_default_runs(expo
 
 
 # ------------------------------------------------------------------------------ processes
+
+
+class FakeControl:
+    """Flower's Control API client as wait_run sees it: the run's status per ListRuns call."""
+
+    def __init__(self, phases: list[tuple[str, str]], missing: bool = False) -> None:
+        self.phases, self.missing, self.asked, self.closed = phases, missing, [], False
+
+    def ListRuns(self, request):
+        from flwr.proto.control_pb2 import ListRunsResponse
+        from flwr.proto.run_pb2 import Run, RunStatus
+
+        self.asked.append(request.run_id)
+        if self.missing:  # what Flower's HTTP client raises for a run id the SuperLink lacks
+            raise _http_error(404)
+        status, sub_status = self.phases[min(len(self.asked), len(self.phases)) - 1]
+        run = Run(run_id=request.run_id, status=RunStatus(status=status, sub_status=sub_status))
+        return ListRunsResponse(run_dict={request.run_id: run})
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _http_error(code: int) -> Exception:
+    import httpx
+
+    request = httpx.Request("POST", "https://127.0.0.1/v1/control/list-runs")
+    return httpx.HTTPStatusError("not found", request=request, response=httpx.Response(code, request=request))
+
+
+def test_wait_run_watches_the_control_api_and_starts_no_process(tmp_path, monkeypatch) -> None:
+    """wait_run asks the SuperLink's Control API from this process, one ListRuns request per poll
+    (no flwr CLI process while a run goes: each costs ~0.74 s of CPU, issue 32), returns the
+    status as `flwr ls` shows it once the run is finished, reads a run the SuperLink lacks as
+    unknown, gives up at its timeout, and closes the client when the federation stops."""
+    fed = federation_module.LocalFederation(tmp_path, [])
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started while the run was watched: {args}")
+
+    monkeypatch.setattr(federation_module.subprocess, "run", no_process)
+    monkeypatch.setattr(federation_module.subprocess, "Popen", no_process)
+    control = FakeControl([("pending", ""), ("starting", ""), ("running", ""), ("finished", "completed")])
+    fed._control = control
+    assert fed.wait_run(7, timeout=30, poll=0.001) == "finished:completed"
+    assert control.asked == [7, 7, 7, 7]
+    fed._control = FakeControl([("running", "")])
+    with pytest.raises(federation_module.FederationError, match="run 8 not finished after 0 s"):
+        fed.wait_run(8, timeout=0.05, poll=0.001)
+    missing = FakeControl([], missing=True)
+    fed._control = missing
+    assert fed.run_status(9) == "unknown"
+    fed.stop(grace=0.05)
+    assert missing.closed and fed._control is None
 
 
 @pytest.fixture(scope="module")

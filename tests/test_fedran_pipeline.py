@@ -24,9 +24,10 @@ from fcl_flower.analytic.subspace import select_subspace_ridge_gcv
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.local_grid import LocalGrid
 from fcl_flower.models import trainable_state
-from fcl_flower.protocol import FedranReport, Header, StatsRes, UploadError, to_record
+from fcl_flower.protocol import FedranReport, Header, StatsRes, UploadError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import federated_split, iter_features
+from fcl_flower.tensors import tensor_record
 from strategies import strategy_class
 from strategies.analytic import AnalyticStrategy
 from strategies.fedran import FedRANStrategy
@@ -342,7 +343,7 @@ def test_ssl_run_after_stage1_fedavg_reports_pseudo_label_counts_per_stage(tmp_p
 def _reply(basis, sigma, corr, *, n, labelled=None, extra_arrays=None, accepted=0, unlabelled=0, correct=0):
     arrays = {"basis": basis, "singular-values": sigma, "label-corr": corr, **(extra_arrays or {})}
     report = FedranReport(n - accepted if labelled is None else labelled, unlabelled, accepted, correct)
-    return StatsRes(Header("run", "fedran-stats", 0, 1, 1), 0, n, arrays=to_record(arrays), fedran=report)
+    return StatsRes(Header("run", "fedran-stats", 0, 1, 1), 0, n, arrays=tensor_record(arrays), fedran=report)
 
 
 @pytest.mark.parametrize(

@@ -38,14 +38,14 @@ from fcl_flower.protocol import (
     UploadError,
     parse_instruction,
     parse_reply,
-    to_record,
 )
 from fcl_flower.protocol.payloads import FedranStats, StsaEStats, StsaStats, read_state
+from fcl_flower.tensors import tensor_record
 from tests.conftest import server_identity
 
 HEADER = Header("stsa-0123abcd", "stsa-stats", task=2, stage=3, server_round=7, attempt=1)
 CFG = RunConfig(num_clients=3)
-MODEL = to_record({"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(2)})
+MODEL = tensor_record({"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(2)})
 
 
 def _deliver(ins, node: int = 5) -> Message:
@@ -99,7 +99,7 @@ INSTRUCTIONS = [
     UnmaskIns(HEADER, CFG, survivors=(3, 9), dropped=(11,)),
     InfoIns(HEADER, CFG),
     EvaluateIns(HEADER, CFG, num_seen=6, model=MODEL),
-    EvaluateIns(HEADER, CFG, num_seen=6, model=MODEL, ridge=to_record({"weights": torch.ones(5, 6)})),
+    EvaluateIns(HEADER, CFG, num_seen=6, model=MODEL, ridge=tensor_record({"weights": torch.ones(5, 6)})),
 ]
 
 
@@ -124,7 +124,7 @@ REPLIES = [
         40,
         model=MODEL,
         loss=0.5,
-        lga=LGAReport(0.1, 0.2, True, False, 12, 1, to_record({"4/0": torch.ones(2)})),
+        lga=LGAReport(0.1, 0.2, True, False, 12, 1, tensor_record({"4/0": torch.ones(2)})),
     ),
     TrainRes(HEADER, 1, 40, model=MODEL, loss=0.5, stamp=StampReport(0.3, 2, 20)),
     StatsRes(HEADER, 2, 40, arrays=MODEL, withheld=3, backfill={0: Backfill(MODEL, 9), 1: Backfill(MODEL, 0)}),
@@ -133,7 +133,7 @@ REPLIES = [
     SharesRes(HEADER, 0, 0, shares={3: b"x", 9: b"y"}),
     UnmaskRes(HEADER, 0, 0, seed_shares={3: b"x"}, key_shares={11: b"z"}),
     InfoRes(HEADER, 2, 0),
-    EvaluateRes(HEADER, 2, 7, counts=to_record({"correct": torch.tensor([1, 2]), "total": torch.tensor([3, 4])})),
+    EvaluateRes(HEADER, 2, 7, counts=tensor_record({"correct": torch.tensor([1, 2]), "total": torch.tensor([3, 4])})),
 ]
 
 
@@ -251,7 +251,7 @@ def test_payload_shapes_come_from_the_server_not_the_reply() -> None:
     StsaStats.read(good, packed=6, dim=3, classes=2)
     with pytest.raises(UploadError, match="'gram-packed' has shape"):
         StsaStats.read(good, packed=10, dim=4, classes=2)
-    extra = to_record(
+    extra = tensor_record(
         {
             "gram-packed": torch.zeros(6),
             "class-sums": torch.zeros(3, 2),
@@ -268,4 +268,4 @@ def test_payload_shapes_come_from_the_server_not_the_reply() -> None:
     with pytest.raises(UploadError, match="orthonormal"):
         FedranStats.read(basis, dim=4, classes=3, max_rank=2)
     with pytest.raises(UploadError, match="keys differ"):
-        read_state(to_record({"w": torch.zeros(2)}), {"w": torch.zeros(2), "b": torch.zeros(1)})
+        read_state(tensor_record({"w": torch.zeros(2)}), {"w": torch.zeros(2), "b": torch.zeros(1)})

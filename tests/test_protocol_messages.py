@@ -24,7 +24,6 @@ from fcl_flower.protocol import (
     TrainRes,
     parse_instruction,
     parse_reply,
-    to_record,
 )
 from fcl_flower.protocol.base import (
     config_record,
@@ -42,6 +41,7 @@ from fcl_flower.protocol.base import (
     read_str,
 )
 from fcl_flower.protocol.messages import decode_backfill, encode_backfill
+from fcl_flower.tensors import tensor_record
 from tests.test_protocol import CFG, HEADER, INSTRUCTIONS, MODEL, _deliver
 
 KEYS_INS = next(i for i in INSTRUCTIONS if isinstance(i, KeysIns))  # header and config only
@@ -164,7 +164,7 @@ def _instruction(ins, round_changes: dict | None = None, drop: str | None = None
 
 
 TRAIN_INS = TrainIns(HEADER, CFG, lr=0.01, num_seen=4, model=MODEL)
-RIDGE_W = to_record({"weights": torch.arange(6.0).reshape(3, 2)})
+RIDGE_W = tensor_record({"weights": torch.arange(6.0).reshape(3, 2)})
 EVALUATE_INS = EvaluateIns(HEADER, CFG, num_seen=2, model=MODEL, ridge=RIDGE_W)
 INSTRUCTION_BAD = [
     (_instruction(KEYS_INS, drop="config"), "message has no 'config' record"),
@@ -260,10 +260,12 @@ def _reply_message(reply, ins=STATS_INS_FULL, **metric_changes) -> Message:
 STATS = StatsRes(HEADER, 1, 10, arrays=MODEL)
 TRAIN = TrainRes(HEADER, 1, 10, model=MODEL, loss=0.5)
 LGA = TrainRes(
-    HEADER, 1, 10, model=MODEL, lga=LGAReport(0.1, 0.2, True, False, 12, 1, to_record({"4/0": torch.ones(2)}))
+    HEADER, 1, 10, model=MODEL, lga=LGAReport(0.1, 0.2, True, False, 12, 1, tensor_record({"4/0": torch.ones(2)}))
 )
 INFO = InfoRes(HEADER, 2, 0)
-EVALUATE = EvaluateRes(HEADER, 2, 7, counts=to_record({"correct": torch.tensor([1, 2]), "total": torch.tensor([3, 4])}))
+EVALUATE = EvaluateRes(
+    HEADER, 2, 7, counts=tensor_record({"correct": torch.tensor([1, 2]), "total": torch.tensor([3, 4])})
+)
 
 
 def _with(message: Message, **records) -> Message:
@@ -363,7 +365,11 @@ def test_reply_defaults_and_carried_records() -> None:
         "lga-proto" not in TrainRes(HEADER, 1, 1, model=MODEL, lga=LGAReport(0.1, 0.2, False, False, 1, 0)).to_record()
     )
     late = StatsRes(
-        HEADER, 1, 10, arrays=MODEL, backfill={3: Backfill(to_record({"z": torch.ones(1)}), 4), 1: Backfill(MODEL, 0)}
+        HEADER,
+        1,
+        10,
+        arrays=MODEL,
+        backfill={3: Backfill(tensor_record({"z": torch.ones(1)}), 4), 1: Backfill(MODEL, 0)},
     )
     parsed = parse_reply(_reply_message(late), HEADER, Kind.STATS)
     assert isinstance(parsed, StatsRes) and list(parsed.backfill) == [1, 3]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
+from fcl_flower.protocol.arrays import cast_for_wire as cast_numpy
 from fcl_flower.protocol.arrays import (
-    cast_for_wire,
     from_record,
     message_bytes,
     npy_array,
@@ -17,7 +17,6 @@ from fcl_flower.protocol.arrays import (
     npy_view,
     payload_bytes,
     read_ring,
-    read_tensor,
     to_record,
     view_record,
 )
@@ -33,6 +32,7 @@ from fcl_flower.protocol.payloads import (
     read_prototypes,
     read_state,
 )
+from fcl_flower.tensors import cast_for_wire, read_tensor, record_tensors, tensor_record
 
 F64, F32 = torch.float64, torch.float32
 
@@ -72,12 +72,12 @@ READ_TENSOR_BAD = [
     (
         "not floating",
         lambda: read_tensor(_record(x=np.zeros(2, dtype=np.int64)), "x", floating=True),
-        "array 'x' must be floating point, got torch.int64",
+        "array 'x' must be floating point, got int64",
     ),
     (
         "not integer",
         lambda: read_tensor(_record(x=np.zeros(2, dtype=np.float32)), "x", floating=False),
-        "array 'x' must be integer, got torch.float32",
+        "array 'x' must be integer, got float32",
     ),
     ("nan", lambda: read_tensor(_record(x=np.array([1.0, np.nan])), "x"), "array 'x' contains NaN or inf"),
     ("inf", lambda: read_tensor(_record(x=np.array([np.inf])), "x"), "array 'x' contains NaN or inf"),
@@ -154,17 +154,51 @@ def test_cast_for_wire() -> None:
     )
 
 
+def test_numpy_protocol_writes_the_bytes_flower_writes_for_tensors() -> None:
+    """The protocol is NumPy only (issue 32): its records hold, byte for byte, what Flower writes
+    for the same values as tensors (transposed, 0-d, bool, int), and reading back gives writable
+    arrays; a tensor handed to the NumPy API is refused, not silently converted."""
+    tensors = {
+        "t": torch.arange(6.0, dtype=F32).reshape(2, 3).T,  # not contiguous
+        "s": torch.tensor(7),
+        "b": torch.tensor([True, False]),
+        "w": torch.randn(3, 2, dtype=F64, requires_grad=True),
+    }
+    flower = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in tensors.items()})  # what to_record did
+    ours = tensor_record(tensors)
+    assert list(ours) == list(flower)
+    for key in tensors:
+        assert (ours[key].data, ours[key].dtype, ours[key].shape) == (
+            flower[key].data,
+            flower[key].dtype,
+            flower[key].shape,
+        )
+    plain = to_record({k: v.detach().numpy() for k, v in tensors.items()})
+    assert all(plain[k].data == flower[k].data for k in tensors)
+    back = from_record(plain)
+    assert all(isinstance(v, np.ndarray) and v.flags.writeable for v in back.values()) and back["s"].shape == ()
+    _raises(
+        lambda: to_record({"x": torch.zeros(2)}),
+        "expected a NumPy array, got Tensor (tensors: fcl_flower.tensors)",
+        TypeError,
+    )
+    x64 = np.array([0.1])
+    assert cast_numpy(x64, "float32").dtype == np.float32 and cast_numpy(x64, "float32")[0] == np.float32(0.1)
+    assert cast_numpy(np.array([3]), "float32").dtype == np.int64
+    _raises(lambda: cast_numpy(x64, "float16"), "unknown wire dtype 'float16'; use one of float32, float64", ValueError)
+
+
 def test_records_round_trip_and_byte_counts_by_hand() -> None:
     tensors = {"a": torch.tensor([1.0, 2.0, 3.0], dtype=F32), "b": torch.arange(4).reshape(2, 2)}
-    back = from_record(to_record(tensors))
+    back = record_tensors(tensor_record(tensors))
     assert set(back) == {"a", "b"}
     assert torch.equal(back["a"], tensors["a"]) and torch.equal(back["b"], tensors["b"])
-    content = RecordDict({"one": to_record(tensors), "two": to_record({"c": torch.zeros(5, dtype=F64)})})
+    content = RecordDict({"one": tensor_record(tensors), "two": tensor_record({"c": torch.zeros(5, dtype=F64)})})
     assert payload_bytes(content) == 3 * 4 + 4 * 8 + 5 * 8
     assert payload_bytes(RecordDict({})) == 0
-    assert payload_bytes(RecordDict({"one": to_record({"a": torch.zeros(2)})})) == 8
-    small = RecordDict({"x": to_record({"v": torch.zeros(10, dtype=F64)})})
-    large = RecordDict({"x": to_record({"v": torch.zeros(110, dtype=F64)})})
+    assert payload_bytes(RecordDict({"one": tensor_record({"a": torch.zeros(2)})})) == 8
+    small = RecordDict({"x": tensor_record({"v": torch.zeros(10, dtype=F64)})})
+    large = RecordDict({"x": tensor_record({"v": torch.zeros(110, dtype=F64)})})
     assert message_bytes(small) > payload_bytes(small)  # framing and .npy headers on top of the data
     assert message_bytes(large) - message_bytes(small) >= 100 * 8
 
@@ -198,15 +232,15 @@ def test_cached_npy_header_parse_still_refuses_a_wrong_length_or_truncated_heade
 
 
 def test_view_record_views_the_record_bytes_and_equals_from_record() -> None:
-    record = to_record({"w": torch.arange(6.0, dtype=F64).reshape(2, 3), "n": torch.tensor(3)})
+    record = to_record({"w": np.arange(6.0).reshape(2, 3), "n": np.array(3)})
     views, copies = view_record(record), from_record(record)
-    assert all(torch.equal(views[k], copies[k]) and views[k].shape == copies[k].shape for k in copies)
-    assert views["w"].data_ptr() == npy_view(record["w"]).ctypes.data  # no copy of the values
+    assert all(np.array_equal(views[k], copies[k]) and views[k].shape == copies[k].shape for k in copies)
+    assert not views["w"].flags.writeable and views["w"].ctypes.data == npy_view(record["w"]).ctypes.data  # no copy
 
 
 # =============================================================================== payloads
 def test_unexpected_arrays_are_named() -> None:
-    record = to_record(
+    record = tensor_record(
         {"gram-packed": torch.zeros(3), "class-sums": torch.zeros(2, 1), "b": torch.zeros(1), "a": torch.zeros(1)}
     )
     _raises(lambda: StsaStats.read(record, packed=3, dim=2, classes=1), "unexpected array(s) a, b")
@@ -214,42 +248,42 @@ def test_unexpected_arrays_are_named() -> None:
 
 def test_read_state_and_fisher() -> None:
     expected = {"w": torch.zeros(2, 3), "n": torch.zeros((), dtype=torch.int64)}
-    state = read_state(to_record({"w": torch.ones(2, 3), "n": torch.tensor(7)}), expected)
+    state = read_state(tensor_record({"w": torch.ones(2, 3), "n": torch.tensor(7)}), expected)
     assert set(state) == {"w", "n"} and state["w"].tolist() == [[1.0] * 3] * 2 and int(state["n"]) == 7
     assert state["w"].dtype == F32 and state["n"].dtype == torch.int64
     _raises(  # a float parameter sent as integers
-        lambda: read_state(to_record({"w": torch.ones(2, 3, dtype=torch.int64), "n": torch.tensor(7)}), expected),
-        "array 'w' must be floating point, got torch.int64",
+        lambda: read_state(tensor_record({"w": torch.ones(2, 3, dtype=torch.int64), "n": torch.tensor(7)}), expected),
+        "array 'w' must be floating point, got int64",
     )
     _raises(  # an integer buffer (e.g. BatchNorm's num_batches_tracked) sent as a float
-        lambda: read_state(to_record({"w": torch.ones(2, 3), "n": torch.tensor(7.5)}), expected),
-        "array 'n' must be integer, got torch.float32",
+        lambda: read_state(tensor_record({"w": torch.ones(2, 3), "n": torch.tensor(7.5)}), expected),
+        "array 'n' must be integer, got float32",
     )
     _raises(
-        lambda: read_state(to_record({"w": torch.ones(2, 3), "n": torch.tensor(7), "z": torch.ones(1)}), expected),
+        lambda: read_state(tensor_record({"w": torch.ones(2, 3), "n": torch.tensor(7), "z": torch.ones(1)}), expected),
         "model state keys differ from the global model's",
     )
     _raises(
-        lambda: read_state(to_record({"w": torch.ones(2, 3)}), expected),
+        lambda: read_state(tensor_record({"w": torch.ones(2, 3)}), expected),
         "model state keys differ from the global model's",
     )
     _raises(
-        lambda: read_state(to_record({"w": torch.ones(3, 2), "n": torch.tensor(7)}), expected),
+        lambda: read_state(tensor_record({"w": torch.ones(3, 2), "n": torch.tensor(7)}), expected),
         "array 'w' has shape (3, 2), expected (2, 3)",
     )
     params = {"w": torch.zeros(2), "b": torch.zeros(1)}
-    fisher = read_fisher(to_record({"w": torch.tensor([0.5, 0.0], dtype=F32), "b": torch.tensor([2.0])}), params)
+    fisher = read_fisher(tensor_record({"w": torch.tensor([0.5, 0.0], dtype=F32), "b": torch.tensor([2.0])}), params)
     assert fisher["w"].dtype == F64 and fisher["w"].tolist() == [0.5, 0.0] and fisher["b"].tolist() == [2.0]
-    unknown = to_record({k: torch.zeros(1) for k in ("w", "b", "z", "y", "x", "v")})
+    unknown = tensor_record({k: torch.zeros(1) for k in ("w", "b", "z", "y", "x", "v")})
     _raises(lambda: read_fisher(unknown, params), "Fisher has unknown parameter(s): v, x, y")
-    _raises(lambda: read_fisher(to_record({"w": torch.zeros(2)}), params), "missing array 'b'")
+    _raises(lambda: read_fisher(tensor_record({"w": torch.zeros(2)}), params), "missing array 'b'")
     bad = [
         ({"w": torch.tensor([0.5, -1.0]), "b": torch.zeros(1)}, "array 'w' has negative entries"),
-        ({"w": torch.tensor([1, 0]), "b": torch.zeros(1)}, "array 'w' must be floating point, got torch.int64"),
+        ({"w": torch.tensor([1, 0]), "b": torch.zeros(1)}, "array 'w' must be floating point, got int64"),
         ({"w": torch.zeros(3), "b": torch.zeros(1)}, "array 'w' has shape (3,), expected (2,)"),
     ]
     for arrays, message in bad:
-        _raises(lambda arrays=arrays: read_fisher(to_record(arrays), params), message)
+        _raises(lambda arrays=arrays: read_fisher(tensor_record(arrays), params), message)
 
 
 def test_stsa_stats_read() -> None:
@@ -265,8 +299,8 @@ def test_stsa_stats_read() -> None:
     )
     assert float_counts.counts.dtype == F64 and float_counts.counts.tolist() == [4.0]
     bad = [
-        (StsaStats(packed.long(), sums, counts), "array 'gram-packed' must be floating point, got torch.int64"),
-        (StsaStats(packed, sums.long(), counts), "array 'class-sums' must be floating point, got torch.int64"),
+        (StsaStats(packed.long(), sums, counts), "array 'gram-packed' must be floating point, got int64"),
+        (StsaStats(packed, sums.long(), counts), "array 'class-sums' must be floating point, got int64"),
         (StsaStats(packed, sums.T, counts), "array 'class-sums' has shape (1, 2), expected (2, 1)"),
         (StsaStats(packed[:2], sums, counts), "array 'gram-packed' has shape (2,), expected (3,)"),
         (StsaStats(packed, sums * float("nan"), counts), "array 'class-sums' contains NaN or inf"),
@@ -283,7 +317,7 @@ def test_stsa_stats_read() -> None:
         _raises(
             lambda payload=payload: StsaStats.read(payload.to_record("float64"), packed=3, dim=2, classes=1), message
         )
-    no_counts = to_record({"gram-packed": packed, "class-sums": sums})
+    no_counts = tensor_record({"gram-packed": packed, "class-sums": sums})
     _raises(lambda: StsaStats.read(no_counts, packed=3, dim=2, classes=1), "missing array 'counts'")
 
 
@@ -357,7 +391,7 @@ def test_stsa_e_stats_read() -> None:
         (StsaEStats(sums, torch.tensor([[1.5], [0.0]])), "array 'counts' has non-integer entries"),
         (StsaEStats(sums, torch.tensor([[2, 1]])), "array 'counts' has shape (1, 2), expected (2, 1)"),
         (StsaEStats(sums[:1], counts), "array 'class-sums' has shape (1, 3, 1), expected (2, 3, 1)"),
-        (StsaEStats(sums.long(), counts), "array 'class-sums' must be floating point, got torch.int64"),
+        (StsaEStats(sums.long(), counts), "array 'class-sums' must be floating point, got int64"),
         (StsaEStats(sums * float("inf"), counts), "array 'class-sums' contains NaN or inf"),
     ]
     for payload, message in bad:
@@ -367,7 +401,7 @@ def test_stsa_e_stats_read() -> None:
 
 
 def _fedran(basis, sigma, corr) -> ArrayRecord:
-    return to_record({"basis": basis, "singular-values": sigma, "label-corr": corr})
+    return tensor_record({"basis": basis, "singular-values": sigma, "label-corr": corr})
 
 
 def test_fedran_stats_read() -> None:
@@ -384,18 +418,18 @@ def test_fedran_stats_read() -> None:
         (_fedran(torch.ones(4), sigma, corr), "array 'basis' has 1 dims, expected 2"),
         (
             _fedran(torch.eye(4, 2, dtype=torch.int64), sigma, corr),
-            "array 'basis' must be floating point, got torch.int64",
+            "array 'basis' must be floating point, got int64",
         ),
         (_fedran(torch.eye(5, 2), sigma, corr), "basis has shape (5, 2), expected (4, r_k <= 2)"),
         (_fedran(torch.eye(4, 3), torch.ones(3), corr), "basis has shape (4, 3), expected (4, r_k <= 2)"),
         (_fedran(basis, torch.ones(3), corr), "array 'singular-values' has shape (3,), expected (2,)"),
-        (_fedran(basis, torch.tensor([2, 1]), corr), "array 'singular-values' must be floating point, got torch.int64"),
+        (_fedran(basis, torch.tensor([2, 1]), corr), "array 'singular-values' must be floating point, got int64"),
         (_fedran(basis, torch.tensor([1.0, -1.0]), corr), "array 'singular-values' has negative entries"),
         (_fedran(basis, torch.tensor([1.0, 2.0]), corr), "singular values are not in descending order"),
         (_fedran(basis, sigma, torch.ones(3, 4)), "array 'label-corr' has shape (3, 4), expected (4, 3)"),
         (
             _fedran(basis, sigma, torch.ones(4, 3, dtype=torch.int64)),
-            "array 'label-corr' must be floating point, got torch.int64",
+            "array 'label-corr' must be floating point, got int64",
         ),
         (_fedran(basis * 2, sigma, corr), "basis columns are not orthonormal (max |UᵀU − I| = 3.00e+00)"),
     ]
@@ -446,11 +480,11 @@ def test_prototype_gradients_round_trip_and_checks() -> None:
         ({"3/0": torch.zeros(3), "3/1": torch.zeros(1, 2)}, "array '3/0' has shape (3,), expected (2,)"),
         (
             {"3/0": torch.zeros(2, dtype=torch.int64), "3/1": torch.zeros(1, 2)},
-            "array '3/0' must be floating point, got torch.int64",
+            "array '3/0' must be floating point, got int64",
         ),
     ]
     for arrays, message in bad:
-        _raises(lambda arrays=arrays: read_prototypes(to_record(arrays), range(3, 5), shapes), message)
+        _raises(lambda arrays=arrays: read_prototypes(tensor_record(arrays), range(3, 5), shapes), message)
 
 
 # =============================================================================== evaluate counts
@@ -467,12 +501,12 @@ READ_COUNTS_BAD = [
     (
         _record(correct=np.array([1.0, 2.0]), total=np.array([3, 4])),
         7,
-        "array 'correct' must be integer, got torch.float64",
+        "array 'correct' must be integer, got float64",
     ),
     (
         _record(correct=np.array([1, 2]), total=np.array([3.0, 4.0])),
         7,
-        "array 'total' must be integer, got torch.float64",
+        "array 'total' must be integer, got float64",
     ),
     (_counts([-1, 2], [3, 4]), 7, "array 'correct' has negative entries"),
     (_counts([0, 0], [3, -1]), 2, "array 'total' has negative entries"),

@@ -36,7 +36,7 @@ from clients.ledger import Ledger
 from fcl_flower.local_grid import LocalGrid
 from fcl_flower.models import trainable_state
 from fcl_flower.privacy.secagg import SecureAggregationError
-from fcl_flower.protocol import to_record
+from fcl_flower.tensors import tensor_record
 from tests.conftest import NODE_BASE, build, in_process_grid, reply_partition, server_identity, small_config
 
 SETTINGS = dict(num_tasks=1, num_clients=3, rf_dim=60, seed=0, stage1_rounds=2)
@@ -132,7 +132,7 @@ def plain_reply(keep_record: bool):
             return replies
         for m in replies:
             if not m.has_error() and reply_partition(m) == 1:
-                m.content.array_records["arrays"] = to_record(state)
+                m.content.array_records["arrays"] = tensor_record(state)
                 if not keep_record:
                     del m.content.config_records["secagg"]
         return replies

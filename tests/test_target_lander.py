@@ -54,10 +54,11 @@ from fcl_flower.fcl.generative import (
     to_pool,
 )
 from fcl_flower.models import build_classifier, trainable_state
-from fcl_flower.protocol import TrainIns, parse_instruction, to_record
+from fcl_flower.protocol import TrainIns, parse_instruction
 from fcl_flower.protocol.messages import ANCHORS, SYNTHETIC
 from fcl_flower.results import StageRecord
 from fcl_flower.runtime import build_model, federated_split
+from fcl_flower.tensors import tensor_record
 from strategies.accounting import TIMING_EXTRAS
 from strategies.anchors import NAME_HASH, class_names, label_text_embeddings
 from tests.conftest import run_locally, seeded_generator, server_identity, small_config
@@ -250,10 +251,10 @@ def test_label_text_embeddings_fall_back_offline_with_one_log_line() -> None:
 def test_new_train_fields_round_trip_through_the_protocol() -> None:
     from tests.test_protocol import CFG, HEADER, _deliver
 
-    pool = to_record({"images": torch.arange(2 * 8 * 8, dtype=torch.uint8).reshape(2, 8, 8, 1)})
-    anchors = to_record({"anchors": torch.ones(10, 4)})
+    pool = tensor_record({"images": torch.arange(2 * 8 * 8, dtype=torch.uint8).reshape(2, 8, 8, 1)})
+    anchors = tensor_record({"anchors": torch.ones(10, 4)})
     ins = TrainIns(
-        HEADER, CFG, lr=0.1, num_seen=4, model=to_record({"w": torch.ones(2)}), synthetic=pool, anchors=anchors
+        HEADER, CFG, lr=0.1, num_seen=4, model=tensor_record({"w": torch.ones(2)}), synthetic=pool, anchors=anchors
     )
     message = _deliver(ins)
     assert {SYNTHETIC, ANCHORS} <= set(message.content.array_records)

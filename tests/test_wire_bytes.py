@@ -17,8 +17,9 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
-from fcl_flower.protocol import UploadError, message_bytes, payload_bytes, read_tensor
+from fcl_flower.protocol import UploadError, message_bytes, payload_bytes
 from fcl_flower.protocol.arrays import npy_layout, npy_view
+from fcl_flower.tensors import read_tensor
 
 
 def contents() -> list[RecordDict]:
@@ -130,7 +131,7 @@ def test_reading_in_place_warns_nothing_in_a_fresh_process() -> None:
     code = (
         "import numpy as np\n"
         "from flwr.app import Array, ArrayRecord\n"
-        "from fcl_flower.protocol import read_tensor\n"
+        "from fcl_flower.tensors import read_tensor\n"
         "t = read_tensor(ArrayRecord({'g': Array(np.arange(3.0))}), 'g', copy=False)\n"
         "print(t.tolist())\n"
     )

@@ -84,10 +84,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fcl_flower.limits import MAGNITUDE_LIMIT  # entries beyond it could overflow float64 sums of squares
+
 from .factor import factor_gram, factor_max_rows
 from .packing import diagonal_of_packed, pack_upper, row_offset
 
-MAGNITUDE_LIMIT = 1e150  # entries beyond this could overflow float64 in sums of squares (1e300 < 1.8e308)
 FALSE_REJECTION = 1e-9  # chance that the noise alone makes an honest upload fail a check (all checks together)
 _PER_BOUND = FALSE_REJECTION / 10  # fewer than ten bounds are used on one upload
 

@@ -5,17 +5,46 @@ Typical use (one call per client process, cached)::
     split = get_federated_split("digits", None, False, 0, num_tasks=5, first_task_classes=0,
                                 num_clients=5, beta=0.5)
     local = split.client_train(task=0, client=3, eval_transform=True)
+
+The names below are imported on first use (PEP 562), so that a module of this package that needs
+no torch (the array cache, the errors, the partitions) can be imported without the datasets:
+a ClientApp message without a model never imports torch (issue 32).
 """
 
-from .bundle import DatasetBundle, class_order, remap_labels
-from .errors import DatasetError
-from .federated import FederatedSplit, get_federated_split
-from .labelled import LabelledDataset
-from .partition import dirichlet_partition
-from .plan import FederationLayout, TaskPlan
-from .registry import DATASETS, default_root, load_dataset
-from .synthetic import SyntheticSpec, make_synthetic
-from .tasks import task_class_ranges
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .bundle import DatasetBundle, class_order, remap_labels
+    from .errors import DatasetError
+    from .federated import FederatedSplit, get_federated_split
+    from .labelled import LabelledDataset
+    from .partition import dirichlet_partition
+    from .plan import FederationLayout, TaskPlan
+    from .registry import DATASETS, default_root, load_dataset
+    from .synthetic import SyntheticSpec, make_synthetic
+    from .tasks import task_class_ranges
+
+_WHERE = {
+    "DATASETS": "registry",
+    "DatasetBundle": "bundle",
+    "DatasetError": "errors",
+    "FederatedSplit": "federated",
+    "FederationLayout": "plan",
+    "LabelledDataset": "labelled",
+    "SyntheticSpec": "synthetic",
+    "TaskPlan": "plan",
+    "class_order": "bundle",
+    "default_root": "registry",
+    "dirichlet_partition": "partition",
+    "get_federated_split": "federated",
+    "load_dataset": "registry",
+    "make_synthetic": "synthetic",
+    "remap_labels": "bundle",
+    "task_class_ranges": "tasks",
+}
 
 __all__ = [
     "DATASETS",
@@ -35,3 +64,12 @@ __all__ = [
     "remap_labels",
     "task_class_ranges",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import DatasetError
-from .labelled import LabelledDataset, Transform
+
+if TYPE_CHECKING:  # the datasets import torch; a task plan's checks (fcl_flower.data.plan) need none of it
+    from .labelled import LabelledDataset, Transform
 
 
 def class_order(num_classes: int, seed: int) -> np.ndarray:
@@ -67,6 +70,8 @@ def build_bundle(
     eval_transform: Transform | None,
 ) -> DatasetBundle:
     """Remap labels by the seeded class order and wrap both splits into views."""
+    from .labelled import LabelledDataset
+
     order = class_order(num_classes, seed)
     order.setflags(write=False)
     train = LabelledDataset(train_images, remap_labels(train_labels, order), train_transform)

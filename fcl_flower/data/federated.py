@@ -35,7 +35,7 @@ import numpy as np
 from .bundle import DatasetBundle
 from .errors import DatasetError
 from .labelled import LabelledDataset
-from .paper_partitions import class_subset_partition
+from .paper_partitions import PROTOCOL_ARGS, class_subset_partition
 from .partition import dirichlet_partition
 from .plan import FederationLayout, TaskPlan, plan_tasks
 from .registry import load_dataset
@@ -235,18 +235,6 @@ def apportion(total: int, weights: np.ndarray) -> np.ndarray:
     order = np.lexsort((np.arange(len(weights)), -(share - counts)))
     counts[order[: total - int(counts.sum())]] += 1
     return counts
-
-
-# FederatedSplit's client-protocol arguments (the papers' data protocols); the run config's knobs
-# of the same names, so callers can pass ``{k: getattr(cfg, k) for k in PROTOCOL_ARGS}``.
-PROTOCOL_ARGS = (
-    "partition",
-    "class_fraction",
-    "initial_clients",
-    "joining_per_task",
-    "old_only_fraction",
-    "classes_per_task",
-)
 
 
 @lru_cache(maxsize=16)

@@ -31,6 +31,18 @@ import numpy as np
 
 from .errors import DatasetError
 
+# FederatedSplit's client-protocol arguments (the papers' data protocols); the run config's knobs
+# of the same names, so callers can pass ``{k: getattr(cfg, k) for k in PROTOCOL_ARGS}``. Here, not
+# in federated.py, so that reading them imports no torch (clients/node_data.py).
+PROTOCOL_ARGS = (
+    "partition",
+    "class_fraction",
+    "initial_clients",
+    "joining_per_task",
+    "old_only_fraction",
+    "classes_per_task",
+)
+
 
 def _positive_int(name: str, value: object) -> int:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:

@@ -1,8 +1,30 @@
 """What a client's upload may reveal, and how to reveal less: secure summation and the
-minimum-count rule (no Flower, no I/O)."""
+minimum-count rule (no Flower, no I/O).
 
-from .disclosure import disclosable, per_class_counts, withheld_cells
-from .secagg import SecureAggregationError, decode_fixed_point, encode_fixed_point, mask_arrays, unmask_sum
+The names are imported on first use (PEP 562): the secure-aggregation steps without a model
+(keys, shares, unmask) import :mod:`.secagg` (NumPy and cryptography) and never torch, which
+:mod:`.disclosure` needs (issue 32).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .disclosure import disclosable, per_class_counts, withheld_cells
+    from .secagg import SecureAggregationError, decode_fixed_point, encode_fixed_point, mask_arrays, unmask_sum
+
+_WHERE = {
+    "SecureAggregationError": "secagg",
+    "decode_fixed_point": "secagg",
+    "disclosable": "disclosure",
+    "encode_fixed_point": "secagg",
+    "mask_arrays": "secagg",
+    "per_class_counts": "disclosure",
+    "unmask_sum": "secagg",
+    "withheld_cells": "disclosure",
+}
 
 __all__ = [
     "SecureAggregationError",
@@ -14,3 +36,12 @@ __all__ = [
     "unmask_sum",
     "withheld_cells",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

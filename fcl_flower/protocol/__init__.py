@@ -2,8 +2,8 @@
 
 :mod:`.messages` defines the training, statistics and info messages, :mod:`.secure` the messages
 of a secure statistics round, :mod:`.base` what they share (header, bases, checked readers),
-:mod:`.payloads` the arrays each method uploads, :mod:`.arrays` the checked tensor <-> record
-conversion, :mod:`.errors` the one-line errors. Both sides use only these types.
+:mod:`.payloads` the arrays each method uploads, :mod:`.arrays` the checked NumPy array <-> record
+conversion (no torch: :mod:`fcl_flower.tensors` converts for the handlers that compute with it), :mod:`.errors` the one-line errors. Both sides use only these types.
 """
 
 from fcl_flower.methods import Kind
@@ -13,8 +13,8 @@ from fcl_flower.protocol.arrays import (
     from_record,
     message_bytes,
     payload_bytes,
+    read_array,
     read_ring,
-    read_tensor,
     to_record,
 )
 from fcl_flower.protocol.base import Header, Instruction, Reply
@@ -82,7 +82,7 @@ __all__ = [
     "parse_instruction",
     "parse_reply",
     "payload_bytes",
+    "read_array",
     "read_ring",
-    "read_tensor",
     "to_record",
 ]

@@ -1,7 +1,13 @@
-"""Arrays in Flower records: tensors in, tensors out, checked, and how many bytes that took.
+"""Arrays in Flower records: NumPy arrays in, NumPy arrays out, checked, and how many bytes that took.
+
+The protocol needs no torch (issue 32): a message that carries no model (``query.info``,
+``query.keys``, ``query.shares``, ``query.unmask``) is parsed, handled and answered in a process
+that never imports it. Where a handler needs tensors it converts at its own side, zero-copy
+(:mod:`fcl_flower.tensors`: ``torch.from_numpy`` of what :func:`read_array` / :func:`from_record`
+return, and a tensor's ``.numpy()`` into :func:`to_record`).
 
 Clients are untrusted: everything the server reads from a reply goes through
-:func:`read_tensor`, which checks presence, dtype, shape, finiteness and magnitude (at most
+:func:`read_array`, which checks presence, dtype, shape, finiteness and magnitude (at most
 ``MAGNITUDE_LIMIT`` = 1e150, so float64 sums of squares cannot overflow) and raises
 :class:`UploadError` (one line naming the problem) instead of letting a bad upload reach the
 aggregate.
@@ -17,18 +23,17 @@ from __future__ import annotations
 
 import functools
 import io
-import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import config_record_to_proto, metric_record_to_proto
 
-from fcl_flower.analytic.checks import MAGNITUDE_LIMIT
+from fcl_flower.limits import MAGNITUDE_LIMIT
 from fcl_flower.protocol.errors import UploadError
 
-WIRE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: the dtypes floating-point uploads travel in (run config ``wire-dtype``)
+WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 #: What an upload's arrays may be: real floats and signed integers (no complex, no unsigned, no bool,
 #: no float16 whose range a sum overflows at 65504).
 ACCEPTED_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64", "int8", "int16", "int32", "int64"))
@@ -36,19 +41,18 @@ _NPY_MAGIC = b"\x93NUMPY"
 _MAX_NPY_HEADER = 10_000  # an .npy header of our arrays is ~128 bytes; numpy's own default limit
 
 
-def to_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    """Tensors -> ArrayRecord (detached, contiguous, on the CPU), each serialised by
-    :func:`npy_array`."""
-    return ArrayRecord({k: npy_array(v.detach().cpu().contiguous().numpy()) for k, v in tensors.items()})
+def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Arrays -> ArrayRecord, each serialised C-contiguous by :func:`npy_array` (the bytes Flower
+    writes for the same values given as a contiguous CPU tensor)."""
+    return ArrayRecord({k: npy_array(v) for k, v in arrays.items()})
 
 
 def npy_array(values: np.ndarray) -> Array:
-    """A Flower Array holding ``values`` as an ``.npy`` buffer: for a C-ordered array the bytes
-    ``np.save`` writes (same header, same values; any other is written in C order), built with one
-    copy of the values (Flower's ``Array.from_numpy_ndarray``
-    makes three: ``tobytes``, a growing BytesIO and ``getvalue``; ~13 ms per 8 MB upload here)."""
-    if not values.flags.c_contiguous:
-        values = values.copy(order="C")  # (not np.ascontiguousarray: it makes a 0-d array 1-d)
+    """A Flower Array holding ``values`` as an ``.npy`` buffer: the bytes ``np.save`` writes for
+    their C-ordered copy (same header, same values), built with one copy of the values (Flower's
+    ``Array.from_numpy_ndarray`` makes three: ``tobytes``, a growing BytesIO and ``getvalue``;
+    ~13 ms per 8 MB upload here, issue 30)."""
+    values = _c_order(values)
     if values.dtype.hasobject:
         raise ValueError("object arrays are not accepted")
     head = io.BytesIO()
@@ -57,20 +61,33 @@ def npy_array(values: np.ndarray) -> Array:
     return Array(dtype=str(values.dtype), shape=tuple(values.shape), stype="numpy.ndarray", data=data)
 
 
-def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    return dict(record.to_torch_state_dict())
+def _c_order(values: np.ndarray) -> np.ndarray:
+    if not isinstance(values, np.ndarray):
+        raise TypeError(f"expected a NumPy array, got {type(values).__name__} (tensors: fcl_flower.tensors)")
+    return values if values.flags.c_contiguous else values.copy(order="C")  # keeps 0-d arrays 0-d
 
 
-def view_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    """The tensors of a record as read-only views of its bytes (no copy; :func:`npy_view`): for a
+def from_record(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """ArrayRecord -> writable NumPy arrays (Flower's ``Array.numpy()``: one copy each)."""
+    return {k: v.numpy() for k, v in record.items()}
+
+
+def view_record(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """The arrays of a record as read-only views of its bytes (no copy; :func:`npy_view`): for a
     reader that copies them on (e.g. ``load_trainable_state``), never for one that writes."""
-    return {key: _as_tensor(npy_view(array)) for key, array in record.items()}
+    return {key: npy_view(array) for key, array in record.items()}
 
 
-def cast_for_wire(tensor: torch.Tensor, wire_dtype: str) -> torch.Tensor:
+def wire_dtype_of(wire_dtype: str) -> np.dtype:
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"unknown wire dtype '{wire_dtype}'; use one of {', '.join(WIRE_DTYPES)}")
-    return tensor.to(WIRE_DTYPES[wire_dtype]) if tensor.is_floating_point() else tensor
+    return WIRE_DTYPES[wire_dtype]
+
+
+def cast_for_wire(values: np.ndarray, wire_dtype: str) -> np.ndarray:
+    """Floating-point values in the wire dtype (integers, counts and ids, as they are)."""
+    dtype = wire_dtype_of(wire_dtype)
+    return values.astype(dtype) if values.dtype.kind == "f" else values
 
 
 # ------------------------------------------------------------------------------------ .npy bytes
@@ -111,13 +128,6 @@ def npy_view(array: Array) -> np.ndarray:
     dtype, shape, fortran, offset = npy_layout(data)
     flat = np.frombuffer(data, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)), offset=offset)
     return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
-
-
-def _as_tensor(values: np.ndarray) -> torch.Tensor:
-    """A torch view of a read-only array (torch warns that it must not be written to: nothing does)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(values)
 
 
 # ------------------------------------------------------------------------------------ byte counts
@@ -187,7 +197,7 @@ def message_bytes(content: RecordDict) -> int:
 
 
 # ------------------------------------------------------------------------------------ reading
-def read_tensor(
+def read_array(
     record: ArrayRecord,
     key: str,
     *,
@@ -197,11 +207,11 @@ def read_tensor(
     finite: bool = True,
     nonnegative: bool = False,
     copy: bool = True,
-) -> torch.Tensor:
+) -> np.ndarray:
     """Fetch one array from an untrusted reply and check it; raise UploadError if it is bad.
 
     ``copy=False`` returns a read-only view of the message's bytes (no copy): for large arrays that
-    are only read (summed, checked), never written to.
+    are only read (summed, checked), never written to. The dtype is the upload's.
     """
     values = _fetch(record, key)
     if values.dtype not in ACCEPTED_DTYPES:
@@ -212,12 +222,11 @@ def read_tensor(
         raise UploadError(f"array '{key}' has {values.ndim} dims, expected {ndim}")
     is_float = values.dtype.kind == "f"
     if floating is True and not is_float:
-        raise UploadError(f"array '{key}' must be floating point, got {_torch_name(values.dtype)}")
+        raise UploadError(f"array '{key}' must be floating point, got {values.dtype}")
     if floating is False and is_float:
-        raise UploadError(f"array '{key}' must be integer, got {_torch_name(values.dtype)}")
-    tensor = _as_tensor(values)
-    if tensor.numel() and ((finite and is_float) or nonnegative):
-        low, high = (float(v) for v in torch.aminmax(tensor))  # one pass; NaN propagates to both
+        raise UploadError(f"array '{key}' must be integer, got {values.dtype}")
+    if values.size and ((finite and is_float) or nonnegative):
+        low, high = float(values.min()), float(values.max())  # no temporaries; NaN propagates to both
         if finite and is_float:
             if not (np.isfinite(low) and np.isfinite(high)):
                 raise UploadError(f"array '{key}' contains NaN or inf")
@@ -225,7 +234,7 @@ def read_tensor(
                 raise UploadError(f"array '{key}' has an entry beyond {MAGNITUDE_LIMIT:g} in magnitude")
         if nonnegative and low < 0:
             raise UploadError(f"array '{key}' has negative entries")
-    return tensor.clone() if copy else tensor
+    return np.array(values, copy=True) if copy else values
 
 
 def read_ring(record: ArrayRecord, key: str, *, shape: Sequence[int], copy: bool = True) -> np.ndarray:
@@ -236,10 +245,6 @@ def read_ring(record: ArrayRecord, key: str, *, shape: Sequence[int], copy: bool
     if tuple(values.shape) != tuple(shape):
         raise UploadError(f"array '{key}' has shape {tuple(values.shape)}, expected {tuple(shape)}")
     return np.array(values, copy=True) if copy else values
-
-
-def _torch_name(dtype: np.dtype) -> str:
-    return str(torch.from_numpy(np.zeros(0, dtype=dtype)).dtype)
 
 
 def _fetch(record: ArrayRecord, key: str) -> np.ndarray:

@@ -1,5 +1,9 @@
 """The arrays inside replies, typed: what each method uploads, built by clients, checked by the server.
 
+The one part of the protocol that holds tensors: the payloads are the methods' torch math on both
+sides, and only messages that carry a model (which import torch anyway) use them; they read and
+write through :mod:`fcl_flower.tensors` (zero-copy over the protocol's NumPy readers).
+
 A client builds a payload and calls ``to_record(wire_dtype)``; the server calls ``read(record, ...)``
 with the shapes *its own state* implies (M, the task's classes, the rank it asked for), so a
 reply can never choose the shapes the server allocates. Every read checks presence, no extra
@@ -16,8 +20,10 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fcl_flower.analytic.factor import factor_max_rows
-from fcl_flower.protocol.arrays import cast_for_wire, read_ring, read_tensor, to_record
+from fcl_flower.protocol.arrays import read_ring
 from fcl_flower.protocol.errors import UploadError
+from fcl_flower.tensors import cast_for_wire, read_tensor
+from fcl_flower.tensors import tensor_record as to_record
 
 Tensor = torch.Tensor
 
