@@ -62,6 +62,7 @@ from fcl_flower.analytic.checks import (
 from fcl_flower.analytic.kernel import FactorStack
 from fcl_flower.analytic.packing import diagonal_of_packed
 from fcl_flower.analytic.ridge import RidgeState, product_rounding_bound, sum_rounding_bound
+from fcl_flower.analytic.unlearning import replace_upload
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.privacy.noise import secure_share
@@ -89,6 +90,7 @@ from strategies.secure import MAX_ATTEMPTS, RestartSecureRound, SecureRounds
 from strategies.secure_fedavg import MaskedFedAvg
 from strategies.spool import UploadSpool
 from strategies.stream import InOrder
+from strategies.unlearning import Commitments, ForgetRefused, as_upload, verified_removal
 
 MASKED_NAMES = ("gram-packed", "class-sums", "counts")
 
@@ -209,15 +211,21 @@ class PlainFold:
         strategy = self.strategy
         stats, factor, bound = item.payload["stats"]
         strategy.add_statistics(self.plan.task, [Accepted(item.client, item.num_examples, stats)], factor, bound)
+        strategy.commit(item.client, self.plan.task, stats, item.num_examples, factor)
         for task, (payload, count) in item.payload["late"].items():
             late, late_factor, late_bound = payload
             strategy.add_statistics(task, [Accepted(item.client, count, late)], late_factor, late_bound)
+            strategy.commit(item.client, task, late, count, late_factor)
             self.late.setdefault(task, []).append(item.client)
         self.clients.add(item.client)
 
     def drop(self, client: str) -> None:
         """``client``'s reply is left out after all (its upload made a sum fail its certificate)."""
         self.clients.discard(client)
+        self.strategy.commitments.drop(client, self.plan.task)
+        for task, clients in self.late.items():
+            if client in clients:
+                self.strategy.commitments.drop(client, task)
         for clients in self.late.values():
             if client in clients:
                 clients.remove(client)
@@ -276,6 +284,10 @@ class STSAStrategy(AnalyticStrategy):
         self._in_ridge: set[int] = set()  # tasks whose own stage's statistics went into the ridge state
         self._resumed_opening: dict[str, Any] | None = None  # a secure sum opened before an interruption
         self._round_args: tuple[Grid, float] | None = None  # the grid and timeout of the round in progress
+        # a digest of every accepted plain upload, per client and task: what a removal must match
+        self.commitments = Commitments()
+        self.forgotten: list[dict[str, Any]] = []  # the removals applied since the last re-solve
+        self.unlearning_log: list[dict[str, Any]] = []  # every re-solve after removals (results.json)
         # every factor upload's rows, for the N x N kernel solve while N <= M / 2 (None: G solves)
         self.stack = (
             FactorStack.empty(self.rf_dim, split.num_classes, self.rf_dim // 2) if cfg.stats_form == "factor" else None
@@ -738,6 +750,94 @@ class STSAStrategy(AnalyticStrategy):
                     self.backfill.strike(client, task)
         self.backfill.note_missing(plan.task, survivors)
 
+    # ---------------------------------------------------------------- unlearning
+    def commit(self, client: str, task: int, stats: StsaStats, num_examples: int, factor: torch.Tensor | None) -> None:
+        """Keep the digest of an accepted plain Gram upload (strategies/unlearning.py); a factor
+        upload's G is the server's own product, which the client cannot re-send bit for bit: none."""
+        if factor is None:
+            self.commitments.record(self.run_id, client, task, as_upload(stats, num_examples))
+
+    def forget(
+        self,
+        client: str,
+        task: int,
+        added: StsaStats,
+        added_samples: int,
+        kept: StsaStats | None = None,
+        kept_samples: int = 0,
+        *,
+        what: str = "client",
+        requested_by: str = "server operator",
+    ) -> dict[str, Any]:
+        """Take ``client``'s upload of ``task`` out of the ridge state (``kept`` None), or swap it
+        for ``kept``, the statistics of the samples it keeps (docs/unlearning.md). Applied between
+        stages: the next solve (:meth:`resolve`) re-certifies G. ForgetRefused (why) where the
+        upload is not the one committed to, or the removed part is no dataset's statistics."""
+        if self.secure is not None:
+            raise ForgetRefused("under secure aggregation a removal is a secure round, which is not implemented")
+        if self.noise is not None:
+            raise ForgetRefused("noised uploads: the removal check needs exact counts")
+        if self._round_sums:
+            raise ForgetRefused("a statistics round is under way: removals apply between stages")
+        wire = WIRE_DTYPES[self.cfg.wire_dtype]
+        kept_upload, removed = verified_removal(
+            self.commitments,
+            client,
+            task,
+            as_upload(added, added_samples),
+            None if kept is None else as_upload(kept, kept_samples),
+            relative_tolerance=gram_check_epsilon(wire, self.cfg.check_tolerance),
+            **self.feature_bounds,
+        )
+        replace_upload(self.ridge, self.split.tasks[task], as_upload(added, added_samples), kept_upload)
+        if kept is None:
+            self.commitments.drop(client, task)
+        else:
+            self.commitments.record(self.run_id, client, task, kept_upload)
+        self.stack = None  # the stacked factors still hold the removed rows: G solves from now on
+        event = {
+            "who": client,
+            "requested_by": requested_by,
+            "what": what,
+            "task": task,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "removed_samples": removed.num_samples,
+            "removed_counts": {str(c): int(n) for c, n in zip(self.split.tasks[task], removed.counts.tolist()) if n},
+        }
+        self.forgotten.append(event)
+        return event
+
+    def forget_client(self, client: str, uploads: dict[int, tuple[StsaStats, int]], **how: Any) -> list[dict[str, Any]]:
+        """A whole client (site) out of every stage it contributed to: ``uploads`` its uploads by task,
+        as its store kept them. Every one is verified before any is applied (all or nothing)."""
+        missing = [t for t in self.commitments.tasks_of(client) if t not in uploads]
+        if missing:
+            raise ForgetRefused(f"{client}: its uploads of stage(s) {[t + 1 for t in missing]} are not in the request")
+        for task, (stats, samples) in sorted(uploads.items()):
+            self.commitments.verify(client, task, as_upload(stats, samples))
+        return [self.forget(client, task, stats, samples, **how) for task, (stats, samples) in sorted(uploads.items())]
+
+    def resolve(self, task: int) -> dict[str, Any]:
+        """Solve again after removals (γ re-selected under ``ridge auto``) and score: the record of
+        the removals, with the accuracy (all seen classes and per task) before and after."""
+        before, per_task_before, _ = self.score_central(task)
+        self.weights, _extra = self.solve(task)
+        after, per_task_after, _ = self.score_central(task)
+        record = {
+            "after_stage": task + 1,
+            "requests": list(self.forgotten),
+            "accuracy_before": before,
+            "accuracy_after": after,
+            "per_task_before": per_task_before,
+            "per_task_after": per_task_after,
+            "ridge_after": _extra.get("ridge"),
+        }
+        self.forgotten = []
+        self.unlearning_log.append(record)
+        self.recorder.info["unlearning"] = self.unlearning_log  # results.json: who, what, when, counts, accuracy
+        self.recorder.write()
+        return record
+
     # ---------------------------------------------------------------- solve
     def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
         kernel = self.kernel_solve(task)
@@ -806,6 +906,7 @@ class STSAStrategy(AnalyticStrategy):
             "ridge": self.ridge.state_dict(),
             "missing": self.backfill.state_dict(),
             "secagg_barred": barred,
+            "commitments": self.commitments.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -814,6 +915,7 @@ class STSAStrategy(AnalyticStrategy):
         if self.ridge.num_samples:
             self.stack = None  # the checkpoint holds G, not the factors: solve from G from now on
         self.backfill.load_state_dict(state.get("missing", {}))
+        self.commitments.load_state_dict(state.get("commitments", {}))
         barred = fields.mapping(state.get("secagg_barred", {}), "state/secagg_barred")
         for client, why in barred.items():
             if not client.isdigit() or int(client) >= self.cfg.num_clients or not isinstance(why, str):

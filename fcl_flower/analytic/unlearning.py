@@ -150,7 +150,9 @@ def upload_digest(context: Mapping[str, str | int], upload: Upload) -> str:
     return digest.hexdigest()
 
 
-def check_removal(added: Upload, kept: Upload, *, relative_tolerance: float, norm_bound: float = 0.0) -> Upload:
+def check_removal(
+    added: Upload, kept: Upload, *, relative_tolerance: float, norm_bound: float = 0.0, nonnegative: bool = False
+) -> Upload:
     """The removed part ``added − kept`` when it is the statistics of some dataset of
     ``added.num_samples − kept.num_samples`` samples (counts non-negative integers adding up to that,
     [[G, C], [Cᵀ, diag(n)]] ⪰ 0 within ``relative_tolerance``, fcl_flower/analytic/checks.py);
@@ -170,6 +172,7 @@ def check_removal(added: Upload, kept: Upload, *, relative_tolerance: float, nor
             removed.counts,
             relative_tolerance=relative_tolerance,
             norm_bound=norm_bound,
+            nonnegative=nonnegative,
         )
     return removed
 
