@@ -44,6 +44,7 @@ import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
 
 from fcl_flower import restore as fields
 from fcl_flower.analytic import packed_length
@@ -65,11 +66,12 @@ from fcl_flower.analytic.ridge import RidgeState, product_rounding_bound, sum_ro
 from fcl_flower.analytic.unlearning import replace_upload
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
+from fcl_flower.methods import Kind
 from fcl_flower.privacy.noise import secure_share
 from fcl_flower.privacy.secagg import add_ring, unmask_sum
 from fcl_flower.privacy.secure_fedavg import OpenedSumRejected
 from fcl_flower.protocol import WIRE_DTYPES, Instruction, Reply, StatsIns, StatsRes, UploadError
-from fcl_flower.protocol.payloads import MaskedStsaStats, StsaFactorStats, StsaStats
+from fcl_flower.protocol.payloads import ForgetStats, MaskedStsaStats, StsaFactorStats, StsaStats
 from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.state_io import StateError, load_state, save_state
@@ -85,7 +87,7 @@ from strategies.analytic import (
 )
 from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundFailed, RoundFold, RoundPlan, StageFailed
-from strategies.loop import RunFailed
+from strategies.loop import RunFailed, run_one_round
 from strategies.secure import MAX_ATTEMPTS, RestartSecureRound, SecureRounds
 from strategies.secure_fedavg import MaskedFedAvg
 from strategies.spool import UploadSpool
@@ -93,6 +95,7 @@ from strategies.stream import InOrder
 from strategies.unlearning import Commitments, ForgetRefused, as_upload, verified_removal
 
 MASKED_NAMES = ("gram-packed", "class-sums", "counts")
+FORGET_PHASE = "stsa-forget"  # the forget round between stages (docs/unlearning.md)
 
 
 def fresh_certificate() -> dict[str, Any]:
@@ -263,6 +266,49 @@ class MaskedFold:
         self.strategy.open_masked(self.plan, self.sums, self.clients)
 
 
+class ForgetFold:
+    """A forget round (docs/unlearning.md): each site's removal is checked against the server's
+    commitments and applied, or refused with its reason; then the ridge is solved again and the
+    removals are recorded (results.json ``unlearning``)."""
+
+    def __init__(self, strategy: STSAStrategy, plan: RoundPlan) -> None:
+        self.strategy, self.plan = strategy, plan
+        self.answered: set[str] = set()
+
+    def add(self, item: Accepted[Any]) -> None:
+        strategy, payload = self.strategy, item.payload
+        self.answered.add(item.client)
+        named = int(item.client.rsplit("-", 1)[1]) in strategy._forget_sites
+        try:
+            if named:
+                uploads = {t: (stats, int(stats.counts.sum())) for t, stats in payload.added.items()}
+                strategy.forget_client(item.client, uploads, what="client", requested_by="server operator")
+                strategy.withdraw(item.client)
+                return
+            for task, stats in sorted(payload.added.items()):
+                kept = payload.kept.get(task)
+                strategy.forget(
+                    item.client,
+                    task,
+                    stats,
+                    int(stats.counts.sum()),
+                    kept,
+                    int(kept.counts.sum()) if kept is not None else 0,
+                    what="samples" if kept is not None else "stage",
+                    requested_by="site",
+                )
+        except ForgetRefused as err:
+            log(WARNING, "removal refused for %s: %s", item.client, err)
+            strategy.forgotten.append({"who": item.client, "refused": str(err)})
+
+    def finish(self) -> None:
+        strategy = self.strategy
+        for site in strategy._forget_sites:  # named, but no acceptable answer: nothing was removed
+            name = client_name(site)
+            if name not in self.answered:
+                strategy.forgotten.append({"who": name, "refused": "no acceptable reply in the forget round"})
+
+
 OPENED_SUM = "secagg-opened"  # the run folder's copy of the last opened secure sum (for an honest resume)
 
 
@@ -288,6 +334,7 @@ class STSAStrategy(AnalyticStrategy):
         self.commitments = Commitments()
         self.forgotten: list[dict[str, Any]] = []  # the removals applied since the last re-solve
         self.unlearning_log: list[dict[str, Any]] = []  # every re-solve after removals (results.json)
+        self._forget_sites: tuple[int, ...] = ()  # the sites the forget round in progress removes wholly
         # every factor upload's rows, for the N x N kernel solve while N <= M / 2 (None: G solves)
         self.stack = (
             FactorStack.empty(self.rf_dim, split.num_classes, self.rf_dim // 2) if cfg.stats_form == "factor" else None
@@ -295,6 +342,8 @@ class STSAStrategy(AnalyticStrategy):
 
     # ---------------------------------------------------------------- rounds
     def customise(self, plan: RoundPlan, ins: Instruction) -> Instruction:
+        if isinstance(ins, StatsIns) and plan.phase == FORGET_PHASE:
+            return dataclasses.replace(ins, forget=self._forget_sites)
         if isinstance(ins, StatsIns):
             self._request = self.backfill.request()
             return dataclasses.replace(ins, backfill=self._request)
@@ -436,6 +485,9 @@ class STSAStrategy(AnalyticStrategy):
         return StsaStats.read(record, **shapes, noisy_counts=self.counts_noised)
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
+        if plan.phase == FORGET_PHASE:
+            done = {t: len(self.split.tasks[t]) for t in range(plan.task + 1)}
+            return ForgetStats.read(reply.arrays, packed=packed_length(self.rf_dim), dim=self.rf_dim, classes_of=done)
         if self.masked():
             classes = sum(len(self.split.tasks[t]) for t in self.secure_columns(plan.task))
             stats = MaskedStsaStats.read(
@@ -462,6 +514,8 @@ class STSAStrategy(AnalyticStrategy):
 
     def stats_fold(self, plan: RoundPlan) -> RoundFold:
         """Each accepted upload is added to running sums at once and dropped (client order)."""
+        if plan.phase == FORGET_PHASE:
+            return ForgetFold(self, plan)
         secure = self.secure is not None and plan.phase == self.stats_phase  # as run_round decides
         return MaskedFold(self, plan) if secure or self.masked() else PlainFold(self, plan)
 
@@ -817,6 +871,36 @@ class STSAStrategy(AnalyticStrategy):
             self.commitments.verify(client, task, as_upload(stats, samples))
         return [self.forget(client, task, stats, samples, **how) for task, (stats, samples) in sorted(uploads.items())]
 
+    def withdraw(self, client: str) -> None:
+        """``client`` is forgotten wholly: no later round goes to it and it owes nothing."""
+        self.nodes.withdrawn.add(int(client.rsplit("-", 1)[1]))
+        self.backfill.withdraw(client)
+
+    def between_stages(self, grid: Grid, task: int, timeout: float) -> None:
+        """The forget round run config ``forget`` asks for after stage ``task`` + 1: every site is
+        asked (the named ones re-send their uploads to be removed wholly, the others apply their own
+        requests, node config forget-samples), then W is solved again and the removals recorded."""
+        requests = self.cfg.forget_requests()
+        if task + 1 not in requests:
+            return
+        self._forget_sites = tuple(s for s in requests[task + 1] if s not in self.nodes.withdrawn)
+        plan = RoundPlan(task, FORGET_PHASE, Kind.STATS)
+        try:
+            run_one_round(self, grid, plan, timeout, Result())
+        except StageFailed as err:  # nobody answered: nothing was removed
+            self.forgotten.append({"refused": f"the forget round after stage {task + 1} failed: {err}"})
+        finally:
+            self._forget_sites = ()
+        if self.forgotten:
+            record = self.resolve(task)
+            log(
+                INFO,
+                "[stage %d] after the forget round: accuracy %.2f%% (was %.2f%%)",
+                task + 1,
+                record["accuracy_after"],
+                record["accuracy_before"],
+            )
+
     def resolve(self, task: int) -> dict[str, Any]:
         """Solve again after removals (γ re-selected under ``ridge auto``) and score: the record of
         the removals, with the accuracy (all seen classes and per task) before and after."""
@@ -907,6 +991,7 @@ class STSAStrategy(AnalyticStrategy):
             "missing": self.backfill.state_dict(),
             "secagg_barred": barred,
             "commitments": self.commitments.state_dict(),
+            "withdrawn": sorted(self.nodes.withdrawn),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -916,6 +1001,9 @@ class STSAStrategy(AnalyticStrategy):
             self.stack = None  # the checkpoint holds G, not the factors: solve from G from now on
         self.backfill.load_state_dict(state.get("missing", {}))
         self.commitments.load_state_dict(state.get("commitments", {}))
+        withdrawn = fields.integers(state.get("withdrawn", []), "state/withdrawn", 0, self.cfg.num_clients - 1)
+        for site in withdrawn:
+            self.withdraw(client_name(site))
         barred = fields.mapping(state.get("secagg_barred", {}), "state/secagg_barred")
         for client, why in barred.items():
             if not client.isdigit() or int(client) >= self.cfg.num_clients or not isinstance(why, str):
