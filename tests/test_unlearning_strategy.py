@@ -154,7 +154,7 @@ def test_a_site_forgets_some_of_its_samples_by_its_own_request(tmp_path: Path) -
     rows = tmp_path / "forget.txt"
     rows.write_text("# stage,row\n1,0\n1,4\n2,3\n")
     cfg = _cfg(tmp_path / "out", "samples", forget="2")
-    strategy, weights = _run(cfg, _nodes(store, **{"2": {"forget-samples": str(rows)}}))
+    strategy, _ = _run(cfg, _nodes(store, **{"2": {"forget-samples": str(rows)}}))
     record = strategy.unlearning_log[0]
     assert [(r["who"], r["task"], r["what"], r["removed_samples"]) for r in record["requests"]] == [
         ("client-2", 0, "samples", 2),
