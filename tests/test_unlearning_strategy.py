@@ -19,7 +19,11 @@ from clients.app import app as client_app
 from clients.upload_store import load_upload, store_sizes, upload_path
 from fcl_flower.analytic.packing import unpack_upper
 from fcl_flower.analytic.ridge import select_ridge_gcv, solve_ridge
+from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.local_grid import LocalGrid
+from fcl_flower.methods import Kind
+from fcl_flower.runtime import federated_split
+from strategies.nodes import NodeDirectory
 from strategies.unlearning import ForgetRefused, as_upload
 from tests.conftest import NODE_BASE, build, reply_partition, run_in_process, server_identity, small_config
 
@@ -35,7 +39,7 @@ def _drop(partition: int):
 
 
 def _cfg(out_dir: Path, name: str, **changes):
-    return small_config(out_dir, num_tasks=TASKS, num_clients=CLIENTS, ridge="auto", run_name=name, **changes)
+    return small_config(out_dir, num_tasks=TASKS, num_clients=CLIENTS, ridge="auto", rf_dim=100, run_name=name, **changes)
 
 
 def _run(cfg, node_configs: list[dict]):
@@ -177,3 +181,35 @@ def test_a_site_forgets_some_of_its_samples_by_its_own_request(tmp_path: Path) -
     assert relative(strategy.ridge.gram, gram) <= TOL and relative(strategy.ridge.class_sums, sums) <= TOL
     gamma, _ = select_ridge_gcv(gram, sums, total, float(total))
     assert relative(strategy.weights, solve_ridge(gram, sums, gamma)) <= TOL
+
+
+def test_stage1_exclude_keeps_a_site_out_of_stage1_fedavg_only_and_withdrawn_sites_out_of_everything(
+    tmp_path: Path,
+) -> None:
+
+    cfg = RunConfig(dataset="digits", num_clients=3, stage1_exclude="2", out=str(tmp_path)).validated()
+    nodes = NodeDirectory(cfg, federated_split(cfg))
+    nodes.client_of = {11: 0, 12: 1, 13: 2}
+    fedavg = nodes.targets([11, 12, 13], 0, "fedavg", 0, Kind.TRAIN, lambda _: None)
+    assert fedavg.nodes == [11, 12] and fedavg.expected == {"client-0", "client-1"}
+    stats = nodes.targets([11, 12, 13], 0, "stsa-stats", 0, Kind.STATS, lambda _: None)
+    assert stats.nodes == [11, 12, 13]  # its statistics still go in: the backbone alone never saw it
+    nodes.withdrawn.add(0)
+    later = nodes.targets([11, 12, 13], 3, "stsa-stats", 0, Kind.STATS, lambda _: None)
+    assert later.nodes == [12, 13] and later.expected == {"client-1", "client-2"}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"forget": "9:1"}, "must start with a stage in 1..5"),
+        ({"forget": "3:7"}, "not a client id in 0..2"),
+        ({"stage1_exclude": "a"}, "not a client id"),
+        ({"forget": "3:1", "strategy": "stsa-e"}, "forget works with plain STSA uploads"),
+        ({"forget": "3:1", "secure_aggregation": True}, "forget works with plain STSA uploads"),
+    ],
+)
+def test_bad_unlearning_knobs_are_refused_with_one_line(tmp_path: Path, changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(dataset="digits", num_clients=3, num_tasks=5, out=str(tmp_path), **changes).validated()
+    assert RunConfig(forget="3:1,5", num_tasks=5, num_clients=3).validated().forget_requests() == {3: (1,), 5: ()}
