@@ -39,7 +39,9 @@ def _drop(partition: int):
 
 
 def _cfg(out_dir: Path, name: str, **changes):
-    return small_config(out_dir, num_tasks=TASKS, num_clients=CLIENTS, ridge="auto", rf_dim=100, run_name=name, **changes)
+    return small_config(
+        out_dir, num_tasks=TASKS, num_clients=CLIENTS, ridge="auto", rf_dim=100, run_name=name, **changes
+    )
 
 
 def _run(cfg, node_configs: list[dict]):
