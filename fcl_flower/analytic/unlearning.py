@@ -59,7 +59,7 @@ from .checks import StatisticsRejected, check_counts, check_packed_statistics
 from .errors import AnalyticInputError
 from .estimator import GramEstimator
 from .lowrank import LowRankSummary, merge_two_level
-from .packing import add_packed_, packed_length
+from .packing import add_packed_, diagonal_of_packed, packed_length
 from .ridge import RidgeState
 
 __all__ = [
@@ -158,19 +158,31 @@ def check_removal(
     [[G, C], [Cᵀ, diag(n)]] ⪰ 0 within ``relative_tolerance``, fcl_flower/analytic/checks.py);
     otherwise StatisticsRejected with the check's one-line reason. So a client can take out at most
     what it put in: a "removal" of more samples, of a class it never had, or of a direction of G
-    it never contributed fails."""
+    it never contributed fails.
+
+    A − K is a difference of two rounded sums, so an entry the removed samples do not touch may come
+    out as a rounding of either sign: the check allows an absolute rounding of ``relative_tolerance``
+    times the largest entry of A (|G_ij| ≤ max_i G_ii, |C_ic| ≤ max(G_ii, n_c)), the same relative
+    room the upload checks give, so what can be taken out beyond the truth is within it."""
     if kept.num_samples > added.num_samples:
         raise StatisticsRejected(
             f"the removal takes out {kept.num_samples - added.num_samples} samples more than were added"
         )
     removed = added.minus(kept)
     check_counts(removed.counts, removed.num_samples)
-    if removed.gram_packed is not None:
+    if removed.gram_packed is not None and added.gram_packed is not None:
+        dim = int(added.class_sums.shape[0])
+        largest = max(
+            float(diagonal_of_packed(added.gram_packed.to(torch.float64), dim).abs().max()) if dim else 0.0,
+            float(added.class_sums.abs().max()) if added.class_sums.numel() else 0.0,
+            float(added.counts.abs().max()) if added.counts.numel() else 0.0,
+        )
         check_packed_statistics(
             removed.gram_packed,
             removed.class_sums,
             removed.counts,
             relative_tolerance=relative_tolerance,
+            absolute_tolerance=relative_tolerance * largest,
             norm_bound=norm_bound,
             nonnegative=nonnegative,
         )
