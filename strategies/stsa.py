@@ -236,7 +236,15 @@ class PlainFold:
     def finish(self) -> None:
         strategy = self.strategy
         try:
-            strategy.certify_round(self)
+            try:
+                strategy.certify_round(self)
+            except BaseException:  # the round's sums never reach the ridge state: nothing to commit to
+                for client in self.clients:
+                    strategy.commitments.drop(client, self.plan.task)
+                for task, clients in self.late.items():
+                    for client in clients:
+                        strategy.commitments.drop(client, task)
+                raise
             strategy.close_sums(self.plan.task)
             for task, clients in sorted(self.late.items()):  # as Backfill.fold adds them
                 strategy.close_sums(task)
@@ -863,10 +871,14 @@ class STSAStrategy(AnalyticStrategy):
 
     def forget_client(self, client: str, uploads: dict[int, tuple[StsaStats, int]], **how: Any) -> list[dict[str, Any]]:
         """A whole client (site) out of every stage it contributed to: ``uploads`` its uploads by task,
-        as its store kept them. Every one is verified before any is applied (all or nothing)."""
-        missing = [t for t in self.commitments.tasks_of(client) if t not in uploads]
+        as its store kept them (those of stages the server never accepted are passed over). Every one
+        is verified before any is applied (all or nothing)."""
+        committed = self.commitments.tasks_of(client)
+        missing = [t for t in committed if t not in uploads]
         if missing:
             raise ForgetRefused(f"{client}: its uploads of stage(s) {[t + 1 for t in missing]} are not in the request")
+        # a kept upload the server never accepted (rejected, or lost on the way) took nothing in
+        uploads = {t: upload for t, upload in uploads.items() if t in committed}
         for task, (stats, samples) in sorted(uploads.items()):
             self.commitments.verify(client, task, as_upload(stats, samples))
         return [self.forget(client, task, stats, samples, **how) for task, (stats, samples) in sorted(uploads.items())]
