@@ -289,6 +289,19 @@ class RunConfig:
         1,
         "Clients upload statistics only of classes with at least this many samples (1: all; 3 makes single samples unidentifiable).",
     )
+    # --- unlearning (docs/unlearning.md) -----------------------------------------------------
+    forget: str = _knob(
+        "",
+        "STSA: removals applied between stages, comma-separated: 'S:C' forgets site C (client id) wholly after "
+        "stage S (the server operator's request; the site re-sends the uploads it kept under node config "
+        "upload-store and takes no part in later stages), 'S' runs a forget round after stage S in which each "
+        "site applies its own request (node config forget-samples). Empty: none.",
+    )
+    stage1_exclude: str = _knob(
+        "",
+        "Sites (client ids, comma-separated) left out of the stage-1 FedAvg rounds from the start: the backbone "
+        "never learns from them, so an analytic method can forget them exactly later (docs/unlearning.md).",
+    )
     # --- gradient baselines ----------------------------------------------------------------
     lwf_alpha: float = _knob(3.0, "Fed-LwF: weight of the distillation loss (3 as in the TARGET/LANDER code).")
     lwf_temperature: float = _knob(2.0, "Fed-LwF: distillation temperature.")
@@ -358,6 +371,31 @@ class RunConfig:
     )
 
     # ------------------------------------------------------------------------------------
+    def stage1_excluded(self) -> frozenset[int]:
+        """The client ids of ``stage1-exclude``."""
+        return frozenset(self._client_ids(self.stage1_exclude, "stage1-exclude"))
+
+    def forget_requests(self) -> dict[int, tuple[int, ...]]:
+        """``forget`` as {stage (1-based): the sites the server operator removes wholly after it}; a
+        stage with no site runs a forget round for the sites' own requests."""
+        requests: dict[int, list[int]] = {}
+        for item in (part.strip() for part in self.forget.split(",") if part.strip()):
+            stage_text, _, site = item.partition(":")
+            if not stage_text.strip().isdigit() or not 1 <= int(stage_text) <= self.num_tasks:
+                raise ConfigError(f"forget: '{item}' must start with a stage in 1..{self.num_tasks}")
+            sites = requests.setdefault(int(stage_text), [])
+            if site.strip():
+                sites.extend(self._client_ids(site, "forget"))
+        return {stage: tuple(sorted(set(sites))) for stage, sites in sorted(requests.items())}
+
+    def _client_ids(self, text: str, knob: str) -> list[int]:
+        ids = []
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            if not part.isdigit() or int(part) >= self.num_clients:
+                raise ConfigError(f"{knob}: '{part}' is not a client id in 0..{self.num_clients - 1}")
+            ids.append(int(part))
+        return ids
+
     @staticmethod
     def key(name: str) -> str:
         """Python field name -> run-config/message key (``num_tasks`` -> ``num-tasks``)."""
@@ -469,6 +507,14 @@ class RunConfig:
             raise ConfigError(f"feature-clip must be a finite number >= 0 (got {self.feature_clip})")
         if self.min_class_count < 1:
             raise ConfigError(f"min-class-count must be >= 1 (got {self.min_class_count})")
+        self.stage1_excluded()  # both parse, or say why not
+        if self.forget_requests() and (
+            self.strategy != "stsa" or self.secure_aggregation or self.stats_form != "gram" or self.upload_noise
+        ):
+            raise ConfigError(
+                "forget works with plain STSA uploads in Gram form (strategy stsa, no secure-aggregation, "
+                "stats-form gram, no noise): the server checks a removal against what it accepted"
+            )
         if not 8 <= self.secagg_fraction_bits <= 48:
             raise ConfigError(f"secagg-fraction-bits must be in [8, 48] (got {self.secagg_fraction_bits})")
         if self.secagg_min_clients < 2:

@@ -121,7 +121,7 @@ COMMON_KNOBS: tuple[str, ...] = (
     "tracking-uri",
 )
 #: Knobs of local SGD (stage 1 of the analytic methods, every task of the gradient ones).
-SGD_KNOBS = ("stage1-rounds", "local-epochs", "lr", "momentum", "weight-decay", "weighted-fedavg")
+SGD_KNOBS = ("stage1-rounds", "local-epochs", "lr", "momentum", "weight-decay", "weighted-fedavg", "stage1-exclude")
 #: How the FedAvg rounds merge the models (strategies/fedavg.py): every method with FedAvg rounds.
 AGGREGATION_KNOBS = ("stage1-aggregation", "stage1-trim-fraction", "stage1-byzantine", "stage1-multikrum-select")
 GRADIENT_KNOBS = (*SGD_KNOBS, "rounds-per-task", *AGGREGATION_KNOBS)
@@ -222,8 +222,12 @@ register(
         family=Family.ANALYTIC,
         summary="STSA: exact Gram G and class sums C per client and stage; ridge in closed form",
         strategy="strategies.stsa:STSAStrategy",
-        phases=(FEDAVG, Phase("stsa-stats", Kind.STATS, "clients.stsa:handle_stats")),
-        knobs=_all(DENSE_RIDGE_KNOBS, SECURE_KNOBS, NOISE_KNOBS, ("stats-form", "check-tolerance")),
+        phases=(
+            FEDAVG,
+            Phase("stsa-stats", Kind.STATS, "clients.stsa:handle_stats"),
+            Phase("stsa-forget", Kind.STATS, "clients.forget:handle_forget"),
+        ),
+        knobs=_all(DENSE_RIDGE_KNOBS, SECURE_KNOBS, NOISE_KNOBS, ("stats-form", "check-tolerance", "forget")),
         secure_aggregation=True,
         backfill=True,
         upload_noise=("gram", "sums", "counts"),

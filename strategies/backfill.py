@@ -34,6 +34,7 @@ Late = dict[int, tuple[P, int]]  # task -> (payload, number of examples)
 class Backfill(Generic[P]):
     def __init__(self, num_clients: int) -> None:
         self.num_clients = num_clients
+        self.withdrawn: set[str] = set()  # forgotten wholly: never owes a stage
         self.missing: dict[str, list[int]] = {}  # client -> tasks whose statistics are not in yet
         self.arrived: dict[str, list[int]] = {}  # late statistics that arrived in this stage
 
@@ -89,9 +90,19 @@ class Backfill(Generic[P]):
         self.arrived.setdefault(client, []).append(task)
         log(INFO, "%s backfilled its statistics of stage %d", client, task + 1)
 
+    def withdraw(self, client: str) -> None:
+        """``client`` was forgotten wholly (docs/unlearning.md): it owes nothing, now or later."""
+        self.withdrawn.add(client)
+        self.missing.pop(client, None)
+
     def note_missing(self, task: int, answered: set[str]) -> list[str]:
-        """Every client without an accepted upload in the task's statistics round owes ``task``."""
-        absent = [client_name(i) for i in range(self.num_clients) if client_name(i) not in answered]
+        """Every client without an accepted upload in the task's statistics round owes ``task``
+        (a withdrawn one owes nothing)."""
+        absent = [
+            client_name(i)
+            for i in range(self.num_clients)
+            if client_name(i) not in answered and client_name(i) not in self.withdrawn
+        ]
         for client in absent:
             self.missing.setdefault(client, []).append(task)
         return absent

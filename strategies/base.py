@@ -159,6 +159,10 @@ class StagedStrategy(Strategy):
         """Work after the last round of a stage (e.g. a ridge solve); returns result extras."""
         return {}
 
+    def between_stages(self, grid: Grid, task: int, timeout: float) -> None:
+        """After stage ``task`` is recorded, before its checkpoint: what a method does between stages
+        (STSA: the forget round of run config ``forget``, docs/unlearning.md). Nothing by default."""
+
     @abstractmethod
     def predict_seen(self, task: int) -> tuple[np.ndarray, np.ndarray]:
         """(predictions, labels) of the global model on the test data of all seen classes."""

@@ -64,6 +64,7 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
             extra = strategy.stage_failed(task, str(failure))
         record = stage_record(strategy, task, rounds=len(plans), began=began, extra=extra, grid=grid)
         strategy.recorder.add(record)
+        strategy.between_stages(grid, task, timeout)  # removals (docs/unlearning.md), where the run asks for them
         save(strategy, task)
         log(
             INFO,

@@ -78,6 +78,8 @@ class NodeDirectory:
         self.contested: dict[int, list[int]] = {}  # client -> the nodes that claimed it at once
         self._restored = False  # the map came from a checkpoint and has not met the federation yet
         self._waited = False
+        self.withdrawn: set[int] = set()  # sites forgotten wholly (docs/unlearning.md): no later round
+        self._stage1_excluded = cfg.stage1_excluded()
 
     # ---------------------------------------------------------------- identity
     def node_of(self, client: int) -> int | None:
@@ -179,6 +181,13 @@ class NodeDirectory:
         return node_ids
 
     # ---------------------------------------------------------------- who a round goes to
+    def excluded(self, task: int, phase: str) -> set[int]:
+        """Sites a round does not go to: the withdrawn ones, and in stage 1's FedAvg rounds those of
+        ``stage1-exclude`` (docs/unlearning.md)."""
+        if task == 0 and phase == "fedavg":
+            return self.withdrawn | set(self._stage1_excluded)
+        return set(self.withdrawn)
+
     def targets(
         self, node_ids: list[int], task: int, phase: str, index: int, kind: Kind, discover: Callable[[list[int]], None]
     ) -> Targets:
@@ -186,13 +195,15 @@ class NodeDirectory:
         unknown = [n for n in node_ids if n not in self.client_of]
         if unknown:
             discover(unknown)
-        mapped = [n for n in node_ids if n in self.client_of]
-        everyone = {client_name(i) for i in range(self.cfg.num_clients)}
+        excluded = self.excluded(task, phase)
+        mapped = [n for n in node_ids if n in self.client_of and self.client_of[n] not in excluded]
+        everyone = {client_name(i) for i in range(self.cfg.num_clients) if i not in excluded}
         if self.cfg.clients_per_round == 0 or kind is not Kind.TRAIN:
             return Targets(mapped, everyone)
         # seeded by (seed, task, phase, round in stage): a rerun or a resumed run samples the same
         rng = np.random.default_rng([self.cfg.seed, task, zlib.crc32(phase.encode()), index])
         sampled = sample_clients(self.split.active_clients(task), self.cfg.clients_per_round, rng)
+        sampled = sampled[~np.isin(sampled, sorted(excluded))] if excluded else sampled
         names = [client_name(c) for c in sampled.tolist()]
         wanted = set(sampled.tolist())
         return Targets([n for n in mapped if self.client_of[n] in wanted], set(names), names)

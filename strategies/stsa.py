@@ -44,6 +44,7 @@ import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
 
 from fcl_flower import restore as fields
 from fcl_flower.analytic import packed_length
@@ -62,13 +63,15 @@ from fcl_flower.analytic.checks import (
 from fcl_flower.analytic.kernel import FactorStack
 from fcl_flower.analytic.packing import diagonal_of_packed
 from fcl_flower.analytic.ridge import RidgeState, product_rounding_bound, sum_rounding_bound
+from fcl_flower.analytic.unlearning import replace_upload
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
+from fcl_flower.methods import Kind
 from fcl_flower.privacy.noise import secure_share
 from fcl_flower.privacy.secagg import add_ring, unmask_sum
 from fcl_flower.privacy.secure_fedavg import OpenedSumRejected
 from fcl_flower.protocol import Instruction, Reply, StatsIns, StatsRes, UploadError
-from fcl_flower.protocol.payloads import MaskedStsaStats, StsaFactorStats, StsaStats
+from fcl_flower.protocol.payloads import ForgetStats, MaskedStsaStats, StsaFactorStats, StsaStats
 from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.state_io import StateError, load_state, save_state
@@ -85,13 +88,15 @@ from strategies.analytic import (
 )
 from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundFailed, RoundFold, RoundPlan, StageFailed
-from strategies.loop import RunFailed
+from strategies.loop import RunFailed, run_one_round
 from strategies.secure import MAX_ATTEMPTS, RestartSecureRound, SecureRounds
 from strategies.secure_fedavg import MaskedFedAvg
 from strategies.spool import UploadSpool
 from strategies.stream import InOrder
+from strategies.unlearning import Commitments, ForgetRefused, as_upload, verified_removal
 
 MASKED_NAMES = ("gram-packed", "class-sums", "counts")
+FORGET_PHASE = "stsa-forget"  # the forget round between stages (docs/unlearning.md)
 
 
 def fresh_certificate() -> dict[str, Any]:
@@ -210,15 +215,21 @@ class PlainFold:
         strategy = self.strategy
         stats, factor, bound = item.payload["stats"]
         strategy.add_statistics(self.plan.task, [Accepted(item.client, item.num_examples, stats)], factor, bound)
+        strategy.commit(item.client, self.plan.task, stats, item.num_examples, factor)
         for task, (payload, count) in item.payload["late"].items():
             late, late_factor, late_bound = payload
             strategy.add_statistics(task, [Accepted(item.client, count, late)], late_factor, late_bound)
+            strategy.commit(item.client, task, late, count, late_factor)
             self.late.setdefault(task, []).append(item.client)
         self.clients.add(item.client)
 
     def drop(self, client: str) -> None:
         """``client``'s reply is left out after all (its upload made a sum fail its certificate)."""
         self.clients.discard(client)
+        self.strategy.commitments.drop(client, self.plan.task)
+        for task, clients in self.late.items():
+            if client in clients:
+                self.strategy.commitments.drop(client, task)
         for clients in self.late.values():
             if client in clients:
                 clients.remove(client)
@@ -226,7 +237,15 @@ class PlainFold:
     def finish(self) -> None:
         strategy = self.strategy
         try:
-            strategy.certify_round(self)
+            try:
+                strategy.certify_round(self)
+            except BaseException:  # the round's sums never reach the ridge state: nothing to commit to
+                for client in self.clients:
+                    strategy.commitments.drop(client, self.plan.task)
+                for task, clients in self.late.items():
+                    for client in clients:
+                        strategy.commitments.drop(client, task)
+                raise
             strategy.close_sums(self.plan.task)
             for task, clients in sorted(self.late.items()):  # as Backfill.fold adds them
                 strategy.close_sums(task)
@@ -256,6 +275,49 @@ class MaskedFold:
         self.strategy.open_masked(self.plan, self.sums, self.clients)
 
 
+class ForgetFold:
+    """A forget round (docs/unlearning.md): each site's removal is checked against the server's
+    commitments and applied, or refused with its reason; then the ridge is solved again and the
+    removals are recorded (results.json ``unlearning``)."""
+
+    def __init__(self, strategy: STSAStrategy, plan: RoundPlan) -> None:
+        self.strategy, self.plan = strategy, plan
+        self.answered: set[str] = set()
+
+    def add(self, item: Accepted[Any]) -> None:
+        strategy, payload = self.strategy, item.payload
+        self.answered.add(item.client)
+        named = int(item.client.rsplit("-", 1)[1]) in strategy._forget_sites
+        try:
+            if named:
+                uploads = {t: (stats, int(stats.counts.sum())) for t, stats in payload.added.items()}
+                strategy.forget_client(item.client, uploads, what="client", requested_by="server operator")
+                strategy.withdraw(item.client)
+                return
+            for task, stats in sorted(payload.added.items()):
+                kept = payload.kept.get(task)
+                strategy.forget(
+                    item.client,
+                    task,
+                    stats,
+                    int(stats.counts.sum()),
+                    kept,
+                    int(kept.counts.sum()) if kept is not None else 0,
+                    what="samples" if kept is not None else "stage",
+                    requested_by="site",
+                )
+        except ForgetRefused as err:
+            log(WARNING, "removal refused for %s: %s", item.client, err)
+            strategy.forgotten.append({"who": item.client, "refused": str(err)})
+
+    def finish(self) -> None:
+        strategy = self.strategy
+        for site in strategy._forget_sites:  # named, but no acceptable answer: nothing was removed
+            name = client_name(site)
+            if name not in self.answered:
+                strategy.forgotten.append({"who": name, "refused": "no acceptable reply in the forget round"})
+
+
 OPENED_SUM = "secagg-opened"  # the run folder's copy of the last opened secure sum (for an honest resume)
 
 
@@ -277,6 +339,11 @@ class STSAStrategy(AnalyticStrategy):
         self._in_ridge: set[int] = set()  # tasks whose own stage's statistics went into the ridge state
         self._resumed_opening: dict[str, Any] | None = None  # a secure sum opened before an interruption
         self._round_args: tuple[Grid, float] | None = None  # the grid and timeout of the round in progress
+        # a digest of every accepted plain upload, per client and task: what a removal must match
+        self.commitments = Commitments()
+        self.forgotten: list[dict[str, Any]] = []  # the removals applied since the last re-solve
+        self.unlearning_log: list[dict[str, Any]] = []  # every re-solve after removals (results.json)
+        self._forget_sites: tuple[int, ...] = ()  # the sites the forget round in progress removes wholly
         # every factor upload's rows, for the N x N kernel solve while N <= M / 2 (None: G solves)
         self.stack = (
             FactorStack.empty(self.rf_dim, split.num_classes, self.rf_dim // 2) if cfg.stats_form == "factor" else None
@@ -284,6 +351,8 @@ class STSAStrategy(AnalyticStrategy):
 
     # ---------------------------------------------------------------- rounds
     def customise(self, plan: RoundPlan, ins: Instruction) -> Instruction:
+        if isinstance(ins, StatsIns) and plan.phase == FORGET_PHASE:
+            return dataclasses.replace(ins, forget=self._forget_sites)
         if isinstance(ins, StatsIns):
             self._request = self.backfill.request()
             return dataclasses.replace(ins, backfill=self._request)
@@ -425,6 +494,9 @@ class STSAStrategy(AnalyticStrategy):
         return StsaStats.read(record, **shapes, noisy_counts=self.counts_noised)
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
+        if plan.phase == FORGET_PHASE:
+            done = {t: len(self.split.tasks[t]) for t in range(plan.task + 1)}
+            return ForgetStats.read(reply.arrays, packed=packed_length(self.rf_dim), dim=self.rf_dim, classes_of=done)
         if self.masked():
             classes = sum(len(self.split.tasks[t]) for t in self.secure_columns(plan.task))
             stats = MaskedStsaStats.read(
@@ -451,6 +523,8 @@ class STSAStrategy(AnalyticStrategy):
 
     def stats_fold(self, plan: RoundPlan) -> RoundFold:
         """Each accepted upload is added to running sums at once and dropped (client order)."""
+        if plan.phase == FORGET_PHASE:
+            return ForgetFold(self, plan)
         secure = self.secure is not None and plan.phase == self.stats_phase  # as run_round decides
         return MaskedFold(self, plan) if secure or self.masked() else PlainFold(self, plan)
 
@@ -739,6 +813,128 @@ class STSAStrategy(AnalyticStrategy):
                     self.backfill.strike(client, task)
         self.backfill.note_missing(plan.task, survivors)
 
+    # ---------------------------------------------------------------- unlearning
+    def commit(self, client: str, task: int, stats: StsaStats, num_examples: int, factor: torch.Tensor | None) -> None:
+        """Keep the digest of an accepted plain Gram upload (strategies/unlearning.py); a factor
+        upload's G is the server's own product, which the client cannot re-send bit for bit: none."""
+        if factor is None:
+            self.commitments.record(self.run_id, client, task, as_upload(stats, num_examples))
+
+    def forget(
+        self,
+        client: str,
+        task: int,
+        added: StsaStats,
+        added_samples: int,
+        kept: StsaStats | None = None,
+        kept_samples: int = 0,
+        *,
+        what: str = "client",
+        requested_by: str = "server operator",
+    ) -> dict[str, Any]:
+        """Take ``client``'s upload of ``task`` out of the ridge state (``kept`` None), or swap it
+        for ``kept``, the statistics of the samples it keeps (docs/unlearning.md). Applied between
+        stages: the next solve (:meth:`resolve`) re-certifies G. ForgetRefused (why) where the
+        upload is not the one committed to, or the removed part is no dataset's statistics."""
+        if self.secure is not None:
+            raise ForgetRefused("under secure aggregation a removal is a secure round, which is not implemented")
+        if self.noise is not None:
+            raise ForgetRefused("noised uploads: the removal check needs exact counts")
+        if self._round_sums:
+            raise ForgetRefused("a statistics round is under way: removals apply between stages")
+        wire = WIRE_DTYPES[self.cfg.wire_dtype]
+        kept_upload, removed = verified_removal(
+            self.commitments,
+            client,
+            task,
+            as_upload(added, added_samples),
+            None if kept is None else as_upload(kept, kept_samples),
+            relative_tolerance=gram_check_epsilon(wire, self.cfg.check_tolerance),
+            **self.feature_bounds,
+        )
+        replace_upload(self.ridge, self.split.tasks[task], as_upload(added, added_samples), kept_upload)
+        if kept is None:
+            self.commitments.drop(client, task)
+        else:
+            self.commitments.record(self.run_id, client, task, kept_upload)
+        self.stack = None  # the stacked factors still hold the removed rows: G solves from now on
+        event = {
+            "who": client,
+            "requested_by": requested_by,
+            "what": what,
+            "task": task,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "removed_samples": removed.num_samples,
+            "removed_counts": {str(c): int(n) for c, n in zip(self.split.tasks[task], removed.counts.tolist()) if n},
+        }
+        self.forgotten.append(event)
+        return event
+
+    def forget_client(self, client: str, uploads: dict[int, tuple[StsaStats, int]], **how: Any) -> list[dict[str, Any]]:
+        """A whole client (site) out of every stage it contributed to: ``uploads`` its uploads by task,
+        as its store kept them (those of stages the server never accepted are passed over). Every one
+        is verified before any is applied (all or nothing)."""
+        committed = self.commitments.tasks_of(client)
+        missing = [t for t in committed if t not in uploads]
+        if missing:
+            raise ForgetRefused(f"{client}: its uploads of stage(s) {[t + 1 for t in missing]} are not in the request")
+        # a kept upload the server never accepted (rejected, or lost on the way) took nothing in
+        uploads = {t: upload for t, upload in uploads.items() if t in committed}
+        for task, (stats, samples) in sorted(uploads.items()):
+            self.commitments.verify(client, task, as_upload(stats, samples))
+        return [self.forget(client, task, stats, samples, **how) for task, (stats, samples) in sorted(uploads.items())]
+
+    def withdraw(self, client: str) -> None:
+        """``client`` is forgotten wholly: no later round goes to it and it owes nothing."""
+        self.nodes.withdrawn.add(int(client.rsplit("-", 1)[1]))
+        self.backfill.withdraw(client)
+
+    def between_stages(self, grid: Grid, task: int, timeout: float) -> None:
+        """The forget round run config ``forget`` asks for after stage ``task`` + 1: every site is
+        asked (the named ones re-send their uploads to be removed wholly, the others apply their own
+        requests, node config forget-samples), then W is solved again and the removals recorded."""
+        requests = self.cfg.forget_requests()
+        if task + 1 not in requests:
+            return
+        self._forget_sites = tuple(s for s in requests[task + 1] if s not in self.nodes.withdrawn)
+        plan = RoundPlan(task, FORGET_PHASE, Kind.STATS)
+        try:
+            run_one_round(self, grid, plan, timeout, Result())
+        except StageFailed as err:  # nobody answered: nothing was removed
+            self.forgotten.append({"refused": f"the forget round after stage {task + 1} failed: {err}"})
+        finally:
+            self._forget_sites = ()
+        if self.forgotten:
+            record = self.resolve(task)
+            log(
+                INFO,
+                "[stage %d] after the forget round: accuracy %.2f%% (was %.2f%%)",
+                task + 1,
+                record["accuracy_after"],
+                record["accuracy_before"],
+            )
+
+    def resolve(self, task: int) -> dict[str, Any]:
+        """Solve again after removals (γ re-selected under ``ridge auto``) and score: the record of
+        the removals, with the accuracy (all seen classes and per task) before and after."""
+        before, per_task_before, _ = self.score_central(task)
+        self.weights, _extra = self.solve(task)
+        after, per_task_after, _ = self.score_central(task)
+        record = {
+            "after_stage": task + 1,
+            "requests": list(self.forgotten),
+            "accuracy_before": before,
+            "accuracy_after": after,
+            "per_task_before": per_task_before,
+            "per_task_after": per_task_after,
+            "ridge_after": _extra.get("ridge"),
+        }
+        self.forgotten = []
+        self.unlearning_log.append(record)
+        self.recorder.info["unlearning"] = self.unlearning_log  # results.json: who, what, when, counts, accuracy
+        self.recorder.write()
+        return record
+
     # ---------------------------------------------------------------- solve
     def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
         kernel = self.kernel_solve(task)
@@ -807,6 +1003,8 @@ class STSAStrategy(AnalyticStrategy):
             "ridge": self.ridge.state_dict(),
             "missing": self.backfill.state_dict(),
             "secagg_barred": barred,
+            "commitments": self.commitments.state_dict(),
+            "withdrawn": sorted(self.nodes.withdrawn),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -815,6 +1013,10 @@ class STSAStrategy(AnalyticStrategy):
         if self.ridge.num_samples:
             self.stack = None  # the checkpoint holds G, not the factors: solve from G from now on
         self.backfill.load_state_dict(state.get("missing", {}))
+        self.commitments.load_state_dict(state.get("commitments", {}))
+        withdrawn = fields.integers(state.get("withdrawn", []), "state/withdrawn", 0, self.cfg.num_clients - 1)
+        for site in withdrawn:
+            self.withdraw(client_name(site))
         barred = fields.mapping(state.get("secagg_barred", {}), "state/secagg_barred")
         for client, why in barred.items():
             if not client.isdigit() or int(client) >= self.cfg.num_clients or not isinstance(why, str):

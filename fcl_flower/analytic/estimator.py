@@ -186,6 +186,50 @@ class GramEstimator:
                 self._dense[i] = z @ z.T
                 self._columns[i], self._num_columns[i] = [], 0
 
+    def remove(self, class_sums: Tensor, counts: Tensor) -> None:
+        """Take uploads added by :meth:`add` (the same arguments) out again: S_i, n_i, K_i, K and
+        P_i each lose exactly what the upload added, so :meth:`result` is the estimate of a stage
+        that never had it (fcl_flower/analytic/unlearning.py). A P_i still kept as columns loses the
+        very block it received; a dense P_i is subtracted. A block never received is refused
+        (AnalyticInputError) before anything changes."""
+        if class_sums.dim() == 2:
+            class_sums, counts = class_sums.unsqueeze(0), counts.unsqueeze(0)
+        if class_sums.dim() != 3 or tuple(class_sums.shape[1:]) != (self.rf_dim, self.num_classes):
+            raise AnalyticInputError(
+                f"class_sums must have shape (D, {self.rf_dim}, {self.num_classes}), got {tuple(class_sums.shape)}"
+            )
+        if tuple(counts.shape) != (class_sums.shape[0], self.num_classes):
+            raise AnalyticInputError(f"counts shape {tuple(counts.shape)} does not match the class sums")
+        sums = class_sums.to(device="cpu", dtype=torch.float64)
+        cnt = counts.to(device="cpu", dtype=torch.float64)
+        present = cnt > 0
+        if int(sums.shape[0]) > self.num_uploads or bool((present.sum(dim=0) > self.holders).any()):
+            raise AnalyticInputError("the estimator holds fewer uploads than the removal takes out")
+        blocks: list[Tensor | None] = []
+        for i in range(self.num_classes):
+            rows = present[:, i]
+            if not bool(rows.any()):
+                blocks.append(None)
+                continue
+            block = sums[rows, :, i].T / torch.sqrt(cnt[rows, i]).unsqueeze(0)
+            if self._dense[i] is None and not any(torch.equal(block, kept) for kept in self._columns[i]):
+                raise AnalyticInputError(f"class {i}: the estimator never received these uploads (no such block)")
+            blocks.append(block)
+        for i, found in enumerate(blocks):  # all checked first: a refused removal changes nothing
+            if found is None:
+                continue
+            dense = self._dense[i]
+            if dense is not None:
+                dense.addmm_(found, found.T, alpha=-1.0)
+                continue
+            position = next(j for j, kept in enumerate(self._columns[i]) if torch.equal(found, kept))
+            del self._columns[i][position]
+            self._num_columns[i] -= int(found.shape[1])
+        self.class_sums -= sums.sum(dim=0)
+        self.counts -= cnt.sum(dim=0)
+        self.holders -= present.sum(dim=0)
+        self.num_uploads -= int(sums.shape[0])
+
     def result(self) -> Tensor:
         """Ĝ (M × M, float64) from everything added so far."""
         if self.num_uploads == 0:

@@ -142,6 +142,7 @@ class StatsIns(Instruction):
     backfill: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # client -> earlier tasks it owes
     rank: int = 0  # FedRAN: the upload rank r (0: not a FedRAN round)
     secagg: SecAggRound | None = None  # set: upload masked for these participants
+    forget: tuple[int, ...] = ()  # a forget round (phase stsa-forget): the sites the server removes wholly
 
     def _fill(self, content: RecordDict) -> None:
         entries: dict[str, Any] = {
@@ -149,6 +150,8 @@ class StatsIns(Instruction):
             "rank": self.rank,
             "backfill": encode_backfill(self.backfill),
         }
+        if self.forget:  # only in a forget round: a statistics round's instruction is as before
+            entries["forget"] = ",".join(str(site) for site in self.forget)
         if self.secagg is not None:
             entries.update(self.secagg.entries())
         content[ROUND] = ConfigRecord(entries)
@@ -224,7 +227,16 @@ def parse_instruction(message: Message) -> Instruction:
         backfill=decode_backfill(read_str(entry(round_, "backfill", ROUND) or "-", "backfill")),
         rank=read_int(entry(round_, "rank", ROUND), "rank"),
         secagg=SecAggRound.from_entries(round_) if "secagg-round-nodes" in round_ else None,
+        forget=_decode_sites(read_str(round_["forget"], "forget")) if "forget" in round_ else (),
     )
+
+
+def _decode_sites(text: str) -> tuple[int, ...]:
+    """``"1,3"`` -> (1, 3): the sites a forget round removes wholly; ProtocolError if malformed."""
+    parts = text.split(",")
+    if not text or not all(p.isdigit() for p in parts):
+        raise ProtocolError(f"forget: '{text[:40]}' is not a list of client ids")
+    return tuple(int(p) for p in parts)
 
 
 def check_client_config(config: RunConfig) -> None:

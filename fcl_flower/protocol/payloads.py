@@ -307,3 +307,48 @@ def check_declared(total: Sequence[int], declared: Sequence[int], *, zero_is_fin
                 "(a client's held-out set is fixed)"
             )
     return [*fixed, *(int(v) for v in total[len(declared) :])]
+
+
+@dataclass(frozen=True)
+class ForgetStats:
+    """A forget round's reply (phase ``stsa-forget``, docs/unlearning.md): per stage the site takes
+    something out of, the upload it kept (``added``: the bytes the server accepted, which it checks
+    against its digest) and, where the site keeps some samples of that stage, the statistics of
+    those (``kept``). Empty for a site with nothing to remove. Each upload's number of samples is
+    the sum of its counts (exact counts: a forget round takes no noised uploads)."""
+
+    added: Mapping[int, StsaStats]
+    kept: Mapping[int, StsaStats]
+
+    def to_record(self, wire_dtype: str) -> ArrayRecord:
+        arrays: dict[str, Tensor] = {}
+        for part, uploads in (("added", self.added), ("kept", self.kept)):
+            for task, stats in sorted(uploads.items()):
+                for key, value in stats.arrays().items():
+                    arrays[f"{part}-{task}-{key}"] = cast_for_wire(value, wire_dtype)
+        return to_record(arrays)
+
+    @classmethod
+    def read(cls, record: ArrayRecord, *, packed: int, dim: int, classes_of: Mapping[int, int]) -> ForgetStats:
+        """Every key ``added-<task>-<name>`` or ``kept-<task>-<name>`` for a task of ``classes_of``
+        (the stages done so far, and their numbers of classes), each upload complete, a kept part
+        only beside its added one; shapes as a statistics upload's (:meth:`StsaStats.read`)."""
+        found: dict[tuple[str, int], set[str]] = {}
+        for key in record:
+            part, _, rest = key.partition("-")
+            task_text, _, name = rest.partition("-")
+            if part not in ("added", "kept") or not task_text.isdigit() or name not in StsaStats.KEYS:
+                raise UploadError(f"unexpected array '{key}' in a forget reply")
+            if int(task_text) not in classes_of:
+                raise UploadError(f"array '{key}' names a stage that has not run")
+            found.setdefault((part, int(task_text)), set()).add(name)
+        uploads: dict[str, dict[int, StsaStats]] = {"added": {}, "kept": {}}
+        for (part, task), names in sorted(found.items()):
+            if names != set(StsaStats.KEYS):
+                raise UploadError(f"the {part} upload of stage {task + 1} lacks {sorted(set(StsaStats.KEYS) - names)}")
+            sub = ArrayRecord({name: record[f"{part}-{task}-{name}"] for name in StsaStats.KEYS})
+            uploads[part][task] = StsaStats.read(sub, packed=packed, dim=dim, classes=classes_of[task])
+        stray = sorted(set(uploads["kept"]) - set(uploads["added"]))
+        if stray:
+            raise UploadError(f"a kept part of stage {stray[0] + 1} without the upload it replaces")
+        return cls(uploads["added"], uploads["kept"])

@@ -1,0 +1,132 @@
+"""A site's side of a forget round (phase ``stsa-forget``, docs/unlearning.md).
+
+The server asks every site between two stages (run config ``forget``). A site the server names
+(a whole-site removal, the server operator's request) re-sends every upload it kept
+(clients/upload_store.py) of the stages so far. Otherwise a site with node config
+``forget-samples`` (a text file of ``stage,row`` lines: the 1-based stage, and the 0-based row of
+the sample in the site's own data of that stage, in the order its data folder lists them) re-sends
+the kept upload of each stage it forgets samples of, together with the statistics of the samples
+it keeps (computed with the same frozen backbone and random features), and keeps those from then
+on. Lines already applied are remembered in ``<store>/partition-<p>/forgotten.json`` and not
+applied twice. A site with nothing to forget answers with an empty reply.
+
+Forgetting samples needs the stage's data (the kept samples' statistics are computed from it);
+forgetting the whole site needs only the kept uploads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clients.job import ClientJob
+from clients.statistics import local_task_features
+from clients.upload_store import as_received, load_upload, save_upload, store_folder, store_sizes
+from fcl_flower.analytic import StatisticsAccumulator
+from fcl_flower.protocol import StatsIns, StatsRes
+from fcl_flower.protocol.payloads import ForgetStats, StsaStats
+from fcl_flower.tensors import WIRE_DTYPES
+
+SAMPLES_KEY = "forget-samples"  # node-config key: the site's own request
+
+
+class ForgetError(RuntimeError):
+    """The site cannot do what it is asked (one line: why); the reply is an error."""
+
+
+def sample_requests(node_config: Mapping[str, Any]) -> dict[int, set[int]]:
+    """{task (0-based): rows} from the file node config ``forget-samples`` names ({} without one)."""
+    path = node_config.get(SAMPLES_KEY)
+    if not isinstance(path, str) or not path:
+        return {}
+    requests: dict[int, set[int]] = {}
+    for number, line in enumerate(Path(path).expanduser().read_text().splitlines(), 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        stage, _, row = text.partition(",")
+        if not stage.strip().isdigit() or not row.strip().isdigit() or int(stage) < 1:
+            raise ForgetError(f"{path}:{number}: '{text}' is not 'stage,row'")
+        requests.setdefault(int(stage) - 1, set()).add(int(row))
+    return requests
+
+
+def _applied_path(folder: Path, partition: int) -> Path:
+    return folder / f"partition-{int(partition)}" / "forgotten.json"
+
+
+def _applied(folder: Path, partition: int) -> dict[int, set[int]]:
+    path = _applied_path(folder, partition)
+    if not path.is_file():
+        return {}
+    return {int(task): set(rows) for task, rows in json.loads(path.read_text()).items()}
+
+
+def _note_applied(folder: Path, partition: int, applied: dict[int, set[int]]) -> None:
+    path = _applied_path(folder, partition)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump({str(t): sorted(rows) for t, rows in sorted(applied.items())}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def kept_statistics(job: ClientJob, task: int, rows: set[int]) -> tuple[StsaStats, int]:
+    """The upload of ``task`` the site would have sent without the samples in ``rows`` (the same
+    features, the same min-class-count rule on the kept counts), as the server reads it."""
+    phi, labels = local_task_features(job, task)
+    if rows and max(rows) >= int(labels.shape[0]):
+        raise ForgetError(f"stage {task + 1}: row {max(rows)} is beyond the site's {int(labels.shape[0])} samples")
+    keep = torch.ones(int(labels.shape[0]), dtype=torch.bool)
+    keep[sorted(rows)] = False
+    classes = len(job.split.tasks[task])
+    counts = torch.bincount(labels[keep], minlength=classes)
+    disclosed = counts >= job.cfg.min_class_count
+    keep &= disclosed[labels]
+    accumulator = StatisticsAccumulator(int(phi.shape[1]), classes)
+    accumulator.update(phi[keep], labels[keep])
+    stats = accumulator.result(with_gram=False)
+    upload = StsaStats(
+        accumulator.packed_gram(WIRE_DTYPES[job.cfg.wire_dtype]), stats.class_sums, stats.counts.to(torch.float64)
+    )
+    return as_received(upload, job.cfg.wire_dtype), stats.num_samples
+
+
+def handle_forget(job: ClientJob) -> StatsRes:
+    assert isinstance(job.ins, StatsIns)
+    config = job.context.node_config
+    named = job.partition in job.ins.forget
+    requests = {} if named else sample_requests(config)
+    folder = store_folder(config)
+    if folder is not None and requests:
+        done = _applied(folder, job.partition)
+        requests = {t: rows - done.get(t, set()) for t, rows in requests.items() if t <= job.task}
+        requests = {t: rows for t, rows in requests.items() if rows}
+    if not named and not requests:
+        return job.stats_reply(0, arrays=ForgetStats({}, {}).to_record(job.cfg.wire_dtype))
+    if folder is None:
+        raise ForgetError("asked to forget, but this node keeps no uploads (node config upload-store)")
+    added: dict[int, StsaStats] = {}
+    kept: dict[int, StsaStats] = {}
+    removed = 0
+    if named:
+        for task in (t for t in store_sizes(folder, job.partition) if t <= job.task):
+            added[task], samples, _ = load_upload(folder, job.partition, task)
+            removed += samples
+    else:
+        applied = _applied(folder, job.partition)
+        for task, rows in sorted(requests.items()):
+            added[task], samples, meta = load_upload(folder, job.partition, task)
+            kept[task], kept_samples = kept_statistics(job, task, rows)
+            removed += samples - kept_samples
+            save_upload(folder, job.partition, task, kept[task], kept_samples, run=meta["run"], client=meta["client"])
+            applied.setdefault(task, set()).update(rows)
+        _note_applied(folder, job.partition, applied)
+    return job.stats_reply(removed, arrays=ForgetStats(added, kept).to_record(job.cfg.wire_dtype))

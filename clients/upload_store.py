@@ -1,0 +1,109 @@
+"""A site's own copy of what it uploaded, per stage, so that it can be forgotten exactly later
+(issue 33, docs/unlearning.md).
+
+With node config ``upload-store`` (a folder; or $FCL_UPLOAD_STORE) an STSA client in plain mode
+writes every upload it sends, as the server will read it (G at the wire dtype, C and the counts
+as float64 of their wire values), to ``<folder>/partition-<p>/task-<t>.safetensors`` with the run
+id, the client name and the number of samples in its metadata. To forget the stage later the site
+re-sends exactly these bytes (the server checks them against its digest, strategies/unlearning.py)
+together with the statistics of the samples it keeps, even after its raw data of that stage is
+gone. Writes are atomic (a temporary file in the same folder, fsync, os.replace) and the files
+are created mode 0600 in a folder of mode 0700: they are the site's statistics, as sensitive as
+the upload itself. :func:`store_sizes` reports the bytes on disk per stage.
+
+Without ``upload-store`` nothing is written (the default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load, save
+
+from fcl_flower.protocol.payloads import StsaStats
+from fcl_flower.tensors import cast_for_wire
+
+STORE_KEY = "upload-store"  # node-config key
+ENV = "FCL_UPLOAD_STORE"
+FORMAT = "fcl-flower-upload-store/1"
+
+
+class StoreError(RuntimeError):
+    """The store has no such upload, or a file that is not one (one line: which and why)."""
+
+
+def store_folder(node_config: Mapping[str, Any]) -> Path | None:
+    """Node config ``upload-store``, else $FCL_UPLOAD_STORE, else None (nothing is kept)."""
+    configured = node_config.get(STORE_KEY)
+    if isinstance(configured, str) and configured:
+        return Path(configured).expanduser()
+    env = os.environ.get(ENV)
+    return Path(env).expanduser() if env else None
+
+
+def as_received(stats: StsaStats, wire_dtype: str) -> StsaStats:
+    """The upload as the server reads it (fcl_flower/protocol/payloads.py ``StsaStats.read``)."""
+    return StsaStats(
+        cast_for_wire(stats.gram_packed, wire_dtype).contiguous(),
+        cast_for_wire(stats.class_sums, wire_dtype).to(torch.float64).contiguous(),
+        cast_for_wire(stats.counts, wire_dtype).to(torch.float64).contiguous(),
+    )
+
+
+def upload_path(folder: Path, partition: int, task: int) -> Path:
+    return folder / f"partition-{int(partition)}" / f"task-{int(task)}.safetensors"
+
+
+def save_upload(
+    folder: Path, partition: int, task: int, stats: StsaStats, num_samples: int, *, run: str, client: str
+) -> int:
+    """Keep one upload (atomically, mode 0600); returns its size on disk in bytes."""
+    path = upload_path(folder, partition, task)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    meta = {"format": FORMAT, "run": run, "client": client, "task": str(int(task)), "num_samples": str(num_samples)}
+    blob = save(stats.arrays(), metadata=meta)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(blob)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def load_upload(folder: Path, partition: int, task: int) -> tuple[StsaStats, int, dict[str, str]]:
+    """(the upload, its number of samples, its metadata: run, client, task)."""
+    path = upload_path(folder, partition, task)
+    if not path.is_file():
+        raise StoreError(f"{path}: no kept upload of stage {task + 1}")
+    blob = path.read_bytes()
+    try:
+        arrays = load(blob)
+        header_size = int.from_bytes(blob[:8], "little")
+        meta = json.loads(blob[8 : 8 + header_size]).get("__metadata__", {})
+    except Exception as err:
+        raise StoreError(f"{path}: not a kept upload ({err})") from None
+    if meta.get("format") != FORMAT or set(arrays) != set(StsaStats.KEYS):
+        raise StoreError(f"{path}: not a kept upload of this format ({FORMAT})")
+    stats = StsaStats(arrays["gram-packed"], arrays["class-sums"], arrays["counts"])
+    return stats, int(meta["num_samples"]), dict(meta)
+
+
+def store_sizes(folder: Path, partition: int) -> dict[int, int]:
+    """Bytes on disk per stage (task index) kept for ``partition``."""
+    base = folder / f"partition-{int(partition)}"
+    sizes = {}
+    for path in sorted(base.glob("task-*.safetensors")) if base.is_dir() else []:
+        sizes[int(path.stem.removeprefix("task-"))] = path.stat().st_size
+    return dict(sorted(sizes.items()))
