@@ -4,7 +4,8 @@ The server asks every site between two stages (run config ``forget``). A site th
 (a whole-site removal, the server operator's request) re-sends every upload it kept
 (clients/upload_store.py) of the stages so far. Otherwise a site with node config
 ``forget-samples`` (a text file of ``stage,row`` lines: the 1-based stage, and the 0-based row of
-the sample in the site's own data of that stage, in the order its data folder lists them) re-sends
+the sample in the site's own data of that stage, in the order its data folder lists them; or
+``class,C`` lines: every sample of global class C, in whichever stage holds it) re-sends
 the kept upload of each stage it forgets samples of, together with the statistics of the samples
 it keeps (computed with the same frozen backbone and random features), and keeps those from then
 on. Lines already applied are remembered in ``<store>/partition-<p>/forgotten.json`` and not
@@ -39,53 +40,65 @@ class ForgetError(RuntimeError):
     """The site cannot do what it is asked (one line: why); the reply is an error."""
 
 
-def sample_requests(node_config: Mapping[str, Any]) -> dict[int, set[int]]:
-    """{task (0-based): rows} from the file node config ``forget-samples`` names ({} without one)."""
+def sample_requests(node_config: Mapping[str, Any]) -> tuple[dict[int, set[int]], set[int]]:
+    """({task (0-based): rows}, {classes}) from the file node config ``forget-samples`` names
+    (empty without one): lines ``stage,row``, or ``class,C`` for every sample of global class C."""
     path = node_config.get(SAMPLES_KEY)
     if not isinstance(path, str) or not path:
-        return {}
+        return {}, set()
     requests: dict[int, set[int]] = {}
+    classes: set[int] = set()
     for number, line in enumerate(Path(path).expanduser().read_text().splitlines(), 1):
         text = line.split("#", 1)[0].strip()
         if not text:
             continue
-        stage, _, row = text.partition(",")
-        if not stage.strip().isdigit() or not row.strip().isdigit() or int(stage) < 1:
-            raise ForgetError(f"{path}:{number}: '{text}' is not 'stage,row'")
-        requests.setdefault(int(stage) - 1, set()).add(int(row))
-    return requests
+        first, _, second = (part.strip() for part in text.partition(","))
+        if first == "class" and second.isdigit():
+            classes.add(int(second))
+            continue
+        if not first.isdigit() or not second.isdigit() or int(first) < 1:
+            raise ForgetError(f"{path}:{number}: '{text}' is neither 'stage,row' nor 'class,C'")
+        requests.setdefault(int(first) - 1, set()).add(int(second))
+    return requests, classes
 
 
 def _applied_path(folder: Path, partition: int) -> Path:
     return folder / f"partition-{int(partition)}" / "forgotten.json"
 
 
-def _applied(folder: Path, partition: int) -> dict[int, set[int]]:
+def _applied(folder: Path, partition: int) -> tuple[dict[int, set[int]], set[int]]:
+    """The requests already applied: rows by task, and whole classes."""
     path = _applied_path(folder, partition)
     if not path.is_file():
-        return {}
-    return {int(task): set(rows) for task, rows in json.loads(path.read_text()).items()}
+        return {}, set()
+    saved = json.loads(path.read_text())
+    return {int(task): set(rows) for task, rows in saved["rows"].items()}, set(saved["classes"])
 
 
-def _note_applied(folder: Path, partition: int, applied: dict[int, set[int]]) -> None:
+def _note_applied(folder: Path, partition: int, rows: dict[int, set[int]], classes: set[int]) -> None:
     path = _applied_path(folder, partition)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
-        json.dump({str(t): sorted(rows) for t, rows in sorted(applied.items())}, handle)
+        rows_json = {str(t): sorted(r) for t, r in sorted(rows.items())}
+        json.dump({"rows": rows_json, "classes": sorted(classes)}, handle)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)
 
 
-def kept_statistics(job: ClientJob, task: int, rows: set[int]) -> tuple[StsaStats, int]:
-    """The upload of ``task`` the site would have sent without the samples in ``rows`` (the same
-    features, the same min-class-count rule on the kept counts), as the server reads it."""
+def kept_statistics(job: ClientJob, task: int, rows: set[int], drop: set[int]) -> tuple[StsaStats, int]:
+    """The upload of ``task`` the site would have sent without the samples in ``rows`` nor those of
+    the global classes in ``drop`` (the same features, the same min-class-count rule on the kept
+    counts), as the server reads it."""
     phi, labels = local_task_features(job, task)
     if rows and max(rows) >= int(labels.shape[0]):
         raise ForgetError(f"stage {task + 1}: row {max(rows)} is beyond the site's {int(labels.shape[0])} samples")
     keep = torch.ones(int(labels.shape[0]), dtype=torch.bool)
     keep[sorted(rows)] = False
+    start = job.split.tasks[task].start
+    for cls in drop:
+        keep &= labels != cls - start
     classes = len(job.split.tasks[task])
     counts = torch.bincount(labels[keep], minlength=classes)
     disclosed = counts >= job.cfg.min_class_count
@@ -103,12 +116,16 @@ def handle_forget(job: ClientJob) -> StatsRes:
     assert isinstance(job.ins, StatsIns)
     config = job.context.node_config
     named = job.partition in job.ins.forget
-    requests = {} if named else sample_requests(config)
+    rows, classes = ({}, set()) if named else sample_requests(config)
     folder = store_folder(config)
-    if folder is not None and requests:
-        done = _applied(folder, job.partition)
-        requests = {t: rows - done.get(t, set()) for t, rows in requests.items() if t <= job.task}
-        requests = {t: rows for t, rows in requests.items() if rows}
+    requests: dict[int, tuple[set[int], set[int]]] = {}  # task -> (rows, classes) still to apply
+    if folder is not None and (rows or classes):
+        done_rows, done_classes = _applied(folder, job.partition)
+        for task in range(job.task + 1):
+            task_classes = set(job.split.tasks[task]) & (classes - done_classes)
+            task_rows = rows.get(task, set()) - done_rows.get(task, set())
+            if task_rows or task_classes:
+                requests[task] = (task_rows, task_classes)
     if not named and not requests:
         return job.stats_reply(0, arrays=ForgetStats({}, {}).to_record(job.cfg.wire_dtype))
     if folder is None:
@@ -121,12 +138,14 @@ def handle_forget(job: ClientJob) -> StatsRes:
             added[task], samples, _ = load_upload(folder, job.partition, task)
             removed += samples
     else:
-        applied = _applied(folder, job.partition)
-        for task, rows in sorted(requests.items()):
+        done_rows, done_classes = _applied(folder, job.partition)
+        for task, (task_rows, task_classes) in sorted(requests.items()):
             added[task], samples, meta = load_upload(folder, job.partition, task)
-            kept[task], kept_samples = kept_statistics(job, task, rows)
+            kept[task], kept_samples = kept_statistics(job, task, task_rows, task_classes)
             removed += samples - kept_samples
             save_upload(folder, job.partition, task, kept[task], kept_samples, run=meta["run"], client=meta["client"])
-            applied.setdefault(task, set()).update(rows)
-        _note_applied(folder, job.partition, applied)
+            if task_rows:
+                done_rows.setdefault(task, set()).update(task_rows)
+            done_classes |= task_classes
+        _note_applied(folder, job.partition, done_rows, done_classes)
     return job.stats_reply(removed, arrays=ForgetStats(added, kept).to_record(job.cfg.wire_dtype))

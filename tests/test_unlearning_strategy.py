@@ -152,21 +152,27 @@ def test_refused_removals_name_their_reason_and_change_nothing(withdrawal) -> No
         assert full.commitments.verify(client, task, as_upload(stats, samples)) == entry
 
 
-def test_a_site_forgets_some_of_its_samples_by_its_own_request(tmp_path: Path) -> None:
-    """Site 2's node config lists rows of its stage-1 and stage-2 data; the forget round after
-    stage 2 swaps those uploads for the kept samples' statistics. The server's G, C and n then equal
-    the sum of what every site now keeps, and W the GCV ridge on it."""
+def test_a_site_forgets_some_of_its_samples_and_a_class_by_its_own_request(tmp_path: Path) -> None:
+    """Site 2's node config lists rows of its stage-1 and stage-2 data and class 4 (stage 3); the
+    forget round after stage 3 swaps those uploads for the kept samples' statistics. The server's G,
+    C and n then equal the sum of what every site now keeps, and W the GCV ridge on it."""
     store = tmp_path / "store"
     rows = tmp_path / "forget.txt"
-    rows.write_text("# stage,row\n1,0\n1,4\n2,3\n")
-    cfg = _cfg(tmp_path / "out", "samples", forget="2")
+    rows.write_text("# stage,row\n1,0\n1,4\n2,3\nclass,4\n")
+    cfg = _cfg(tmp_path / "out", "samples", forget="3")
     strategy, _ = _run(cfg, _nodes(store, **{"2": {"forget-samples": str(rows)}}))
     record = strategy.unlearning_log[0]
-    assert [(r["who"], r["task"], r["what"], r["removed_samples"]) for r in record["requests"]] == [
-        ("client-2", 0, "samples", 2),
-        ("client-2", 1, "samples", 1),
-    ]
-    assert json.loads((store / "partition-2" / "forgotten.json").read_text()) == {"0": [0, 4], "1": [3]}
+    requests = [(r["who"], r["task"], r["what"], r["removed_samples"]) for r in record["requests"]]
+    assert requests[:2] == [("client-2", 0, "samples", 2), ("client-2", 1, "samples", 1)]
+    class4 = record["requests"][2]
+    assert (class4["who"], class4["task"], class4["what"]) == ("client-2", 2, "samples")
+    assert class4["removed_counts"] == {"4": class4["removed_samples"]} and class4["removed_samples"] > 0
+    kept, _, _ = load_upload(store, 2, 2)
+    assert float(kept.counts[0]) == 0.0 and not bool(kept.class_sums[:, 0].any())  # class 4: nothing kept
+    assert json.loads((store / "partition-2" / "forgotten.json").read_text()) == {
+        "rows": {"0": [0, 4], "1": [3]},
+        "classes": [4],
+    }
     # after the last stage: the server's statistics are the sum of the kept uploads, exactly
     dim = strategy.rf_dim
     gram = torch.zeros(dim, dim, dtype=torch.float64)
