@@ -306,11 +306,13 @@ def serve_one(conn: socket.socket) -> None:
     context = context_from_proto(ProtoContext.FromString(recv_frame(conn)))
     reply: Message | None = None
     error: dict[str, str] | None = None
+    started = time.perf_counter()
     try:
         reply = handle_here(message, context)
     except Exception as err:  # the ClientApp raises it again, as Flower would see it
         log(ERROR, "the handler raised %s: %s", type(err).__name__, err, exc_info=err)
         error = _error_of(err)
+    log(INFO, "warm worker: %s handled in %.3f s", message.metadata.message_type, time.perf_counter() - started)
     header = {"protocol": PROTOCOL, "ok": reply is not None, **({"error": error} if error else {})}
     send_frames(
         conn,
