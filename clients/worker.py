@@ -37,6 +37,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import socket
 import stat
 import struct
@@ -416,7 +417,15 @@ def main(argv: list[str] | None = None) -> int:
             idle = idle_seconds(node_config) if args.idle is None else args.idle
         if not idle > 0:
             raise WorkerError(f"--idle must be positive, not {idle}")
-        why = serve(path, idle=idle, parent_pid=args.parent_pid)
+        stop = threading.Event()
+        before = {}
+        if threading.current_thread() is threading.main_thread():  # SIGTERM/SIGINT: finish, remove the socket
+            before = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            why = serve(path, idle=idle, parent_pid=args.parent_pid, stop=stop)
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
     except (WorkerError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

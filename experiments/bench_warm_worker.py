@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def bench(repeats: int, rf_dim: int, folder: Path) -> dict[str, Any]:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(30)
         log.close()
+        shutil.rmtree(spec_dir, ignore_errors=True)
     worker_log = (folder / "worker.log").read_text()
     if first["fallback"] or any(r["fallback"] for r in runs["warm"]):
         raise SystemExit("error: the worker did not answer every warm message (see worker.log)")
