@@ -101,8 +101,17 @@ def assert_same_content(a: RecordDict, b: RecordDict) -> None:
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> LocalGrid:
-    """One small run without workers (info, statistics, federated evaluation): its messages and replies."""
-    cfg = small_config(tmp_path_factory.mktemp("plain"), rf_dim=100, num_tasks=2, num_clients=2, evaluation="both")
+    """One small run without workers (info, a FedAvg round, statistics, federated evaluation):
+    its messages and replies."""
+    cfg = small_config(
+        tmp_path_factory.mktemp("plain"),
+        rf_dim=100,
+        num_tasks=2,
+        num_clients=2,
+        evaluation="both",
+        stage1_rounds=1,
+        local_epochs=1,
+    )
     return run_grid(cfg, node_configs(2))[1]
 
 
@@ -118,12 +127,12 @@ def run_grid(cfg, configs: list[dict[str, Any]]):
 def test_the_same_messages_get_the_same_replies_bit_for_bit_through_the_worker(
     plain: LocalGrid, short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every message of a small run (info, statistics, federated evaluation), handled again by
+    """Every message of a small run (info, FedAvg training, statistics, federated evaluation), handled again by
     the nodes' workers: every reply is the same, array by array, metric by metric."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(short_dir))
     grid = plain
     kinds = [m.metadata.message_type for m in grid.sent]
-    assert {"query.stats", "evaluate", "query.info"} <= set(kinds)
+    assert {"train", "query.stats", "evaluate", "query.info"} <= set(kinds)
     warm = node_configs(2, **{"warm-worker": True})
     contexts = {
         k + 1: Context(run_id=1, node_id=k + 1, node_config=nc, state=RecordDict(), run_config={})
