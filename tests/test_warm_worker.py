@@ -224,6 +224,37 @@ def test_no_worker_means_one_line_a_start_and_the_same_reply(
     assert started == [worker.socket_path(worker.worker_folder(nc), worker.worker_key(nc, {"x": 1}))]
 
 
+def test_a_killed_workers_stale_socket_means_a_new_worker_and_one_line(
+    plain: LocalGrid, short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker killed with SIGKILL leaves its socket file behind, with nobody listening: the
+    ClientApp starts a new worker, answers itself and logs one line."""
+    message, expected = one_message(plain)
+    nc: dict[str, Any] = {
+        "partition-id": 0,
+        "num-partitions": 2,
+        "warm-worker": True,
+        "warm-worker-dir": str(short_dir),
+    }
+    path = worker.socket_path(worker.worker_folder(nc), worker.worker_key(nc, {}))
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))
+    os.chmod(path, 0o600)
+    dead.close()  # the file stays: a connect is refused
+    started: list[Path] = []
+
+    def start_worker(where: Path, node_config: Any) -> int:
+        started.append(where)
+        return 4243
+
+    monkeypatch.setattr(worker, "start_worker", start_worker)
+    context = Context(run_id=1, node_id=1, node_config=nc, state=RecordDict(), run_config={})
+    with caplog.at_level(logging.INFO):
+        reply = clients.app.app(message, context)
+    assert_same_content(reply.content, expected.content)
+    assert started == [path] and len(worker_lines(caplog)) == 1
+
+
 def test_a_worker_that_dies_mid_message_costs_one_line(
     plain: LocalGrid, short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
