@@ -164,14 +164,15 @@ def _recv_exact(sock: socket.socket, size: int) -> bytearray:
     return buf
 
 
-def recv_frame(sock: socket.socket) -> bytes:
+def recv_frame(sock: socket.socket) -> bytearray:
+    """One frame's payload (read in place: a large statistics upload is not copied again)."""
     (size,) = FRAME.unpack(_recv_exact(sock, FRAME.size))
     if size > MAX_FRAME:
         raise WorkerError(f"a warm worker frame of {size} bytes: refused")
-    return bytes(_recv_exact(sock, size))
+    return _recv_exact(sock, size)
 
 
-def _header(raw: bytes) -> dict[str, Any]:
+def _header(raw: bytes | bytearray) -> dict[str, Any]:
     try:
         header = json.loads(raw)
     except ValueError:
