@@ -26,6 +26,11 @@ left, exactly as if it had handled the message itself.
 * **Never in the way.** If the worker is absent, refused, or dies mid-message, the ClientApp
   logs one line and handles the message itself, as without a worker.
 
+The ideas are those of Flower's own warm executors (flwr/supercore/superexec/executor/
+warm_executor_pool.py): a warm process is found by a hash of everything that makes it fit
+(there: image, FAB hash; here: node config, run config, app folder, interpreter), a pool never
+serves an incompatible task, and a task that finds no ready one takes the cold path.
+
 Frames are length-prefixed (8 bytes, big-endian) and carry Flower's own protobuf encoding of the
 Message and the Context (``flwr.common.serde``) and one small JSON header: no pickle. This module
 imports neither torch nor the protocol until it serves.
