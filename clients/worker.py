@@ -419,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
             from flwr.common.config import parse_config_args
 
             node_config = parse_config_args([args.node_config])
-            path = socket_path(worker_folder(node_config), worker_key(node_config, None))
             idle = idle_seconds(node_config) if args.idle is None else args.idle
+            path = socket_path(worker_folder(node_config), worker_key(node_config, None))
         if not idle > 0:
             raise WorkerError(f"--idle must be positive, not {idle}")
         stop = threading.Event()

@@ -418,4 +418,4 @@ def test_the_operators_command_serves_the_node_config_for_every_run(
     path = worker.socket_path(worker.worker_folder(nc), worker.worker_key(nc, None))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm worker pid")]
     assert lines[0].endswith(f"serves {path} (idle timeout 0.3 s, parent None)") and lines[1].endswith("idle for 0.3 s")
-    assert worker.main(["--node-config", "partition-id=0 warm-worker-idle=-1"]) == 2
+    assert worker.main(["--node-config", f"partition-id=0 warm-worker-idle=-1 warm-worker-dir='{short_dir}'"]) == 2
