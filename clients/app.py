@@ -23,31 +23,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import cache
 from logging import ERROR
+from typing import TYPE_CHECKING
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from fcl_flower import methods
-from fcl_flower.protocol import (
-    EvaluateIns,
-    InfoIns,
-    InfoRes,
-    KeysIns,
-    ProtocolError,
-    Reply,
-    SharesIns,
-    StatsIns,
-    TrainIns,
-    UnmaskIns,
-    parse_instruction,
-)
 from fcl_flower.quiet import quiet_known_noise
+
+if TYPE_CHECKING:
+    from fcl_flower.protocol import Reply
 
 quiet_known_noise()
 app = ClientApp()
 
-Handler = Callable[..., Reply]
+Handler = Callable[..., "Reply"]
+#: node config: hand each message to this node's warm worker (clients/worker.py) instead of
+#: importing torch, building the model and opening the data again in every ClientApp process
+WARM_WORKER = "warm-worker"
 SECURE_ONLY = "secure-aggregation"  # node config: this node's statistics and model leave it only masked
 #: what the server is told when this site's own files or node config fail a round (the detail is logged here)
 SITE_DATA_REASON = "this site cannot read its own data for this round (the detail is in the site's log)"
@@ -73,6 +67,8 @@ def site_reason(err: BaseException) -> str | None:
 @cache
 def handler_for(strategy: str, phase: str) -> Handler:
     """The client handler of ``strategy``'s ``phase`` (registry reference, imported on first use)."""
+    from fcl_flower.protocol import ProtocolError
+
     try:
         handler: Handler = methods.load(methods.get(strategy).phase(phase).handler)
     except methods.RegistryError as err:
@@ -81,6 +77,20 @@ def handler_for(strategy: str, phase: str) -> Handler:
 
 
 def handle(message: Message, context: Context) -> Message:
+    """The reply to ``message``: from this node's warm worker when the node config asks for one
+    (``warm-worker = true``) and it answers, else handled in this process (:func:`handle_here`).
+    Until then this module imports neither torch nor the protocol: a ClientApp process whose
+    worker answers stays thin."""
+    if context.node_config.get(WARM_WORKER) is True:
+        from clients.worker import forward
+
+        reply = forward(message, context)  # None: no worker answered (logged); answer it here
+        if reply is not None:
+            return reply
+    return handle_here(message, context)
+
+
+def handle_here(message: Message, context: Context) -> Message:
     """Parse, dispatch, reply. Any exception becomes Flower's error reply to the server; one about
     the site's files or node config only as a generic line (the detail is logged here)."""
     try:
@@ -96,6 +106,19 @@ def handle(message: Message, context: Context) -> Message:
 
 
 def _handle(message: Message, context: Context) -> Message:
+    from fcl_flower.protocol import (
+        EvaluateIns,
+        InfoIns,
+        InfoRes,
+        KeysIns,
+        ProtocolError,
+        SharesIns,
+        StatsIns,
+        TrainIns,
+        UnmaskIns,
+        parse_instruction,
+    )
+
     ins = parse_instruction(message)
     if isinstance(ins, InfoIns):
         from clients.node_data import node_partition

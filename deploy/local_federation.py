@@ -565,14 +565,19 @@ def with_signed_keys(run_config: str) -> str:
     return run_config
 
 
-def node_configs_for(num_nodes: int, data: Path | None, sites: Sequence[Path] = ()) -> list[str]:
+def node_configs_for(
+    num_nodes: int, data: Path | None, sites: Sequence[Path] = (), *, warm_worker: bool = False
+) -> list[str]:
     """SuperNode k's node config: its own image folder ``sites[k]`` (``dataset = custom``) with client
-    id k; else ``<data>/client-k`` (an exported folder); else partition k of the public dataset."""
+    id k; else ``<data>/client-k`` (an exported folder); else partition k of the public dataset.
+    ``warm_worker``: each node hands its messages to a warm worker (clients/worker.py)."""
     if sites:
-        return [f"data-dir={json.dumps(str(Path(site).resolve()))} partition-id={k}" for k, site in enumerate(sites)]
-    if data is None:
-        return [f"partition-id={k} num-partitions={num_nodes}" for k in range(num_nodes)]
-    return [f"data-dir={json.dumps(str(Path(data).resolve() / f'client-{k}'))}" for k in range(num_nodes)]
+        configs = [f"data-dir={json.dumps(str(Path(site).resolve()))} partition-id={k}" for k, site in enumerate(sites)]
+    elif data is None:
+        configs = [f"partition-id={k} num-partitions={num_nodes}" for k in range(num_nodes)]
+    else:
+        configs = [f"data-dir={json.dumps(str(Path(data).resolve() / f'client-{k}'))}" for k in range(num_nodes)]
+    return [f"{c} warm-worker=true" for c in configs] if warm_worker else configs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -596,10 +601,18 @@ def main(argv: list[str] | None = None) -> int:
         help="Submit this run (flwr run --run-config syntax), wait for it, then stop.",
     )
     parser.add_argument("--timeout", type=float, default=3600.0, help="Seconds to wait for --run.")
+    parser.add_argument(
+        "--warm-worker",
+        action="store_true",
+        help="Every SuperNode hands its messages to a warm worker per node (node config warm-worker=true; "
+        "deploy/README.md, 'A warm worker per node').",
+    )
     args = parser.parse_args(argv)
     if args.site and args.data:
         parser.error("--site (own image folders) and --data (exported folders) exclude each other")
-    configs = node_configs_for(args.num_nodes, args.data, [Path(site) for site in args.site])
+    configs = node_configs_for(
+        args.num_nodes, args.data, [Path(site) for site in args.site], warm_worker=args.warm_worker
+    )
     federation = LocalFederation(Path(args.workdir), configs, args.port)
     stop = {"now": False}
 
