@@ -1035,4 +1035,6 @@ class STSAStrategy(AnalyticStrategy):
     def check_restored(self, completed: int) -> None:
         super().check_restored(completed)
         self.backfill.check_restored(completed)
-        self.check_restored_ridge(self.ridge, completed, sum_of_checked_uploads=True)
+        self.check_restored_ridge(
+            self.ridge, completed, sum_of_checked_uploads=True, subtracted=bool(self.unlearning_log)
+        )

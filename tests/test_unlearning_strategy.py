@@ -17,12 +17,14 @@ from flwr.app import Message
 
 from clients.app import app as client_app
 from clients.upload_store import load_upload, store_sizes, upload_path
+from fcl_flower import interrupt
 from fcl_flower.analytic.packing import unpack_upper
 from fcl_flower.analytic.ridge import select_ridge_gcv, solve_ridge
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.local_grid import LocalGrid
 from fcl_flower.methods import Kind
 from fcl_flower.runtime import federated_split
+from strategies import loop
 from strategies.nodes import NodeDirectory
 from strategies.unlearning import ForgetRefused, as_upload
 from tests.conftest import NODE_BASE, build, reply_partition, run_in_process, server_identity, small_config
@@ -221,3 +223,38 @@ def test_bad_unlearning_knobs_are_refused_with_one_line(tmp_path: Path, changes:
     with pytest.raises(ConfigError, match=message):
         RunConfig(dataset="digits", num_clients=3, num_tasks=5, out=str(tmp_path), **changes).validated()
     assert RunConfig(forget="3:1,5", num_tasks=5, num_clients=3).validated().forget_requests() == {3: (1,), 5: ()}
+
+
+def test_a_run_interrupted_after_the_removal_resumes_without_the_site(
+    withdrawal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped after stage 4 (after the forget round), resumed: the withdrawn site stays out, the
+    commitments and the removal's record come back, and the run ends with the uninterrupted W."""
+    full = withdrawal[0]
+    store = tmp_path / "store"
+    cfg = _cfg(tmp_path / "out", "resumed", forget=f"{AFTER}:{LEAVER}")
+    save = loop.save
+
+    def save_then_stop(strategy, task):
+        save(strategy, task)
+        if task == AFTER:  # stage 4 is checkpointed
+            interrupt.request_stop()
+
+    monkeypatch.setattr(loop, "save", save_then_stop)
+    try:
+        with pytest.raises(interrupt.RunInterrupted):
+            _run(cfg, _nodes(store))
+    finally:
+        interrupt.clear()
+    monkeypatch.setattr(loop, "save", save)
+    resumed, _ = _run(cfg.replace(resume=True), _nodes(store))
+    assert relative(resumed.weights, full.weights) <= TOL
+    assert resumed.nodes.withdrawn == {LEAVER}
+    assert sorted(resumed.commitments.entries) == sorted(full.commitments.entries)
+    for (client, task), entry in resumed.commitments.entries.items():  # kept from before, and after, the stop
+        stats, samples, meta = load_upload(store, int(client.rsplit("-", 1)[1]), task)
+        assert entry.run == meta["run"] and (entry.run != resumed.run_id) == (task <= AFTER)
+        assert resumed.commitments.verify(client, task, as_upload(stats, samples)) == entry
+    saved = json.loads(resumed.recorder.path.read_text())
+    assert len(saved["stages"]) == TASKS and saved["unlearning"][0]["after_stage"] == AFTER
+    assert f"client-{LEAVER}" not in saved["stages"][-1]["clients"] and not saved["stages"][-1]["left_out"]
