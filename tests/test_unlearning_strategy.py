@@ -17,6 +17,7 @@ from flwr.app import Message
 
 from clients.app import app as client_app
 from clients.upload_store import load_upload, store_sizes, upload_path
+from clients.upload_store import main as store_main
 from fcl_flower import interrupt
 from fcl_flower.analytic.packing import unpack_upper
 from fcl_flower.analytic.ridge import select_ridge_gcv, solve_ridge
@@ -84,7 +85,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.matrix_norm(a - b) / torch.linalg.matrix_norm(b))
 
 
-def test_every_upload_is_kept_atomically_mode_0600_and_its_size_reported(withdrawal) -> None:
+def test_every_upload_is_kept_atomically_mode_0600_and_its_size_reported(withdrawal, capsys) -> None:
     full, _, _, store = withdrawal
     for partition in range(CLIENTS):
         sizes = store_sizes(store, partition)
@@ -97,6 +98,11 @@ def test_every_upload_is_kept_atomically_mode_0600_and_its_size_reported(withdra
         assert not list((store / f"partition-{partition}").glob(".*.tmp"))  # no temporary left behind
     _, samples, meta = load_upload(store, 0, 0)
     assert meta["run"] == full.run_id and meta["client"] == "client-0" and samples > 0
+    assert store_main([str(store)]) == 0  # the site operator's report: bytes per stage
+    report = capsys.readouterr().out.splitlines()
+    sizes = store_sizes(store, LEAVER)
+    assert f"partition {LEAVER}: {AFTER} stage(s), {sum(sizes.values())} bytes" in report
+    assert f"  stage 1: {sizes[0]} bytes" in report
 
 
 def test_a_site_that_withdraws_leaves_the_weights_of_a_run_that_never_had_it(withdrawal) -> None:
