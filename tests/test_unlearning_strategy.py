@@ -47,11 +47,12 @@ def _cfg(out_dir: Path, name: str, **changes):
     )
 
 
-def _run(cfg, node_configs: list[dict]):
-    """Run ``cfg`` through the strategy's loop on nodes with these node configs."""
+def _run(cfg, node_configs: list[dict], weights: list[torch.Tensor] | None = None):
+    """Run ``cfg`` through the strategy's loop on nodes with these node configs; (the strategy, W
+    after each stage's solve, appended to ``weights`` if given)."""
     server_identity()
     strategy = build(cfg)
-    weights: list[torch.Tensor] = []
+    weights = [] if weights is None else weights
     end_stage = strategy.end_stage
 
     def spy(task: int):
@@ -73,10 +74,28 @@ def _nodes(store: Path, **extra: dict) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def withdrawal(tmp_path_factory: pytest.TempPathFactory):
-    """Site 1 withdraws after stage 3 (forget = "3:1"), and the run that never had site 1."""
+    """Site 1 withdraws after stage 3 (forget = "3:1"), the run stopped after stage 4 and resumed
+    (so every property below holds across a resume too), and the run that never had site 1."""
     out = tmp_path_factory.mktemp("unlearning")
     store = out / "store"
-    full, weights = _run(_cfg(out, "withdraws", forget=f"{AFTER}:{LEAVER}"), _nodes(store))
+    cfg = _cfg(out, "withdraws", forget=f"{AFTER}:{LEAVER}")
+    weights: list[torch.Tensor] = []
+    save = loop.save
+
+    def save_then_stop(strategy, task):
+        save(strategy, task)
+        if task == AFTER:  # stage 4 is checkpointed, after the forget round of stage 3
+            interrupt.request_stop()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "save", save_then_stop)
+        try:
+            with pytest.raises(interrupt.RunInterrupted):
+                _run(cfg, _nodes(store), weights)
+        finally:
+            interrupt.clear()
+    assert len(weights) == AFTER + 1
+    full, _ = _run(cfg.replace(resume=True), _nodes(store), weights)
     never = run_in_process(_cfg(out, "never"), _drop(LEAVER))
     return full, weights, never, store
 
@@ -97,7 +116,8 @@ def test_every_upload_is_kept_atomically_mode_0600_and_its_size_reported(withdra
         assert stat.S_IMODE((store / f"partition-{partition}").stat().st_mode) == 0o700
         assert not list((store / f"partition-{partition}").glob(".*.tmp"))  # no temporary left behind
     _, samples, meta = load_upload(store, 0, 0)
-    assert meta["run"] == full.run_id and meta["client"] == "client-0" and samples > 0
+    assert meta["client"] == "client-0" and samples > 0
+    assert meta["run"] != full.run_id == load_upload(store, 0, TASKS - 1)[2]["run"]  # stopped, resumed in a new process
     assert store_main([str(store)]) == 0  # the site operator's report: bytes per stage
     report = capsys.readouterr().out.splitlines()
     sizes = store_sizes(store, LEAVER)
@@ -231,36 +251,17 @@ def test_bad_unlearning_knobs_are_refused_with_one_line(tmp_path: Path, changes:
     assert RunConfig(forget="3:1,5", num_tasks=5, num_clients=3).validated().forget_requests() == {3: (1,), 5: ()}
 
 
-def test_a_run_interrupted_after_the_removal_resumes_without_the_site(
-    withdrawal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Stopped after stage 4 (after the forget round), resumed: the withdrawn site stays out, the
-    commitments and the removal's record come back, and the run ends with the uninterrupted W."""
-    full = withdrawal[0]
-    store = tmp_path / "store"
-    cfg = _cfg(tmp_path / "out", "resumed", forget=f"{AFTER}:{LEAVER}")
-    save = loop.save
-
-    def save_then_stop(strategy, task):
-        save(strategy, task)
-        if task == AFTER:  # stage 4 is checkpointed
-            interrupt.request_stop()
-
-    monkeypatch.setattr(loop, "save", save_then_stop)
-    try:
-        with pytest.raises(interrupt.RunInterrupted):
-            _run(cfg, _nodes(store))
-    finally:
-        interrupt.clear()
-    monkeypatch.setattr(loop, "save", save)
-    resumed, _ = _run(cfg.replace(resume=True), _nodes(store))
-    assert relative(resumed.weights, full.weights) <= TOL
-    assert resumed.nodes.withdrawn == {LEAVER}
-    assert sorted(resumed.commitments.entries) == sorted(full.commitments.entries)
-    for (client, task), entry in resumed.commitments.entries.items():  # kept from before, and after, the stop
+def test_the_resumed_run_keeps_the_site_out_and_its_commitments_and_record(withdrawal) -> None:
+    """The fixture's run stopped after stage 4 and resumed: the withdrawn site stays out, every
+    commitment (from before and after the stop) matches what the sites kept, the record is back."""
+    full, weights, _, store = withdrawal
+    assert len(weights) == TASKS and full.nodes.withdrawn == {LEAVER}
+    assert sorted(full.commitments.entries) == [
+        (f"client-{c}", t) for c in range(CLIENTS) for t in range(TASKS) if c != LEAVER
+    ]
+    for (client, task), entry in full.commitments.entries.items():
         stats, samples, meta = load_upload(store, int(client.rsplit("-", 1)[1]), task)
-        assert entry.run == meta["run"] and (entry.run != resumed.run_id) == (task <= AFTER)
-        assert resumed.commitments.verify(client, task, as_upload(stats, samples)) == entry
-    saved = json.loads(resumed.recorder.path.read_text())
+        assert entry.run == meta["run"] and (entry.run != full.run_id) == (task <= AFTER)
+        assert full.commitments.verify(client, task, as_upload(stats, samples)) == entry
+    saved = json.loads(full.recorder.path.read_text())
     assert len(saved["stages"]) == TASKS and saved["unlearning"][0]["after_stage"] == AFTER
-    assert f"client-{LEAVER}" not in saved["stages"][-1]["clients"] and not saved["stages"][-1]["left_out"]
