@@ -107,3 +107,28 @@ def store_sizes(folder: Path, partition: int) -> dict[int, int]:
     for path in sorted(base.glob("task-*.safetensors")) if base.is_dir() else []:
         sizes[int(path.stem.removeprefix("task-"))] = path.stat().st_size
     return dict(sorted(sizes.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m clients.upload_store <folder>``: what a site keeps, per partition and stage."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The uploads a site keeps for exact unlearning, per stage.")
+    parser.add_argument("folder", help="the node's upload-store folder")
+    args = parser.parse_args(argv)
+    folder = Path(args.folder).expanduser()
+    partitions = sorted(int(p.name.removeprefix("partition-")) for p in folder.glob("partition-*") if p.is_dir())
+    if not partitions:
+        print(f"{folder}: no kept uploads")
+        return 1
+    for partition in partitions:
+        sizes = store_sizes(folder, partition)
+        total = sum(sizes.values())
+        print(f"partition {partition}: {len(sizes)} stage(s), {total} bytes")
+        for task, size in sizes.items():
+            print(f"  stage {task + 1}: {size} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -320,14 +320,19 @@ class AnalyticStrategy(StagedStrategy):
             )
         return ridge
 
-    def check_restored_ridge(self, ridge: RidgeState, completed: int, *, sum_of_checked_uploads: bool) -> None:
+    def check_restored_ridge(
+        self, ridge: RidgeState, completed: int, *, sum_of_checked_uploads: bool, subtracted: bool = False
+    ) -> None:
         """A restored ridge state checked as strictly as a fresh upload: nothing in the columns of
         classes not yet seen, no statistics without samples, and, where G is a sum of checked
         uploads (STSA without noise), [[G, C·1], [(C·1)ᵀ, n]] positive semidefinite within the
         checks' tolerance (fcl_flower/analytic/checks.py; the tolerance of any upload's, and of an
         opened secure sum's fixed point over every stage, so an honest state always passes) and
         the certified bound on λ_min(G) verified by a factorisation (:meth:`RidgeState.verify_bound`),
-        never taken from the file. Under noise the solve projects G onto the PSD cone and uses no bound."""
+        never taken from the file. Under noise the solve projects G onto the PSD cone and uses no bound.
+        ``subtracted``: uploads were taken out again (docs/unlearning.md), so an entry that is a
+        rounding of zero may be either sign: the checks allow an absolute rounding of the tolerance
+        times G's largest diagonal entry (as :func:`~fcl_flower.analytic.unlearning.check_removal`)."""
         seen = self.num_seen(completed - 1)
         if bool(ridge.class_sums[:, seen:].any()):
             raise RestoreError(
@@ -345,13 +350,16 @@ class AnalyticStrategy(StagedStrategy):
             widen = 2.0 * (dim + self.split.num_classes) / (dim + 1)
             wire = gram_check_epsilon(WIRE_DTYPES[cfg.wire_dtype], cfg.check_tolerance)
             absolute = cfg.num_clients * cfg.num_tasks * 2.0 ** -(cfg.secagg_fraction_bits + 1)
+            absolute = absolute if cfg.secure_aggregation else 0.0
+            if subtracted and ridge.gram.numel():
+                absolute += max(wire, 2.0**-40) * float(torch.diagonal(ridge.gram).abs().max())
             try:
                 check_packed_statistics(
                     pack_upper(ridge.gram),
                     ridge.class_sums.sum(dim=1, keepdim=True),
                     torch.tensor([float(ridge.num_samples)], dtype=torch.float64),
                     relative_tolerance=widen * max(wire, 2.0**-40),
-                    absolute_tolerance=widen * absolute if cfg.secure_aggregation else 0.0,
+                    absolute_tolerance=widen * absolute,
                     **self.feature_bounds,
                 )
             except StatisticsRejected as err:

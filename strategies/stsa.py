@@ -1005,6 +1005,7 @@ class STSAStrategy(AnalyticStrategy):
             "secagg_barred": barred,
             "commitments": self.commitments.state_dict(),
             "withdrawn": sorted(self.nodes.withdrawn),
+            "unlearning": list(self.unlearning_log),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1017,6 +1018,12 @@ class STSAStrategy(AnalyticStrategy):
         withdrawn = fields.integers(state.get("withdrawn", []), "state/withdrawn", 0, self.cfg.num_clients - 1)
         for site in withdrawn:
             self.withdraw(client_name(site))
+        log_entries = state.get("unlearning", [])
+        if not isinstance(log_entries, list) or not all(isinstance(e, dict) for e in log_entries):
+            raise RestoreError("state/unlearning", "must be the list of the forget rounds' records")
+        self.unlearning_log = list(log_entries)
+        if self.unlearning_log:
+            self.recorder.info["unlearning"] = self.unlearning_log
         barred = fields.mapping(state.get("secagg_barred", {}), "state/secagg_barred")
         for client, why in barred.items():
             if not client.isdigit() or int(client) >= self.cfg.num_clients or not isinstance(why, str):
@@ -1029,4 +1036,6 @@ class STSAStrategy(AnalyticStrategy):
     def check_restored(self, completed: int) -> None:
         super().check_restored(completed)
         self.backfill.check_restored(completed)
-        self.check_restored_ridge(self.ridge, completed, sum_of_checked_uploads=True)
+        self.check_restored_ridge(
+            self.ridge, completed, sum_of_checked_uploads=True, subtracted=bool(self.unlearning_log)
+        )

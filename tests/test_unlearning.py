@@ -6,15 +6,17 @@ GCV (``ridge auto``); a removal of more than was added is refused with its reaso
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
+from flwr.app import ArrayRecord
 from torch import Tensor
 
 from fcl_flower.analytic.checks import NOT_PSD, StatisticsRejected
 from fcl_flower.analytic.estimator import GramEstimator
 from fcl_flower.analytic.lowrank import LowRankSummary, client_summary, merge_two_level
-from fcl_flower.analytic.packing import pack_upper
+from fcl_flower.analytic.packing import pack_upper, packed_length
 from fcl_flower.analytic.ridge import RidgeState, select_ridge_gcv, solve_ridge
 from fcl_flower.analytic.statistics import StatisticsAccumulator
 from fcl_flower.analytic.subspace import select_subspace_ridge_gcv, solve_subspace_ridge
@@ -28,6 +30,9 @@ from fcl_flower.analytic.unlearning import (
     swap_gram,
     upload_digest,
 )
+from fcl_flower.protocol import ProtocolError, StatsIns, UploadError, parse_instruction
+from fcl_flower.protocol.payloads import ForgetStats, StsaStats
+from tests.test_protocol import CFG, HEADER, _deliver
 
 DIM, CLIENTS, TASKS, PER_TASK = 24, 4, 3, 2
 CLASSES = TASKS * PER_TASK
@@ -383,3 +388,44 @@ def test_fedran_at_full_rank_the_merge_is_the_dense_gram_and_equals_the_central_
     reference, ref_gamma = central_weights(rows, CLASSES)
     assert gamma == ref_gamma
     assert relative(solve_subspace_ridge(merged, corr, gamma), reference) <= TOL
+
+
+# --------------------------------------------------------------------------- the forget round's messages
+def test_a_forget_instruction_names_its_sites_and_a_statistics_instruction_stays_as_before() -> None:
+    plain = _deliver(StatsIns(HEADER, CFG, num_seen=2))
+    assert "forget" not in plain.content.config_records["round"]  # the wire of a statistics round is unchanged
+    parsed = parse_instruction(_deliver(StatsIns(HEADER, CFG, num_seen=2, forget=(1, 3))))
+    assert isinstance(parsed, StatsIns) and parsed.forget == (1, 3)
+    bad = _deliver(StatsIns(HEADER, CFG, num_seen=2, forget=(1,)))
+    bad.content.config_records["round"]["forget"] = "1,x"
+    with pytest.raises(ProtocolError, match="forget: '1,x' is not a list of client ids"):
+        parse_instruction(bad)
+
+
+def test_a_forget_reply_is_read_typed_and_every_malformed_one_refused() -> None:
+    data = make_data(12)
+    up = upload_of(*data[(0, 0)], 0)
+    assert up.gram_packed is not None
+    stats = StsaStats(up.gram_packed, up.class_sums, up.counts)
+    shapes: dict[str, Any] = {"packed": packed_length(DIM), "dim": DIM, "classes_of": {0: PER_TASK, 1: PER_TASK}}
+    record = ForgetStats({0: stats}, {0: stats}).to_record("float64")
+    read = ForgetStats.read(record, **shapes)
+    assert torch.equal(read.added[0].gram_packed, stats.gram_packed) and set(read.kept) == {0}
+    assert ForgetStats.read(ForgetStats({}, {}).to_record("float64"), **shapes).added == {}
+
+    def refused(arrays: dict, message: str) -> None:
+        with pytest.raises(UploadError, match=message):
+            ForgetStats.read(ArrayRecord(arrays), **shapes)
+
+    arrays = dict(record.items())
+    refused({**arrays, "added-0-extra": arrays["added-0-counts"]}, "unexpected array 'added-0-extra'")
+    refused({k.replace("-0-", "-4-"): v for k, v in arrays.items()}, "names a stage that has not run")
+    refused(
+        {k: v for k, v in arrays.items() if k != "added-0-counts"}, r"the added upload of stage 1 lacks \['counts'\]"
+    )
+    refused({k: v for k, v in arrays.items() if k.startswith("kept")}, "a kept part of stage 1 without the upload")
+    wrong = ForgetStats({1: stats}, {}).to_record("float64")
+    with pytest.raises(
+        UploadError
+    ):  # task 1's class sums need PER_TASK columns: these fit, the shape of 'packed' does not
+        ForgetStats.read(wrong, packed=packed_length(DIM) + 1, dim=DIM, classes_of={0: PER_TASK, 1: PER_TASK})

@@ -17,12 +17,15 @@ from flwr.app import Message
 
 from clients.app import app as client_app
 from clients.upload_store import load_upload, store_sizes, upload_path
+from clients.upload_store import main as store_main
+from fcl_flower import interrupt
 from fcl_flower.analytic.packing import unpack_upper
 from fcl_flower.analytic.ridge import select_ridge_gcv, solve_ridge
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.local_grid import LocalGrid
 from fcl_flower.methods import Kind
 from fcl_flower.runtime import federated_split
+from strategies import loop
 from strategies.nodes import NodeDirectory
 from strategies.unlearning import ForgetRefused, as_upload
 from tests.conftest import NODE_BASE, build, reply_partition, run_in_process, server_identity, small_config
@@ -44,11 +47,12 @@ def _cfg(out_dir: Path, name: str, **changes):
     )
 
 
-def _run(cfg, node_configs: list[dict]):
-    """Run ``cfg`` through the strategy's loop on nodes with these node configs."""
+def _run(cfg, node_configs: list[dict], weights: list[torch.Tensor] | None = None):
+    """Run ``cfg`` through the strategy's loop on nodes with these node configs; (the strategy, W
+    after each stage's solve, appended to ``weights`` if given)."""
     server_identity()
     strategy = build(cfg)
-    weights: list[torch.Tensor] = []
+    weights = [] if weights is None else weights
     end_stage = strategy.end_stage
 
     def spy(task: int):
@@ -70,10 +74,28 @@ def _nodes(store: Path, **extra: dict) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def withdrawal(tmp_path_factory: pytest.TempPathFactory):
-    """Site 1 withdraws after stage 3 (forget = "3:1"), and the run that never had site 1."""
+    """Site 1 withdraws after stage 3 (forget = "3:1"), the run stopped after stage 4 and resumed
+    (so every property below holds across a resume too), and the run that never had site 1."""
     out = tmp_path_factory.mktemp("unlearning")
     store = out / "store"
-    full, weights = _run(_cfg(out, "withdraws", forget=f"{AFTER}:{LEAVER}"), _nodes(store))
+    cfg = _cfg(out, "withdraws", forget=f"{AFTER}:{LEAVER}")
+    weights: list[torch.Tensor] = []
+    save = loop.save
+
+    def save_then_stop(strategy, task):
+        save(strategy, task)
+        if task == AFTER:  # stage 4 is checkpointed, after the forget round of stage 3
+            interrupt.request_stop()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "save", save_then_stop)
+        try:
+            with pytest.raises(interrupt.RunInterrupted):
+                _run(cfg, _nodes(store), weights)
+        finally:
+            interrupt.clear()
+    assert len(weights) == AFTER + 1
+    full, _ = _run(cfg.replace(resume=True), _nodes(store), weights)
     never = run_in_process(_cfg(out, "never"), _drop(LEAVER))
     return full, weights, never, store
 
@@ -82,7 +104,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.matrix_norm(a - b) / torch.linalg.matrix_norm(b))
 
 
-def test_every_upload_is_kept_atomically_mode_0600_and_its_size_reported(withdrawal) -> None:
+def test_every_upload_is_kept_atomically_mode_0600_and_its_size_reported(withdrawal, capsys) -> None:
     full, _, _, store = withdrawal
     for partition in range(CLIENTS):
         sizes = store_sizes(store, partition)
@@ -94,7 +116,13 @@ def test_every_upload_is_kept_atomically_mode_0600_and_its_size_reported(withdra
         assert stat.S_IMODE((store / f"partition-{partition}").stat().st_mode) == 0o700
         assert not list((store / f"partition-{partition}").glob(".*.tmp"))  # no temporary left behind
     _, samples, meta = load_upload(store, 0, 0)
-    assert meta["run"] == full.run_id and meta["client"] == "client-0" and samples > 0
+    assert meta["client"] == "client-0" and samples > 0
+    assert meta["run"] != full.run_id == load_upload(store, 0, TASKS - 1)[2]["run"]  # stopped, resumed in a new process
+    assert store_main([str(store)]) == 0  # the site operator's report: bytes per stage
+    report = capsys.readouterr().out.splitlines()
+    sizes = store_sizes(store, LEAVER)
+    assert f"partition {LEAVER}: {AFTER} stage(s), {sum(sizes.values())} bytes" in report
+    assert f"  stage 1: {sizes[0]} bytes" in report
 
 
 def test_a_site_that_withdraws_leaves_the_weights_of_a_run_that_never_had_it(withdrawal) -> None:
@@ -221,3 +249,19 @@ def test_bad_unlearning_knobs_are_refused_with_one_line(tmp_path: Path, changes:
     with pytest.raises(ConfigError, match=message):
         RunConfig(dataset="digits", num_clients=3, num_tasks=5, out=str(tmp_path), **changes).validated()
     assert RunConfig(forget="3:1,5", num_tasks=5, num_clients=3).validated().forget_requests() == {3: (1,), 5: ()}
+
+
+def test_the_resumed_run_keeps_the_site_out_and_its_commitments_and_record(withdrawal) -> None:
+    """The fixture's run stopped after stage 4 and resumed: the withdrawn site stays out, every
+    commitment (from before and after the stop) matches what the sites kept, the record is back."""
+    full, weights, _, store = withdrawal
+    assert len(weights) == TASKS and full.nodes.withdrawn == {LEAVER}
+    assert sorted(full.commitments.entries) == [
+        (f"client-{c}", t) for c in range(CLIENTS) for t in range(TASKS) if c != LEAVER
+    ]
+    for (client, task), entry in full.commitments.entries.items():
+        stats, samples, meta = load_upload(store, int(client.rsplit("-", 1)[1]), task)
+        assert entry.run == meta["run"] and (entry.run != full.run_id) == (task <= AFTER)
+        assert full.commitments.verify(client, task, as_upload(stats, samples)) == entry
+    saved = json.loads(full.recorder.path.read_text())
+    assert len(saved["stages"]) == TASKS and saved["unlearning"][0]["after_stage"] == AFTER
