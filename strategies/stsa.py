@@ -341,6 +341,7 @@ class STSAStrategy(AnalyticStrategy):
         self._round_args: tuple[Grid, float] | None = None  # the grid and timeout of the round in progress
         # a digest of every accepted plain upload, per client and task: what a removal must match
         self.commitments = Commitments()
+        self.removals_scheduled = bool(cfg.forget_requests())
         self.forgotten: list[dict[str, Any]] = []  # the removals applied since the last re-solve
         self.unlearning_log: list[dict[str, Any]] = []  # every re-solve after removals (results.json)
         self._forget_sites: tuple[int, ...] = ()  # the sites the forget round in progress removes wholly
@@ -815,9 +816,11 @@ class STSAStrategy(AnalyticStrategy):
 
     # ---------------------------------------------------------------- unlearning
     def commit(self, client: str, task: int, stats: StsaStats, num_examples: int, factor: torch.Tensor | None) -> None:
-        """Keep the digest of an accepted plain Gram upload (strategies/unlearning.py); a factor
-        upload's G is the server's own product, which the client cannot re-send bit for bit: none."""
-        if factor is None:
+        """Keep the digest of an accepted plain Gram upload (strategies/unlearning.py) in a run that
+        schedules removals (run config ``forget``; only such a run can apply one, and the SHA-256 of
+        every upload costs several times adding it, issue 30); a factor upload's G is the server's
+        own product, which the client cannot re-send bit for bit: none."""
+        if factor is None and self.removals_scheduled:
             self.commitments.record(self.run_id, client, task, as_upload(stats, num_examples))
 
     def forget(
