@@ -155,33 +155,29 @@ def _engine_never_starts(monkeypatch) -> None:
 
 def test_sim_exits_non_zero_and_prints_no_results_path_on_failure(tmp_path) -> None:
     """A resume that does not match the checkpoint: exit 2, one error line, no 'results:' line,
-    before the simulation engine starts (no Ray: a couple of seconds past Python's imports)."""
+    the run folder untouched (that the engine never starts is tested in process, below, without
+    timing anything)."""
     flags = [*SIM_FLAGS, "--out", str(tmp_path), "--run-name", "r"]
     run_local(_sim_config(tmp_path))
     before = (tmp_path / "r" / "results.json").read_bytes()
-    imports, _ = _sim("--help")
-    _, startup = _sim("--help")  # Python and the imports alone, warm
-    assert imports.returncode == 0
-    proc, seconds = _sim(*flags, "--rf-dim", "61", "--resume")
+    proc, _ = _sim(*flags, "--rf-dim", "61", "--resume")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == ["error: resume: config differs from the checkpoint in: rf-dim"]
     assert "results:" not in proc.stdout
-    assert seconds < startup + 8.0, (seconds, startup)
     assert (tmp_path / "r" / "results.json").read_bytes() == before
 
 
 def test_sim_on_a_folder_another_server_holds_stops_before_the_engine_starts(tmp_path) -> None:
-    """A second fcl-sim on a locked run folder: exit 2 and one line within seconds, not after Ray's start."""
+    """A second fcl-sim on a locked run folder: exit 2 and one line, nothing written (that the
+    engine never starts is tested in process, below, without timing anything)."""
     from strategies.checkpoint import run_folder_lock
 
     cfg = _sim_config(tmp_path)
-    _, startup = _sim("--help")
     with run_folder_lock(cfg.output_dir):  # the first server, in this process
-        proc, seconds = _sim(*SIM_FLAGS, "--out", str(tmp_path), "--run-name", "r")
+        proc, _ = _sim(*SIM_FLAGS, "--out", str(tmp_path), "--run-name", "r")
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: another server is running in {cfg.output_dir}")
-    assert seconds < startup + 8.0, (seconds, startup)
     assert sorted(p.name for p in cfg.output_dir.iterdir()) == [".lock"]  # nothing written
 
 
