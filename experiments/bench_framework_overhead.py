@@ -10,8 +10,9 @@ so every stage is exactly one statistics round + solve + evaluation), fixed ridg
 
 * ``floor``: the same math done directly in plain torch (features, per-client G_k = ΦᵀΦ and
   C_k, their sum, one Cholesky solve, predict): what any implementation has to do;
-* ``direct``: the project's own functions as plain calls (StatisticsAccumulator and its packed G
-  added into the running G, solve_ridge, predict), no messages;
+* ``direct``: the project's own functions as plain calls (StatisticsAccumulator, its packed G
+  summed over the stage's clients and added into the running G once, solve_ridge, predict), no
+  messages;
 * ``direct + upload checks``: the same, plus what the server must do with every upload however it
   travels: the client packs G's upper triangle in the wire dtype, the server screens it
   (``check_counts``, ``screen_packed_statistics``: O(M²)) and adds it to a packed float64 running
@@ -125,7 +126,7 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
     bounds = {"norm_bound": cfg.feature_clip, "nonnegative": projection is not None}
     for task, classes in enumerate(split.tasks):
         began = time.perf_counter()
-        packed_sum = torch.zeros(packed_length(dim), dtype=torch.float64) if checks else None
+        packed_sum = torch.zeros(packed_length(dim), dtype=torch.float64)  # the stage's G, as the server sums it
         before = sums[:, classes.start : classes.stop].clone()
         count_sum = torch.zeros(split.bundle.num_classes, dtype=torch.float64)
         for client in range(cfg.num_clients):
@@ -133,8 +134,8 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
             data = split.client_train(task, client, eval_transform=True)
             for features, y in iter_features(model, data, cfg, device):
                 acc.update(random_features(features, projection), y - classes.start)
-            if packed_sum is None:  # G as the server adds it: the packed upper triangle into its running G
-                add_packed_(gram, acc.packed_gram())
+            if not checks:  # the packed float64 G into the stage's packed sum
+                packed_sum += acc.packed_gram()
                 stats = acc.result(with_gram=False)
             else:
                 packed = acc.packed_gram(wire)
@@ -147,7 +148,7 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
                 packed_sum += packed
                 count_sum[classes.start : classes.stop] += counts
             sums[:, classes.start : classes.stop] += stats.class_sums
-        if packed_sum is not None:  # the stage's one certificate, on the sum
+        if checks:  # the stage's one certificate, on the sum
             check_packed_statistics(
                 packed_sum,
                 sums[:, classes.start : classes.stop] - before,
@@ -155,7 +156,7 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
                 relative_tolerance=wire_epsilon(wire),
                 **bounds,
             )
-            add_packed_(gram, packed_sum)
+        add_packed_(gram, packed_sum)  # into the running G once a stage, as the ridge state does
         weights = solve_ridge(gram, sums[:, : classes.stop], cfg.ridge_value())
         phis, labels = [], []
         for features, y in iter_features(model, split.seen_test(task), cfg, device):
