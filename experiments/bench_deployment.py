@@ -428,7 +428,9 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     export_seconds = time.monotonic() - began
     floor_app = write_floor_app(workdir / "floor-app")
     load_before = os.getloadavg()
-    federation = fed.LocalFederation(workdir / "federation", fed.node_configs_for(args.num_nodes, data))
+    federation = fed.LocalFederation(
+        workdir / "federation", fed.node_configs_for(args.num_nodes, data, warm_worker=args.warm_worker)
+    )
     sampler: PeakSampler | None = None
     floors: list[dict[str, Any]] = []
     projects: list[dict[str, Any]] = []
@@ -486,6 +488,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         **extra,
         "config": {k: v for k, v in cfg.to_mapping().items() if k not in ("out",)},
         "num_nodes": args.num_nodes,
+        "warm_worker": bool(args.warm_worker),
         "repeats": args.repeats,
         "order": "floor, this app, alternating (A B A B)" if args.floor else "this app only",
         "floor": {
@@ -657,6 +660,11 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=3, help="runs of this app, each after one of Flower's floor app (default 3)"
     )
     parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip Flower's floor app (no ratios)")
+    parser.add_argument(
+        "--warm-worker",
+        action="store_true",
+        help="every SuperNode hands its messages to a warm worker (node config warm-worker=true, clients/worker.py)",
+    )
     parser.add_argument(
         "--cold-repeats", type=int, default=3, help="fresh ClientApp processes per message type (0: skip)"
     )
