@@ -260,6 +260,23 @@ class AnalyticStrategy(StagedStrategy):
         )
         return preds.numpy(), labels.numpy()
 
+    def evaluation_rides(self, task: int) -> bool:
+        """Stage ``task``'s federated evaluation rides with the next stage's statistics round
+        (strategies/evaluation.py) where nothing changes the model in between: the backbone is
+        frozen after stage 1, and W changes only at the next solve, unless a forget round runs
+        between the stages; a secure statistics round carries no evaluation."""
+        cfg = self.cfg
+        return (
+            cfg.evaluation == "federated"
+            and not cfg.secure_aggregation
+            and self.stats_phase is not None
+            and task + 1 < self.num_tasks
+            and task + 1 not in cfg.forget_requests()
+        )
+
+    def rides_on(self, plan: RoundPlan) -> bool:
+        return plan.phase == self.stats_phase
+
     def evaluate_arrays(self) -> dict[str, Any]:
         """What a client needs besides the backbone to score the model: the ridge weights W."""
         return {} if self.weights is None else {"ridge": tensor_record({"weights": self.weights})}

@@ -21,12 +21,13 @@ accounting (:mod:`strategies.accounting`) and checkpoints (:mod:`strategies.chec
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -43,12 +44,14 @@ from fcl_flower.methods import Kind
 from fcl_flower.metrics import accuracy_by_task, task_pool_accuracy
 from fcl_flower.models import trainable_state
 from fcl_flower.protocol import (
+    EvaluationRequest,
     Header,
     InfoIns,
     Instruction,
     ProtocolError,
     Reply,
     StatsIns,
+    StatsRes,
     TrainIns,
     UploadError,
     message_bytes,
@@ -64,6 +67,9 @@ from strategies.accounting import StageAccounting, client_name, client_order
 from strategies.checkpoint import CheckpointStore
 from strategies.nodes import NodeDirectory
 from strategies.stream import ReplyStream, exchange
+
+if TYPE_CHECKING:
+    from strategies.evaluation import Riding
 
 P = TypeVar("P")
 
@@ -131,6 +137,8 @@ class StagedStrategy(Strategy):
         self._round_expected: set[str] = set()
         # client -> held-out samples per class, fixed at its first evaluation (strategies/evaluation.py)
         self.held_out_sizes: dict[str, list[int]] = {}
+        # a stage whose evaluation rides with the next statistics round (strategies/evaluation.py)
+        self.riding: Riding | None = None
 
     # ------------------------------------------------------------------ what a method says
     @abstractmethod
@@ -248,6 +256,19 @@ class StagedStrategy(Strategy):
         federated = {"accuracy": accuracy, "per_task_accuracy": per_task, **extra, **scores.summary()}
         return central[0], central[1], {**central[2], "federated_evaluation": federated}
 
+    def evaluation_rides(self, task: int) -> bool:
+        """Whether stage ``task``'s federated evaluation rides with stage ``task`` + 1's statistics
+        round instead of an exchange of its own (strategies/evaluation.py); never by default."""
+        return False
+
+    def rides_on(self, plan: RoundPlan) -> bool:
+        """Whether ``plan``'s round carries a riding evaluation (the method's statistics round)."""
+        return False
+
+    def evaluation_request(self, task: int) -> EvaluationRequest:
+        """What the clients need to score the current model after stage ``task`` (riding along)."""
+        return EvaluationRequest(task, self.num_seen(task), self.evaluate_arrays().get("ridge"))
+
     def evaluate_arrays(self) -> dict[str, Any]:
         """Extra records of the evaluate message besides the global model (analytic: W)."""
         return {}
@@ -280,7 +301,10 @@ class StagedStrategy(Strategy):
             ins = TrainIns(header, self.cfg, lr=plan.lr, num_seen=self.num_seen(plan.task), model=self.global_arrays())
         else:
             ins = StatsIns(header, self.cfg, num_seen=self.num_seen(plan.task), model=self.global_arrays())
-        return self.customise(plan, ins)
+        ins = self.customise(plan, ins)
+        if isinstance(ins, StatsIns) and self.riding is not None and self.rides_on(plan):
+            ins = dataclasses.replace(ins, evaluate=self.riding.request)
+        return ins
 
     def messages(
         self,
@@ -320,6 +344,8 @@ class StagedStrategy(Strategy):
             ins = build(node)
             if not side:
                 self._sent[node] = ins.header
+            if isinstance(ins, StatsIns) and ins.evaluate is not None and self.riding is not None:
+                self.riding.asked.add(self.nodes_name(node))
             out.append(ins.to_message(node))
         return out
 
@@ -463,6 +489,7 @@ class StagedStrategy(Strategy):
             if client in taken:
                 claimed, client = client, f"node-{node}"  # name the sender: `claimed` is already in
                 raise UploadError(f"duplicate upload: {claimed} already uploaded in this round")
+            self.take_evaluation(plan, client, reply)
             try:
                 payload = self.read_reply(plan, reply)
             except ProtocolError:
@@ -477,6 +504,17 @@ class StagedStrategy(Strategy):
             error = err if isinstance(err, UploadError) else UploadError(str(err))
             error.client = client
             raise error from None
+
+    def take_evaluation(self, plan: RoundPlan, client: str, reply: Reply) -> None:
+        """The counts riding with an identified reply go to the riding evaluation, checked there
+        (a client with bad counts is left out of the evaluation, its statistics are read as ever);
+        counts nobody asked for reject the reply."""
+        counts = reply.evaluation if isinstance(reply, StatsRes) else None
+        if self.riding is None or not self.rides_on(plan):
+            if counts is not None:
+                raise UploadError("evaluation counts that this round did not ask for")
+            return
+        self.riding.take(self, client, counts)
 
     def reject(self, message: Message, err: UploadError, server_round: int) -> None:
         """Log a rejected reply by name and record it for the stage's ``left_out``."""
