@@ -1,0 +1,152 @@
+"""Fewer exchanges per stage: the federated evaluation of stage t rides with stage t+1's
+statistics round (strategies/evaluation.py, ``Riding``), the last stage's alone, with the same
+stage records as separate ``evaluate`` exchanges; untrusted counts are checked as ever."""
+
+from __future__ import annotations
+
+import collections
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, Message
+
+from fcl_flower.local_grid import LocalGrid
+from fcl_flower.protocol import to_record
+from fcl_flower.protocol.base import COUNTS
+from strategies import loop
+from tests.conftest import build, in_process_grid, reply_partition, sent_header, server_identity, small_config
+
+STATS = "stsa-stats"
+
+
+def config(tmp: Path, name: str, **changes):
+    base = {"rf_dim": 60, "num_tasks": 3, "first_task_classes": 4, "evaluation": "federated", "run_name": name}
+    return small_config(tmp, **{**base, **changes})
+
+
+def run(cfg, *, rides: bool = True, tamper=None):
+    """(strategy, grid, W after each stage) of an in-process run; ``rides`` False: every
+    evaluation in an exchange of its own (as before)."""
+    server_identity()
+    strategy = build(cfg)
+    if not rides:
+        strategy.evaluation_rides = lambda task: False  # type: ignore[method-assign]
+    weights = []
+    end_stage = strategy.end_stage
+
+    def recording(task: int):
+        extra = end_stage(task)
+        weights.append(strategy.weights.clone())
+        return extra
+
+    strategy.end_stage = recording  # type: ignore[method-assign]
+    grid = in_process_grid(cfg.num_clients, tamper)
+    strategy.start(grid)
+    return strategy, grid, weights
+
+
+def exchanges_per_stage(grid: LocalGrid) -> dict[int, list[str]]:
+    """Stage -> the message types of its exchanges (one exchange: one round's messages to the nodes)."""
+    seen: dict[tuple[int, str, int], int] = {}
+    for m in grid.sent:
+        h = sent_header(m)
+        seen.setdefault((h.server_round, m.metadata.message_type, h.attempt), h.stage)
+    out: dict[int, list[str]] = collections.defaultdict(list)
+    for (_, kind, _), stage in seen.items():
+        out[stage].append(kind)
+    return dict(out)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The same run with separate evaluation exchanges, and with the evaluation riding along."""
+    tmp = tmp_path_factory.mktemp("rides")
+    return run(config(tmp, "separate"), rides=False), run(config(tmp, "riding"))
+
+
+def records(strategy) -> list[dict]:
+    return [
+        {"accuracy": s.accuracy, "per_task": s.per_task_accuracy, "evaluation": s.extra["evaluation"]}
+        for s in strategy.recorder.stages
+    ]
+
+
+def test_the_evaluation_rides_with_the_next_statistics_and_the_records_are_the_same(clean) -> None:
+    (separate, grid_before, w_before), (riding, grid_after, w_after) = clean
+    assert exchanges_per_stage(grid_before) == {
+        1: ["query.info", "query.stats", "evaluate"],
+        2: ["query.stats", "evaluate"],
+        3: ["query.stats", "evaluate"],
+    }
+    assert exchanges_per_stage(grid_after) == {
+        1: ["query.info", "query.stats"],
+        2: ["query.stats"],  # carries stage 1's evaluation
+        3: ["query.stats", "evaluate"],  # stage 2's evaluation rides; stage 3's alone
+    }
+    assert records(riding) == records(separate)
+    assert all(not math.isnan(s.accuracy) for s in riding.recorder.stages)
+    assert riding.recorder.stages[0].extra["evaluation"]["samples"] > 0
+    for a, b in zip(w_before, w_after, strict=True):
+        assert np.array_equal(a.numpy(), b.numpy())
+    assert riding.riding is None and riding.held_out_sizes == separate.held_out_sizes
+    # the statistics of stage 2 carried stage 1's W, the same as stage 1's own evaluate message did
+    ridden = [m for m in grid_after.sent if m.metadata.message_type == "query.stats" and sent_header(m).stage == 2]
+    alone = [m for m in grid_before.sent if m.metadata.message_type == "evaluate" and sent_header(m).stage == 1]
+    assert ridden and alone
+    w_sent = ridden[0].content.array_records["ridge"]["weights"].numpy()
+    assert np.array_equal(w_sent, alone[0].content.array_records["ridge"]["weights"].numpy())
+
+
+def test_bad_riding_counts_leave_the_client_out_of_the_evaluation_only(tmp_path, clean) -> None:
+    def tamper(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        if phase == STATS and task == 1:
+            for m in replies:
+                if reply_partition(m) == 2:
+                    record = m.content.array_records[COUNTS]
+                    record["correct"] = Array(np.ascontiguousarray(record["total"].numpy() + 1))
+        return replies
+
+    strategy, _, weights = run(config(tmp_path, "bad"), tamper=tamper)
+    riding, _, clean_weights = clean[1]
+    evaluation = strategy.recorder.stages[0].extra["evaluation"]
+    assert "more correct predictions than test samples" in evaluation["left_out"]["client-2"]
+    assert evaluation["clients"] == ["client-0", "client-1"]
+    assert strategy.recorder.stages[1].left_out == {}  # its statistics were read as ever
+    assert np.array_equal(weights[1].numpy(), clean_weights[1].numpy())
+    assert records(strategy)[1:] == records(riding)[1:]
+
+
+def test_counts_nobody_asked_for_reject_the_reply(tmp_path) -> None:
+    def tamper(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        if phase == STATS and task == 0:  # stage 1's statistics carry no evaluation
+            for m in replies:
+                if reply_partition(m) == 1:
+                    m.content.array_records[COUNTS] = to_record({"correct": np.zeros(2, np.int64)})
+                    m.content.metric_records["metrics"]["evaluate-num-examples"] = 0
+        return replies
+
+    strategy, _, _ = run(config(tmp_path, "unasked", num_tasks=2, first_task_classes=0), tamper=tamper)
+    assert "evaluation counts that this round did not ask for" in strategy.recorder.stages[0].left_out["client-1"]
+
+
+def test_a_resume_with_a_pending_evaluation_ends_with_the_same_records(tmp_path, monkeypatch, clean) -> None:
+    whole = clean[1][0]
+    cfg = config(tmp_path, "crashed")
+    save = loop.save
+
+    def save_then_crash(strategy, task):  # the server dies right after stage 2's checkpoint
+        save(strategy, task)
+        if task == 1:
+            raise RuntimeError("server crash")
+
+    monkeypatch.setattr(loop, "save", save_then_crash)
+    with pytest.raises(RuntimeError, match="server crash"):
+        run(cfg)
+    monkeypatch.setattr(loop, "save", save)
+    payload = build(cfg).checkpoints.load(cfg)
+    assert len(payload["stages"]) == 1 and payload["pending_stage"].stage == 2
+    resumed, grid, _ = run(cfg.replace(resume=True))
+    assert exchanges_per_stage(grid) == {3: ["query.stats", "evaluate"]}  # stage 2 rides, as uninterrupted
+    assert records(resumed) == records(whole)
