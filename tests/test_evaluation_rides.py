@@ -13,9 +13,11 @@ import pytest
 from flwr.app import Array, Message
 
 from fcl_flower.local_grid import LocalGrid
-from fcl_flower.protocol import to_record
+from fcl_flower.protocol import EvaluateRes, Header, StatsRes, UploadError, to_record
 from fcl_flower.protocol.base import COUNTS
+from fcl_flower.results import StageRecord
 from strategies import loop
+from strategies.evaluation import Riding
 from tests.conftest import build, in_process_grid, reply_partition, sent_header, server_identity, small_config
 
 STATS = "stsa-stats"
@@ -119,16 +121,18 @@ def test_bad_riding_counts_leave_the_client_out_of_the_evaluation_only(tmp_path,
 
 
 def test_counts_nobody_asked_for_reject_the_reply(tmp_path) -> None:
-    def tamper(task: int, phase: str, replies: list[Message]) -> list[Message]:
-        if phase == STATS and task == 0:  # stage 1's statistics carry no evaluation
-            for m in replies:
-                if reply_partition(m) == 1:
-                    m.content.array_records[COUNTS] = to_record({"correct": np.zeros(2, np.int64)})
-                    m.content.metric_records["metrics"]["evaluate-num-examples"] = 0
-        return replies
-
-    strategy, _, _ = run(config(tmp_path, "unasked", num_tasks=2, first_task_classes=0), tamper=tamper)
-    assert "evaluation counts that this round did not ask for" in strategy.recorder.stages[0].left_out["client-1"]
+    """Stage 1's statistics carry no evaluation: a reply with counts is refused (the reply, by
+    name); where one rides, the counts go to the evaluation and the statistics are read."""
+    strategy = build(config(tmp_path, "unasked"))
+    plan = strategy.plan_stage(0)[-1]
+    counts = EvaluateRes(Header("r", "x", 0, 1, 1), 1, 0, counts=to_record({"correct": np.zeros(4, np.int64)}))
+    reply = StatsRes(Header("r", "x", 0, 1, 1), 1, 0, evaluation=counts)
+    with pytest.raises(UploadError, match="evaluation counts that this round did not ask for"):
+        strategy.take_evaluation(plan, "client-1", reply)
+    record = StageRecord(1, [0, 1, 2, 3], 0.0, [0.0], 0.0, 1, {}, {})
+    strategy.riding = Riding.of(strategy, record)
+    strategy.take_evaluation(plan, "client-1", reply)
+    assert "client-1" in strategy.riding.scores.left_out  # malformed counts: out of the evaluation only
 
 
 def test_a_resume_with_a_pending_evaluation_ends_with_the_same_records(tmp_path, monkeypatch, clean) -> None:

@@ -16,7 +16,8 @@ message            Flower type    carries
                                   Fisher + anchor, LGA's old model, TARGET/LANDER's synthetic
                                   images, LANDER's label-text anchors)
 :class:`StatsIns`  ``query.stats``global trainable state, backfill request, FedRAN rank, the
-                                  secure round's participants
+                                  secure round's participants, the previous stage's
+                                  :class:`EvaluationRequest` where its evaluation rides along
 :class:`InfoIns`   ``query.info`` "which client do you serve?"
 :class:`EvaluateIns` ``evaluate`` the global model (and, for an analytic method, its ridge
                                   classifier W): score it on your held-out data of the seen classes
@@ -24,7 +25,7 @@ message            Flower type    carries
 
 Client -> server: :class:`TrainRes` (trainable state, loss, LGA/STAMP reports),
 :class:`StatsRes` (the method's statistics, late statistics it owes, withheld-sample count,
-FedRAN's pseudo-label counts), :class:`InfoRes` and :class:`EvaluateRes` (per seen class: correct
+FedRAN's pseudo-label counts, a riding evaluation's counts), :class:`InfoRes` and :class:`EvaluateRes` (per seen class: correct
 predictions and test samples). Each reply names the client (partition) it
 speaks for and how many examples it used. The arrays of a statistics reply are typed by
 :mod:`fcl_flower.protocol.payloads`, whose shapes the server checks against its own state. The
