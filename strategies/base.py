@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from abc import abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -112,6 +112,17 @@ class RoundFold(Protocol):
     def add(self, item: Accepted[Any]) -> None: ...
 
     def finish(self) -> None: ...
+
+
+@dataclass
+class Settled:
+    """A round's replies, all in, in client order (:meth:`StagedStrategy.settle_first_contact`)."""
+
+    replies: list[Message]
+    dropped: list[tuple[int, str]]
+
+    def __iter__(self) -> Iterator[Message]:
+        return iter(self.replies)
 
 
 class StagedStrategy(Strategy):
@@ -320,14 +331,15 @@ class StagedStrategy(Strategy):
         ``only``, if given); ``build(node)`` makes each node's instruction (default: the plan's).
         ``side``: an exchange whose replies its caller parses (a secure round's key, share and
         unmask steps), not the round's own replies that :meth:`aggregate_train` parses."""
-        targets = self.nodes.targets(
-            self.nodes.connected(grid),
-            plan.task,
-            plan.phase,
-            plan.index,
-            plan.kind,
-            lambda nodes: self.discover(grid, nodes),
-        )
+        unknown: list[int] = []  # nodes not heard from that get the round itself (first contact rides)
+
+        def discover(nodes: list[int]) -> None:
+            if not side and self.first_contact_rides(plan):
+                unknown.extend(nodes)
+            else:
+                self.discover(grid, nodes)
+
+        targets = self.nodes.targets(self.nodes.connected(grid), plan.task, plan.phase, plan.index, plan.kind, discover)
         self._round_expected = targets.expected
         self.accounting.expect(targets.expected)
         for client, nodes in self.nodes.contested.items():
@@ -338,16 +350,54 @@ class StagedStrategy(Strategy):
             shared = self.instruction(plan, self.header(plan, attempt))
             build = lambda node: shared  # noqa: E731 (one instruction for every node)
         out = []
-        for node in targets.nodes:
+        for node in [*targets.nodes, *sorted(unknown)]:
             if node in exclude or (only is not None and node not in only):
                 continue
             ins = build(node)
             if not side:
                 self._sent[node] = ins.header
             if isinstance(ins, StatsIns) and ins.evaluate is not None and self.riding is not None:
-                self.riding.asked.add(self.nodes_name(node))
+                self.riding.asked.add(node)
             out.append(ins.to_message(node))
         return out
+
+    def first_contact_rides(self, plan: RoundPlan) -> bool:
+        """Whether nodes not heard from get ``plan``'s round itself, their replies saying which
+        client they serve (:meth:`settle_first_contact`), instead of a ``query.info`` exchange
+        before it (:meth:`discover`): where the round goes to every node anyway (no sampling, no
+        excluded site), with plain uploads (a secure round names its participants beforehand) and
+        without ``require-all-clients`` (which re-sends by client)."""
+        cfg = self.cfg
+        return (
+            not cfg.secure_aggregation
+            and not cfg.require_all_clients
+            and (cfg.clients_per_round == 0 or plan.kind is not Kind.TRAIN)
+            and not self.nodes.excluded(plan.task, plan.phase)
+        )
+
+    def settle_first_contact(self, replies: Iterable[Message], plan: RoundPlan) -> Iterable[Message]:
+        """A round sent to nodes not heard from (:meth:`first_contact_rides`): all its replies are
+        read first, the new nodes mapped by the clients their replies claim, exactly as a
+        ``query.info`` discovery would (two claiming one client: neither is mapped, the client is
+        contested and left out), then the replies are handed on in client order. So the sums are
+        those of a round sent after a discovery; only this round holds all its replies at once."""
+        received = list(replies)
+        claims: dict[int, int] = {}
+        for message in received:
+            node = message.metadata.src_node_id
+            sent = self._sent.get(node)
+            if node in self.nodes.client_of or sent is None:
+                continue
+            try:
+                claims[node] = self.client_id(parse_reply(message, sent, plan.kind))
+            except ProtocolError as err:
+                log(WARNING, "node %d did not say which client it serves (%s)", node, err)
+        self.nodes.first_contact(claims)
+        for client, nodes in self.nodes.contested.items():
+            self.accounting.reject(client_name(client), f"contested by nodes {', '.join(map(str, nodes))}")
+        order = {node: i for i, node in enumerate(self.in_client_order(list(self._sent)))}
+        received.sort(key=lambda m: order.get(m.metadata.src_node_id, len(order)))
+        return Settled(received, getattr(replies, "dropped", []))
 
     def discover(self, grid: Grid, node_ids: list[int]) -> None:
         """Ask nodes we have not heard from which client they serve (one tiny message each, no data)."""
@@ -565,7 +615,7 @@ class StagedStrategy(Strategy):
                 return [m for m in first if m.metadata.dst_node_id in wanted]
             return self.messages(grid, plan, attempt, set(), only=set(targets))
 
-        return ReplyStream(
+        stream = ReplyStream(
             grid,
             build,
             nodes,
@@ -576,6 +626,9 @@ class StagedStrategy(Strategy):
             server_round=self.server_round,
             missing_names=self.names_of,
         )
+        if any(node not in self.nodes.client_of for node in nodes):  # first contact rides with this round
+            return self.settle_first_contact(stream, plan)
+        return stream
 
     def in_client_order(self, nodes: list[int]) -> list[int]:
         """``nodes`` sorted by the client each serves (nodes not mapped yet last, by id)."""

@@ -187,7 +187,7 @@ class Riding:
     record: StageRecord
     request: EvaluationRequest
     scores: Scores = field(default_factory=Scores)
-    asked: set[str] = field(default_factory=set)  # clients whose instruction carried the request
+    asked: set[int] = field(default_factory=set)  # nodes whose instruction carried the request
 
     @classmethod
     def of(cls, host: StagedStrategy, record: StageRecord) -> Riding:
@@ -205,7 +205,7 @@ class Riding:
         """The stage's record with the scores of the counts that came (a client asked and not
         heard from is left out of the evaluation, by name)."""
         task, scores = self.request.task, self.scores
-        for name in sorted(self.asked, key=client_order):
+        for name in sorted({host.nodes_name(node) for node in self.asked}, key=client_order):
             if name not in scores.counts and name not in scores.left_out:
                 scores.left_out[name] = "evaluation: no readable statistics reply within round-timeout"
         warn_left_out(scores, task)

@@ -1,6 +1,7 @@
 """Fewer exchanges per stage: the federated evaluation of stage t rides with stage t+1's
-statistics round (strategies/evaluation.py, ``Riding``), the last stage's alone, with the same
-stage records as separate ``evaluate`` exchanges; untrusted counts are checked as ever."""
+statistics round (strategies/evaluation.py, ``Riding``), the last stage's alone, and the nodes'
+first contact with the first round (no ``query.info`` exchange), with the same stage records as
+separate exchanges; untrusted counts and claims are checked as ever."""
 
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ def config(tmp: Path, name: str, **changes):
 
 
 def run(cfg, *, rides: bool = True, tamper=None):
-    """(strategy, grid, W after each stage) of an in-process run; ``rides`` False: every
-    evaluation in an exchange of its own (as before)."""
+    """(strategy, grid, W after each stage) of an in-process run; ``rides`` False: as before, every
+    evaluation in an exchange of its own and a ``query.info`` exchange before the first round."""
     server_identity()
     strategy = build(cfg)
     if not rides:
         strategy.evaluation_rides = lambda task: False  # type: ignore[method-assign]
+        strategy.first_contact_rides = lambda plan: False  # type: ignore[method-assign]
     weights = []
     end_stage = strategy.end_stage
 
@@ -83,7 +85,7 @@ def test_the_evaluation_rides_with_the_next_statistics_and_the_records_are_the_s
         3: ["query.stats", "evaluate"],
     }
     assert exchanges_per_stage(grid_after) == {
-        1: ["query.info", "query.stats"],
+        1: ["query.stats"],  # the nodes' first contact rides with it
         2: ["query.stats"],  # carries stage 1's evaluation
         3: ["query.stats", "evaluate"],  # stage 2's evaluation rides; stage 3's alone
     }
