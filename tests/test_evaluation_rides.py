@@ -156,3 +156,17 @@ def test_a_resume_with_a_pending_evaluation_ends_with_the_same_records(tmp_path,
     resumed, grid, _ = run(cfg.replace(resume=True))
     assert exchanges_per_stage(grid) == {3: ["query.stats", "evaluate"]}  # stage 2 rides, as uninterrupted
     assert records(resumed) == records(whole)
+
+
+def test_the_ctrl_c_line_offers_a_resume_while_stage_1_waits_for_its_score(tmp_path) -> None:
+    """Stage 1 is in the checkpoint but not yet in results.json (its evaluation rides with stage 2)."""
+    import json
+
+    from experiments.interrupt import sim_line
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"status": "running", "stages": []}))
+    assert "nothing to resume" in sim_line(results, 3, [])
+    (tmp_path / "checkpoint.json").write_text("{}")
+    line = sim_line(results, 3, ["--num-tasks", "3"])
+    assert line.startswith("interrupted: stage 1 of 3 saved in") and line.endswith("fcl-sim --num-tasks 3 --resume")
