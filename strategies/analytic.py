@@ -264,7 +264,9 @@ class AnalyticStrategy(StagedStrategy):
         """Stage ``task``'s federated evaluation rides with the next stage's statistics round
         (strategies/evaluation.py) where nothing changes the model in between: the backbone is
         frozen after stage 1, and W changes only at the next solve, unless a forget round runs
-        between the stages; a secure statistics round carries no evaluation."""
+        between the stages; and where the statistics round goes to every node an ``evaluate``
+        message would (no withdrawn site: it still scores). A secure statistics round carries
+        no evaluation."""
         cfg = self.cfg
         return (
             cfg.evaluation == "federated"
@@ -272,6 +274,7 @@ class AnalyticStrategy(StagedStrategy):
             and self.stats_phase is not None
             and task + 1 < self.num_tasks
             and task + 1 not in cfg.forget_requests()
+            and not self.nodes.excluded(task + 1, self.stats_phase)
         )
 
     def rides_on(self, plan: RoundPlan) -> bool:
