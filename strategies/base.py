@@ -66,7 +66,7 @@ from fcl_flower.tensors import tensor_record
 from strategies.accounting import StageAccounting, client_name, client_order
 from strategies.checkpoint import CheckpointStore
 from strategies.nodes import NodeDirectory
-from strategies.stream import ReplyStream, exchange
+from strategies.stream import WINDOW, ReplyStream, exchange
 
 if TYPE_CHECKING:
     from strategies.evaluation import Riding
@@ -332,14 +332,16 @@ class StagedStrategy(Strategy):
         ``side``: an exchange whose replies its caller parses (a secure round's key, share and
         unmask steps), not the round's own replies that :meth:`aggregate_train` parses."""
         unknown: list[int] = []  # nodes not heard from that get the round itself (first contact rides)
+        connected = self.nodes.connected(grid)
 
         def discover(nodes: list[int]) -> None:
-            if not side and self.first_contact_rides(plan):
+            # the round's replies are then all held at once: no more than a stream's window of them
+            if not side and len(connected) <= WINDOW and self.first_contact_rides(plan):
                 unknown.extend(nodes)
             else:
                 self.discover(grid, nodes)
 
-        targets = self.nodes.targets(self.nodes.connected(grid), plan.task, plan.phase, plan.index, plan.kind, discover)
+        targets = self.nodes.targets(connected, plan.task, plan.phase, plan.index, plan.kind, discover)
         self._round_expected = targets.expected
         self.accounting.expect(targets.expected)
         for client, nodes in self.nodes.contested.items():
@@ -366,7 +368,10 @@ class StagedStrategy(Strategy):
         client they serve (:meth:`settle_first_contact`), instead of a ``query.info`` exchange
         before it (:meth:`discover`): where the round goes to every node anyway (no sampling, no
         excluded site), with plain uploads (a secure round names its participants beforehand) and
-        without ``require-all-clients`` (which re-sends by client)."""
+        without ``require-all-clients`` (which re-sends by client). Only while at most
+        :data:`~strategies.stream.WINDOW` nodes are connected (a few real SuperNodes, where an
+        exchange costs a Flower round; :meth:`messages`): the round's replies are then all held
+        at once, no more than a streamed round holds."""
         cfg = self.cfg
         return (
             not cfg.secure_aggregation
@@ -380,7 +385,8 @@ class StagedStrategy(Strategy):
         read first, the new nodes mapped by the clients their replies claim, exactly as a
         ``query.info`` discovery would (two claiming one client: neither is mapped, the client is
         contested and left out), then the replies are handed on in client order. So the sums are
-        those of a round sent after a discovery; only this round holds all its replies at once."""
+        those of a round sent after a discovery; this round holds all its (at most
+        :data:`~strategies.stream.WINDOW`) replies at once."""
         received = list(replies)
         claims: dict[int, int] = {}
         for message in received:

@@ -6,7 +6,8 @@
 * Identity: a reply's client is the Flower node that sent it (the message metadata; with
   SuperNode authentication, a node id is bound to a registered key). A node is mapped to the
   client it claims once, at first contact -- the round itself where it goes to every node
-  anyway (plain uploads, no sampling, no excluded site, no ``require-all-clients``: all of
+  anyway and at most ``strategies.stream.WINDOW`` (4) nodes are connected (plain uploads, no
+  sampling, no excluded site, no ``require-all-clients``: all of
   its replies are read and the claims settled before any is used,
   :meth:`~strategies.base.StagedStrategy.settle_first_contact`), else a tiny ``query.info``
   message to every node the server has not heard from, before the round -- and the map is one-to-one

@@ -170,3 +170,22 @@ def test_the_ctrl_c_line_offers_a_resume_while_stage_1_waits_for_its_score(tmp_p
     (tmp_path / "checkpoint.json").write_text("{}")
     line = sim_line(results, 3, ["--num-tasks", "3"])
     assert line.startswith("interrupted: stage 1 of 3 saved in") and line.endswith("fcl-sim --num-tasks 3 --resume")
+
+
+@pytest.mark.parametrize(("nodes", "info"), [(3, 0), (4, 0), (5, 5)])
+def test_first_contact_rides_only_while_a_round_holds_no_more_replies_than_a_stream(tmp_path, nodes, info) -> None:
+    """Up to the stream's window (4) of connected nodes, the first round goes to the unknown nodes
+    directly; beyond it, a ``query.info`` exchange maps them first, as before."""
+    from clients.app import app as client_app
+    from tests.conftest import NODE_BASE
+
+    server_identity()
+    strategy = build(config(tmp_path, f"n{nodes}", num_clients=nodes))
+    grid = LocalGrid(client_app, nodes, first_node_id=NODE_BASE)
+    plan = strategy.plan_stage(0)[0]
+    strategy.begin_round(plan)
+    out = strategy.messages(grid, plan, 0, set())
+    assert [m.metadata.message_type for m in grid.sent] == ["query.info"] * info
+    assert sorted(m.metadata.dst_node_id for m in out) == list(range(NODE_BASE, NODE_BASE + nodes))
+    assert {m.metadata.message_type for m in out} == {"query.stats"}
+    assert len(strategy.nodes.client_of) == (nodes if info else 0)  # mapped by the discovery, or by the replies
