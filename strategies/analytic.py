@@ -265,12 +265,11 @@ class AnalyticStrategy(StagedStrategy):
         (strategies/evaluation.py) where nothing changes the model in between: the backbone is
         frozen after stage 1, and W changes only at the next solve, unless a forget round runs
         between the stages; and where the statistics round goes to every node an ``evaluate``
-        message would (no withdrawn site: it still scores). A secure statistics round carries
-        no evaluation."""
+        message would (no withdrawn site: it still scores). Under secure aggregation the counts
+        ride in clear beside the masked statistics (as an ``evaluate`` reply carries them)."""
         cfg = self.cfg
         return (
             cfg.evaluation == "federated"
-            and not cfg.secure_aggregation
             and self.stats_phase is not None
             and task + 1 < self.num_tasks
             and task + 1 not in cfg.forget_requests()

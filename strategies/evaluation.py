@@ -82,12 +82,13 @@ class Scores:
         }
 
 
-def collect(host: StagedStrategy, grid: Grid, task: int) -> Scores:
-    """Send the evaluate round to every node mapped to a client and read the counts."""
+def collect(host: StagedStrategy, grid: Grid, task: int, request: EvaluationRequest | None = None) -> Scores:
+    """Send the evaluate round to every node mapped to a client and read the counts (of the
+    current model, or of ``request``'s W: a riding evaluation that no round carried)."""
     host.server_round += 1
     num_seen = host.num_seen(task)
     header = Header(host.run_id, PHASE, task, task + 1, host.server_round, 0)
-    extra = host.evaluate_arrays()
+    extra = host.evaluate_arrays() if request is None else {"ridge": request.ridge}
     ins = EvaluateIns(header, host.cfg, num_seen=num_seen, model=host.global_arrays(), **extra)
     mapped = host.nodes.client_of
     targets = [n for n in host.nodes.connected(grid) if n in mapped]
@@ -188,6 +189,8 @@ class Riding:
     request: EvaluationRequest
     scores: Scores = field(default_factory=Scores)
     asked: set[int] = field(default_factory=set)  # nodes whose instruction carried the request
+    read: set[str] = field(default_factory=set)  # clients whose counts were read (once: a secure
+    # round reads each upload twice, screening then summing, and a restarted attempt re-sends them)
 
     @classmethod
     def of(cls, host: StagedStrategy, record: StageRecord) -> Riding:
@@ -199,16 +202,22 @@ class Riding:
         return cls(record, host.evaluation_request(task))
 
     def take(self, host: StagedStrategy, name: str, reply: EvaluateRes | None) -> None:
-        take(host, self.scores, name, reply, self.request.num_seen)
+        if name not in self.read:
+            self.read.add(name)
+            take(host, self.scores, name, reply, self.request.num_seen)
 
-    def complete(self, host: StagedStrategy) -> StageRecord:
+    def complete(self, host: StagedStrategy, grid: Grid | None = None) -> StageRecord:
         """The stage's record with the scores of the counts that came (a client asked and not
         heard from is left out of the evaluation, by name)."""
-        task, scores = self.request.task, self.scores
-        for name in sorted({host.nodes_name(node) for node in self.asked}, key=client_order):
-            if name not in scores.counts and name not in scores.left_out:
-                scores.left_out[name] = "evaluation: no readable statistics reply within round-timeout"
-        warn_left_out(scores, task)
+        task = self.request.task
+        if not self.asked and grid is not None:  # no round carried it (a secure sum opened before a resume)
+            self.scores = collect(host, grid, task, self.request)
+        else:
+            for name in sorted({host.nodes_name(node) for node in self.asked}, key=client_order):
+                if name not in self.scores.counts and name not in self.scores.left_out:
+                    self.scores.left_out[name] = "evaluation: no readable statistics reply within round-timeout"
+            warn_left_out(self.scores, task)
+        scores = self.scores
         accuracy, per_task, scored = score(host, scores, task)
         scored = {**scored, PENDING: {"mode": "federated", **scores.summary()}}
         extra: dict[str, Any] = {}

@@ -64,7 +64,7 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
             )
             extra = strategy.stage_failed(task, str(failure))
         if strategy.riding is not None:  # the previous stage's counts came with this stage's statistics
-            add_record(strategy, strategy.riding.complete(strategy))
+            add_record(strategy, strategy.riding.complete(strategy, grid))
             strategy.riding = None
         rides = strategy.evaluation_rides(task)  # scored with the next stage's statistics round
         record = stage_record(strategy, task, rounds=len(plans), began=began, extra=extra, grid=grid, pending=rides)

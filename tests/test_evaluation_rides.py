@@ -189,3 +189,22 @@ def test_first_contact_rides_only_while_a_round_holds_no_more_replies_than_a_str
     assert sorted(m.metadata.dst_node_id for m in out) == list(range(NODE_BASE, NODE_BASE + nodes))
     assert {m.metadata.message_type for m in out} == {"query.stats"}
     assert len(strategy.nodes.client_of) == (nodes if info else 0)  # mapped by the discovery, or by the replies
+
+
+def test_a_secure_stage_carries_the_evaluation_beside_its_masked_statistics(tmp_path) -> None:
+    """Under secure aggregation the counts ride in clear beside the masked upload: one exchange
+    fewer per stage (keys, shares, masked statistics, unmask), the same records and W."""
+    cfg = config(tmp_path, "secure", secure_aggregation=True)
+    separate, grid_before, w_before = run(cfg.replace(run_name="secure-separate"), rides=False)
+    riding, grid_after, w_after = run(cfg)
+    secure = ["query.keys", "query.shares", "query.stats", "query.unmask"]
+    assert exchanges_per_stage(grid_before) == {
+        1: ["query.info", *secure, "evaluate"],
+        2: [*secure, "evaluate"],
+        3: [*secure, "evaluate"],
+    }
+    assert exchanges_per_stage(grid_after) == {1: ["query.info", *secure], 2: secure, 3: [*secure, "evaluate"]}
+    assert records(riding) == records(separate)
+    assert all(s.extra["evaluation"]["left_out"] == {} for s in riding.recorder.stages)
+    for a, b in zip(w_before, w_after, strict=True):
+        assert np.array_equal(a.numpy(), b.numpy())
