@@ -70,6 +70,13 @@ def clean(tmp_path_factory):
     return run(config(tmp, "separate"), rides=False), run(config(tmp, "riding"))
 
 
+@pytest.fixture(scope="module")
+def secure_runs(tmp_path_factory):
+    """A secure run with separate evaluation exchanges, and with the evaluation riding along."""
+    cfg = config(tmp_path_factory.mktemp("secure"), "secure", secure_aggregation=True, num_tasks=2)
+    return run(cfg.replace(run_name="secure-separate"), rides=False), run(cfg)
+
+
 def records(strategy) -> list[dict]:
     return [
         {"accuracy": s.accuracy, "per_task": s.per_task_accuracy, "evaluation": s.extra["evaluation"]}
@@ -191,20 +198,40 @@ def test_first_contact_rides_only_while_a_round_holds_no_more_replies_than_a_str
     assert len(strategy.nodes.client_of) == (nodes if info else 0)  # mapped by the discovery, or by the replies
 
 
-def test_a_secure_stage_carries_the_evaluation_beside_its_masked_statistics(tmp_path) -> None:
+def test_a_secure_stage_carries_the_evaluation_beside_its_masked_statistics(secure_runs) -> None:
     """Under secure aggregation the counts ride in clear beside the masked upload: one exchange
     fewer per stage (keys, shares, masked statistics, unmask), the same records and W."""
-    cfg = config(tmp_path, "secure", secure_aggregation=True)
-    separate, grid_before, w_before = run(cfg.replace(run_name="secure-separate"), rides=False)
-    riding, grid_after, w_after = run(cfg)
+    (separate, grid_before, w_before), (riding, grid_after, w_after) = secure_runs
     secure = ["query.keys", "query.shares", "query.stats", "query.unmask"]
-    assert exchanges_per_stage(grid_before) == {
-        1: ["query.info", *secure, "evaluate"],
-        2: [*secure, "evaluate"],
-        3: [*secure, "evaluate"],
-    }
-    assert exchanges_per_stage(grid_after) == {1: ["query.info", *secure], 2: secure, 3: [*secure, "evaluate"]}
+    assert exchanges_per_stage(grid_before) == {1: ["query.info", *secure, "evaluate"], 2: [*secure, "evaluate"]}
+    assert exchanges_per_stage(grid_after) == {1: ["query.info", *secure], 2: [*secure, "evaluate"]}
     assert records(riding) == records(separate)
     assert all(s.extra["evaluation"]["left_out"] == {} for s in riding.recorder.stages)
     for a, b in zip(w_before, w_after, strict=True):
         assert np.array_equal(a.numpy(), b.numpy())
+
+
+def test_a_resume_that_takes_the_opened_sum_scores_the_pending_stage_in_its_own_exchange(
+    tmp_path, monkeypatch, secure_runs
+) -> None:
+    """The server dies right after opening stage 2's secure sum, whose round carried stage 1's
+    evaluation. On resume nobody is asked for stage 2's statistics again, so stage 1's evaluation
+    gets an ``evaluate`` exchange of its own, with stage 1's W: the records end the same."""
+    from strategies.stsa import STSAStrategy
+
+    cfg = config(tmp_path, "killed", secure_aggregation=True, num_tasks=2)
+    whole = secure_runs[1][0]
+    fold = STSAStrategy.fold_opened
+
+    def die_at_stage_2(self, plan, *args):
+        if plan.task == 1:
+            raise RuntimeError("killed")
+        return fold(self, plan, *args)
+
+    monkeypatch.setattr(STSAStrategy, "fold_opened", die_at_stage_2)
+    with pytest.raises(RuntimeError, match="killed"):
+        run(cfg)
+    monkeypatch.undo()
+    resumed, grid, _ = run(cfg.replace(resume=True))
+    assert exchanges_per_stage(grid) == {1: ["evaluate"], 2: ["evaluate"]}
+    assert records(resumed) == records(whole)
