@@ -19,15 +19,18 @@ are the methods' costs the papers compare).
 
 Riding along (:class:`Riding`). Each exchange costs a round on a real SuperLink (Flower's floor,
 ~4 s), so where nothing changes the model between a stage's solve and the next stage's statistics
-round (an analytic method with ``evaluation = federated``, plain uploads, no forget round after
-the stage: :meth:`~strategies.base.StagedStrategy.evaluation_rides`), the evaluation of stage t
+round (an analytic method with ``evaluation = federated``, no forget round after the stage, no
+withdrawn site: :meth:`~strategies.base.StagedStrategy.evaluation_rides`), the evaluation of stage t
 rides with the statistics instruction of stage t+1 (:class:`~fcl_flower.protocol.EvaluationRequest`:
 the same model, stage t's W) and each statistics reply carries its counts, checked exactly as a
-separate evaluation reply; the last stage's evaluation is an exchange of its own. Stage t's record
+separate evaluation reply (under secure aggregation in clear beside the masked statistics, as an
+``evaluate`` reply carries them); the last stage's evaluation is an exchange of its own. Stage t's record
 (accuracy, per-task accuracy, the log line, results.json) is completed when stage t+1's round is
 read; until then the checkpoint holds it as ``pending_stage``, and a resume sends the evaluation
-with the next statistics round. Same numbers as separate exchanges (tests/test_federated_evaluation.py).
-A client whose statistics reply does not come, or cannot be read, is left out of that evaluation.
+with the next statistics round (or, where no round is sent again -- a secure sum opened before
+the interruption -- in an ``evaluate`` exchange of its own with stage t's W). Same numbers as
+separate exchanges (tests/test_evaluation_rides.py). A client whose statistics reply does not
+come, or cannot be read, is left out of that evaluation.
 """
 
 from __future__ import annotations
