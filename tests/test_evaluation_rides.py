@@ -235,3 +235,35 @@ def test_a_resume_that_takes_the_opened_sum_scores_the_pending_stage_in_its_own_
     resumed, grid, _ = run(cfg.replace(resume=True))
     assert exchanges_per_stage(grid) == {1: ["evaluate"], 2: ["evaluate"]}
     assert records(resumed) == records(whole)
+
+
+def test_the_riding_request_and_counts_travel_and_a_malformed_request_is_refused(tmp_path) -> None:
+    from fcl_flower.methods import Kind
+    from fcl_flower.protocol import EvaluationRequest, ProtocolError, StatsIns, parse_instruction, parse_reply
+
+    server_identity()
+    cfg = config(tmp_path, "wire")
+    header = Header("run", STATS, 1, 2, 3)
+    ridge = to_record({"weights": np.ones((60, 4))})
+    ins = StatsIns(header, cfg, num_seen=7, evaluate=EvaluationRequest(0, 4, ridge))
+    message = ins.to_message(5)
+    parsed = parse_instruction(message)
+    assert isinstance(parsed, StatsIns) and parsed.evaluate is not None
+    assert (parsed.evaluate.task, parsed.evaluate.num_seen) == (0, 4)
+    assert np.array_equal(parsed.evaluate.ridge["weights"].numpy(), np.ones((60, 4)))
+    assert parsed.evaluate.instruction(parsed).header.task == 0  # scored on stage 1's held-out data
+    assert parse_instruction(StatsIns(header, cfg, num_seen=7).to_message(5)).evaluate is None
+
+    counts = to_record({"correct": np.array([1, 2, 0, 3]), "total": np.array([2, 2, 1, 3])})
+    reply = StatsRes(header, 1, 10, evaluation=EvaluateRes(header, 1, 8, counts=counts)).reply_to(message)
+    read = parse_reply(reply, header, Kind.STATS)
+    assert isinstance(read, StatsRes) and read.evaluation is not None and read.evaluation.num_examples == 8
+    assert read.evaluation.counts["total"].numpy().tolist() == [2, 2, 1, 3]
+
+    late = StatsIns(header, cfg, num_seen=7, evaluate=EvaluationRequest(1, 4)).to_message(5)
+    with pytest.raises(ProtocolError, match="evaluate-task 1 is not a stage before this one"):
+        parse_instruction(late)
+    stray = StatsIns(header, cfg, num_seen=7).to_message(5)
+    stray.content.array_records["ridge"] = ridge
+    with pytest.raises(ProtocolError, match="without an evaluation request"):
+        parse_instruction(stray)
