@@ -20,6 +20,7 @@ run config that names a file for the client to open (``task-plan``) is refused a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import cache
 from logging import ERROR
@@ -114,6 +115,7 @@ def _handle(message: Message, context: Context) -> Message:
         ProtocolError,
         SharesIns,
         StatsIns,
+        StatsRes,
         TrainIns,
         UnmaskIns,
         parse_instruction,
@@ -149,7 +151,14 @@ def _handle(message: Message, context: Context) -> Message:
                 "the run asks for a plain upload: refused"
             )
 
+        counts = None
+        if isinstance(ins, StatsIns) and ins.evaluate is not None:  # the previous stage's evaluation rides along
+            from clients.evaluate import riding_evaluation
+
+            counts = riding_evaluation(ins, context)
         reply = handler_for(ins.config.strategy, ins.header.phase)(make_job(ins, context))
+        if counts is not None and isinstance(reply, StatsRes):
+            reply = dataclasses.replace(reply, evaluation=counts)
     return reply.reply_to(message)
 
 

@@ -5,17 +5,22 @@ client predicts every held-out sample of the classes seen so far, exactly as the
 centrally (fcl_flower.runtime: ``predict_ridge`` / ``predict_logits``), and answers with two
 counts per seen class -- correct predictions and samples. No prediction, feature or sample
 leaves the node.
+
+The evaluation of a stage may ride with the next stage's statistics instruction
+(:class:`~fcl_flower.protocol.EvaluationRequest`): :func:`riding_evaluation` scores it first,
+exactly as its own ``evaluate`` message would, and the statistics reply carries the counts.
 """
 
 from __future__ import annotations
 
 import torch
+from flwr.app import Context
 
 from clients.job import ClientJob
 from fcl_flower import methods
 from fcl_flower.analytic import random_projection
 from fcl_flower.metrics import class_counts
-from fcl_flower.protocol import EvaluateIns, EvaluateRes, ProtocolError, to_record
+from fcl_flower.protocol import EvaluateIns, EvaluateRes, ProtocolError, StatsIns, to_record
 from fcl_flower.runtime import predict_logits, predict_ridge
 from fcl_flower.tensors import record_tensors
 
@@ -34,6 +39,15 @@ def handle_evaluate(job: ClientJob) -> EvaluateRes:
     correct, total = class_counts(preds.numpy(), labels.numpy(), num_seen)
     counts = to_record({"correct": correct, "total": total})
     return EvaluateRes(ins.header, job.partition, int(total.sum()), counts=counts)
+
+
+def riding_evaluation(ins: StatsIns, context: Context) -> EvaluateRes | None:
+    """The counts of the evaluation riding with a statistics instruction (None: none rides)."""
+    if ins.evaluate is None:
+        return None
+    from clients.job import make_job
+
+    return handle_evaluate(make_job(ins.evaluate.instruction(ins), context))
 
 
 def _ridge_weights(ins: EvaluateIns, projection: torch.Tensor | None, feature_dim: int) -> torch.Tensor | None:

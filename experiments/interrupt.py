@@ -58,6 +58,11 @@ def sim_line(results: Path, num_tasks: int, argv: Sequence[str]) -> str:
     folder = results.parent
     if _status(results) == "completed":
         return f"interrupted after the run completed: results in {results}"
+    if not stages and (folder / "checkpoint.json").exists():  # stage 1 saved, its evaluation still to ride
+        return (
+            f"interrupted: stage 1 of {num_tasks} saved in {folder} (checkpoint; scored with the next stage); "
+            f"continue with: {resume_command(argv)}"
+        )
     if not stages:
         return f"interrupted before stage 1 of {num_tasks} finished: nothing to resume ({folder}); run it again to start over"
     return (

@@ -260,6 +260,25 @@ class AnalyticStrategy(StagedStrategy):
         )
         return preds.numpy(), labels.numpy()
 
+    def evaluation_rides(self, task: int) -> bool:
+        """Stage ``task``'s federated evaluation rides with the next stage's statistics round
+        (strategies/evaluation.py) where nothing changes the model in between: the backbone is
+        frozen after stage 1, and W changes only at the next solve, unless a forget round runs
+        between the stages; and where the statistics round goes to every node an ``evaluate``
+        message would (no withdrawn site: it still scores). Under secure aggregation the counts
+        ride in clear beside the masked statistics (as an ``evaluate`` reply carries them)."""
+        cfg = self.cfg
+        return (
+            cfg.evaluation == "federated"
+            and self.stats_phase is not None
+            and task + 1 < self.num_tasks
+            and task + 1 not in cfg.forget_requests()
+            and not self.nodes.excluded(task + 1, self.stats_phase)
+        )
+
+    def rides_on(self, plan: RoundPlan) -> bool:
+        return plan.phase == self.stats_phase
+
     def evaluate_arrays(self) -> dict[str, Any]:
         """What a client needs besides the backbone to score the model: the ridge weights W."""
         return {} if self.weights is None else {"ridge": tensor_record({"weights": self.weights})}

@@ -21,12 +21,13 @@ accounting (:mod:`strategies.accounting`) and checkpoints (:mod:`strategies.chec
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from abc import abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -43,12 +44,14 @@ from fcl_flower.methods import Kind
 from fcl_flower.metrics import accuracy_by_task, task_pool_accuracy
 from fcl_flower.models import trainable_state
 from fcl_flower.protocol import (
+    EvaluationRequest,
     Header,
     InfoIns,
     Instruction,
     ProtocolError,
     Reply,
     StatsIns,
+    StatsRes,
     TrainIns,
     UploadError,
     message_bytes,
@@ -63,7 +66,10 @@ from fcl_flower.tensors import tensor_record
 from strategies.accounting import StageAccounting, client_name, client_order
 from strategies.checkpoint import CheckpointStore
 from strategies.nodes import NodeDirectory
-from strategies.stream import ReplyStream, exchange
+from strategies.stream import WINDOW, ReplyStream, exchange
+
+if TYPE_CHECKING:
+    from strategies.evaluation import Riding
 
 P = TypeVar("P")
 
@@ -108,6 +114,17 @@ class RoundFold(Protocol):
     def finish(self) -> None: ...
 
 
+@dataclass
+class Settled:
+    """A round's replies, all in, in client order (:meth:`StagedStrategy.settle_first_contact`)."""
+
+    replies: list[Message]
+    dropped: list[tuple[int, str]]
+
+    def __iter__(self) -> Iterator[Message]:
+        return iter(self.replies)
+
+
 class StagedStrategy(Strategy):
     """Base class: the protocol, the Flower hooks and the components; methods subclass it."""
 
@@ -131,6 +148,8 @@ class StagedStrategy(Strategy):
         self._round_expected: set[str] = set()
         # client -> held-out samples per class, fixed at its first evaluation (strategies/evaluation.py)
         self.held_out_sizes: dict[str, list[int]] = {}
+        # a stage whose evaluation rides with the next statistics round (strategies/evaluation.py)
+        self.riding: Riding | None = None
 
     # ------------------------------------------------------------------ what a method says
     @abstractmethod
@@ -248,6 +267,19 @@ class StagedStrategy(Strategy):
         federated = {"accuracy": accuracy, "per_task_accuracy": per_task, **extra, **scores.summary()}
         return central[0], central[1], {**central[2], "federated_evaluation": federated}
 
+    def evaluation_rides(self, task: int) -> bool:
+        """Whether stage ``task``'s federated evaluation rides with stage ``task`` + 1's statistics
+        round instead of an exchange of its own (strategies/evaluation.py); never by default."""
+        return False
+
+    def rides_on(self, plan: RoundPlan) -> bool:
+        """Whether ``plan``'s round carries a riding evaluation (the method's statistics round)."""
+        return False
+
+    def evaluation_request(self, task: int) -> EvaluationRequest:
+        """What the clients need to score the current model after stage ``task`` (riding along)."""
+        return EvaluationRequest(task, self.num_seen(task), self.evaluate_arrays().get("ridge"))
+
     def evaluate_arrays(self) -> dict[str, Any]:
         """Extra records of the evaluate message besides the global model (analytic: W)."""
         return {}
@@ -280,7 +312,10 @@ class StagedStrategy(Strategy):
             ins = TrainIns(header, self.cfg, lr=plan.lr, num_seen=self.num_seen(plan.task), model=self.global_arrays())
         else:
             ins = StatsIns(header, self.cfg, num_seen=self.num_seen(plan.task), model=self.global_arrays())
-        return self.customise(plan, ins)
+        ins = self.customise(plan, ins)
+        if isinstance(ins, StatsIns) and self.riding is not None and self.rides_on(plan):
+            ins = dataclasses.replace(ins, evaluate=self.riding.request)
+        return ins
 
     def messages(
         self,
@@ -296,14 +331,17 @@ class StagedStrategy(Strategy):
         ``only``, if given); ``build(node)`` makes each node's instruction (default: the plan's).
         ``side``: an exchange whose replies its caller parses (a secure round's key, share and
         unmask steps), not the round's own replies that :meth:`aggregate_train` parses."""
-        targets = self.nodes.targets(
-            self.nodes.connected(grid),
-            plan.task,
-            plan.phase,
-            plan.index,
-            plan.kind,
-            lambda nodes: self.discover(grid, nodes),
-        )
+        unknown: list[int] = []  # nodes not heard from that get the round itself (first contact rides)
+        connected = self.nodes.connected(grid)
+
+        def discover(nodes: list[int]) -> None:
+            # the round's replies are then all held at once: no more than a stream's window of them
+            if not side and len(connected) <= WINDOW and self.first_contact_rides(plan):
+                unknown.extend(nodes)
+            else:
+                self.discover(grid, nodes)
+
+        targets = self.nodes.targets(connected, plan.task, plan.phase, plan.index, plan.kind, discover)
         self._round_expected = targets.expected
         self.accounting.expect(targets.expected)
         for client, nodes in self.nodes.contested.items():
@@ -314,14 +352,58 @@ class StagedStrategy(Strategy):
             shared = self.instruction(plan, self.header(plan, attempt))
             build = lambda node: shared  # noqa: E731 (one instruction for every node)
         out = []
-        for node in targets.nodes:
+        for node in [*targets.nodes, *sorted(unknown)]:
             if node in exclude or (only is not None and node not in only):
                 continue
             ins = build(node)
             if not side:
                 self._sent[node] = ins.header
+            if isinstance(ins, StatsIns) and ins.evaluate is not None and self.riding is not None:
+                self.riding.asked.add(node)
             out.append(ins.to_message(node))
         return out
+
+    def first_contact_rides(self, plan: RoundPlan) -> bool:
+        """Whether nodes not heard from get ``plan``'s round itself, their replies saying which
+        client they serve (:meth:`settle_first_contact`), instead of a ``query.info`` exchange
+        before it (:meth:`discover`): where the round goes to every node anyway (no sampling, no
+        excluded site), with plain uploads (a secure round names its participants beforehand) and
+        without ``require-all-clients`` (which re-sends by client). Only while at most
+        :data:`~strategies.stream.WINDOW` nodes are connected (a few real SuperNodes, where an
+        exchange costs a Flower round; :meth:`messages`): the round's replies are then all held
+        at once, no more than a streamed round holds."""
+        cfg = self.cfg
+        return (
+            not cfg.secure_aggregation
+            and not cfg.require_all_clients
+            and (cfg.clients_per_round == 0 or plan.kind is not Kind.TRAIN)
+            and not self.nodes.excluded(plan.task, plan.phase)
+        )
+
+    def settle_first_contact(self, replies: Iterable[Message], plan: RoundPlan) -> Iterable[Message]:
+        """A round sent to nodes not heard from (:meth:`first_contact_rides`): all its replies are
+        read first, the new nodes mapped by the clients their replies claim, exactly as a
+        ``query.info`` discovery would (two claiming one client: neither is mapped, the client is
+        contested and left out), then the replies are handed on in client order. So the sums are
+        those of a round sent after a discovery; this round holds all its (at most
+        :data:`~strategies.stream.WINDOW`) replies at once."""
+        received = list(replies)
+        claims: dict[int, int] = {}
+        for message in received:
+            node = message.metadata.src_node_id
+            sent = self._sent.get(node)
+            if node in self.nodes.client_of or sent is None:
+                continue
+            try:
+                claims[node] = self.client_id(parse_reply(message, sent, plan.kind))
+            except ProtocolError as err:
+                log(WARNING, "node %d did not say which client it serves (%s)", node, err)
+        self.nodes.first_contact(claims)
+        for client, nodes in self.nodes.contested.items():
+            self.accounting.reject(client_name(client), f"contested by nodes {', '.join(map(str, nodes))}")
+        order = {node: i for i, node in enumerate(self.in_client_order(list(self._sent)))}
+        received.sort(key=lambda m: order.get(m.metadata.src_node_id, len(order)))
+        return Settled(received, getattr(replies, "dropped", []))
 
     def discover(self, grid: Grid, node_ids: list[int]) -> None:
         """Ask nodes we have not heard from which client they serve (one tiny message each, no data)."""
@@ -463,6 +545,7 @@ class StagedStrategy(Strategy):
             if client in taken:
                 claimed, client = client, f"node-{node}"  # name the sender: `claimed` is already in
                 raise UploadError(f"duplicate upload: {claimed} already uploaded in this round")
+            self.take_evaluation(plan, client, reply)
             try:
                 payload = self.read_reply(plan, reply)
             except ProtocolError:
@@ -477,6 +560,17 @@ class StagedStrategy(Strategy):
             error = err if isinstance(err, UploadError) else UploadError(str(err))
             error.client = client
             raise error from None
+
+    def take_evaluation(self, plan: RoundPlan, client: str, reply: Reply) -> None:
+        """The counts riding with an identified reply go to the riding evaluation, checked there
+        (a client with bad counts is left out of the evaluation, its statistics are read as ever);
+        counts nobody asked for reject the reply."""
+        counts = reply.evaluation if isinstance(reply, StatsRes) else None
+        if self.riding is None or not self.rides_on(plan):
+            if counts is not None:
+                raise UploadError("evaluation counts that this round did not ask for")
+            return
+        self.riding.take(self, client, counts)
 
     def reject(self, message: Message, err: UploadError, server_round: int) -> None:
         """Log a rejected reply by name and record it for the stage's ``left_out``."""
@@ -527,7 +621,7 @@ class StagedStrategy(Strategy):
                 return [m for m in first if m.metadata.dst_node_id in wanted]
             return self.messages(grid, plan, attempt, set(), only=set(targets))
 
-        return ReplyStream(
+        stream = ReplyStream(
             grid,
             build,
             nodes,
@@ -538,6 +632,9 @@ class StagedStrategy(Strategy):
             server_round=self.server_round,
             missing_names=self.names_of,
         )
+        if any(node not in self.nodes.client_of for node in nodes):  # first contact rides with this round
+            return self.settle_first_contact(stream, plan)
+        return stream
 
     def in_client_order(self, nodes: list[int]) -> list[int]:
         """``nodes`` sorted by the client each serves (nodes not mapped yet last, by id)."""

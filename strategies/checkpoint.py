@@ -96,9 +96,13 @@ class CheckpointStore:
             fields.integer(fields.entry(payload, "server_round", ""), "server_round", 0)
             fields.mapping(fields.entry(payload, "state", ""), "state")
             stages = fields.entry(payload, "stages", "")
-            if not isinstance(stages, list) or len(stages) != done:
-                raise RestoreError("stages", f"must be a list of the {done} completed stages' records")
+            pending = payload.get("pending_stage")  # the last stage, while its evaluation rides with the next
+            scored = done - (pending is not None)
+            if not isinstance(stages, list) or len(stages) != scored:
+                raise RestoreError("stages", f"must be a list of the {scored} scored stages' records")
             payload["stages"] = [stage_record(s, f"stages/{i}", i + 1) for i, s in enumerate(stages)]
+            if pending is not None:
+                payload["pending_stage"] = stage_record(pending, "pending_stage", done)
         except RestoreError as err:
             raise self.refused(err) from None
         return payload

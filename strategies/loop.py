@@ -27,6 +27,7 @@ from fcl_flower.restore import RestoreError
 from fcl_flower.results import StageRecord, format_stage_table
 from strategies.base import RoundFailed, StageFailed
 from strategies.checkpoint import resumable_config
+from strategies.evaluation import Riding
 
 if TYPE_CHECKING:
     from strategies.base import StagedStrategy
@@ -62,28 +63,17 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
                 failure,
             )
             extra = strategy.stage_failed(task, str(failure))
-        record = stage_record(strategy, task, rounds=len(plans), began=began, extra=extra, grid=grid)
-        strategy.recorder.add(record)
+        if strategy.riding is not None:  # the previous stage's counts came with this stage's statistics
+            add_record(strategy, strategy.riding.complete(strategy, grid))
+            strategy.riding = None
+        rides = strategy.evaluation_rides(task)  # scored with the next stage's statistics round
+        record = stage_record(strategy, task, rounds=len(plans), began=began, extra=extra, grid=grid, pending=rides)
+        if rides:
+            strategy.riding = Riding.of(strategy, record)
+        else:
+            add_record(strategy, record)
         strategy.between_stages(grid, task, timeout)  # removals (docs/unlearning.md), where the run asks for them
         save(strategy, task)
-        log(
-            INFO,
-            STAGE_DONE_MSG,
-            task + 1,
-            strategy.num_tasks,
-            strategy.num_seen(task),
-            record.accuracy,
-            record.seconds,
-            eta(strategy.recorder.stages, strategy.num_tasks),
-        )
-        if record.left_out:
-            log(
-                WARNING,
-                "[stage %d/%d] data missing from this stage: %s",
-                task + 1,
-                strategy.num_tasks,
-                "; ".join(f"{c}: {why}" for c, why in record.left_out.items()),
-            )
     log(INFO, "\n%s", format_stage_table(strategy.recorder.stages))
     log(INFO, "results: %s", strategy.recorder.path)
     return result
@@ -91,6 +81,29 @@ def run_stages(strategy: StagedStrategy, grid: Grid, *, timeout: float) -> Resul
 
 STAGE_ROUND_MSG = "[stage %d/%d] round %d/%d (%s)"
 STAGE_DONE_MSG = "[stage %d/%d] accuracy on %d seen classes: %.2f%% (%.1f s%s)"
+
+
+def add_record(strategy: StagedStrategy, record: StageRecord) -> None:
+    """A stage's record, scored: into results.json, and its line in the log."""
+    strategy.recorder.add(record)
+    log(
+        INFO,
+        STAGE_DONE_MSG,
+        record.stage,
+        strategy.num_tasks,
+        strategy.num_seen(record.stage - 1),
+        record.accuracy,
+        record.seconds,
+        eta(strategy.recorder.stages, strategy.num_tasks),
+    )
+    if record.left_out:
+        log(
+            WARNING,
+            "[stage %d/%d] data missing from this stage: %s",
+            record.stage,
+            strategy.num_tasks,
+            "; ".join(f"{c}: {why}" for c, why in record.left_out.items()),
+        )
 
 
 def eta(stages: list[StageRecord], num_tasks: int) -> str:
@@ -150,9 +163,22 @@ def run_one_round(strategy: StagedStrategy, grid: Grid, plan: Any, timeout: floa
 
 
 def stage_record(
-    strategy: StagedStrategy, task: int, *, rounds: int, began: float, extra: dict[str, Any], grid: Grid | None = None
+    strategy: StagedStrategy,
+    task: int,
+    *,
+    rounds: int,
+    began: float,
+    extra: dict[str, Any],
+    grid: Grid | None = None,
+    pending: bool = False,
 ) -> StageRecord:
-    accuracy, per_task, scores = strategy.score_stage(task, grid)
+    """Stage ``task``'s record; ``pending``: not scored yet (its evaluation rides with the next
+    stage's statistics round, :class:`strategies.evaluation.Riding` scores it)."""
+    scores: dict[str, Any] = {}
+    if pending:
+        accuracy, per_task = float("nan"), [float("nan")] * (task + 1)
+    else:
+        accuracy, per_task, scores = strategy.score_stage(task, grid)
     accounting = strategy.accounting
     extra = {**extra, **scores, **accounting.sampling_extra(), **accounting.timing_extra()}
     old_only = strategy.split.old_only
@@ -174,16 +200,17 @@ def stage_record(
 
 
 def save(strategy: StagedStrategy, task: int) -> None:
-    strategy.checkpoints.save(
-        {
-            "strategy": strategy.cfg.strategy,
-            "config": resumable_config(strategy.cfg),
-            "completed_tasks": task + 1,
-            "server_round": strategy.server_round,
-            "state": strategy.state_dict(),
-            "stages": [asdict(s) for s in strategy.recorder.stages],
-        }
-    )
+    payload = {
+        "strategy": strategy.cfg.strategy,
+        "config": resumable_config(strategy.cfg),
+        "completed_tasks": task + 1,
+        "server_round": strategy.server_round,
+        "state": strategy.state_dict(),
+        "stages": [asdict(s) for s in strategy.recorder.stages],
+    }
+    if strategy.riding is not None:  # the last completed stage, its evaluation still to ride
+        payload["pending_stage"] = asdict(strategy.riding.record)
+    strategy.checkpoints.save(payload)
 
 
 def restore(strategy: StagedStrategy) -> int:
@@ -204,6 +231,9 @@ def restore(strategy: StagedStrategy) -> int:
         ) from None
     strategy.recorder.stages = list(payload["stages"])
     strategy.server_round = int(payload["server_round"])
+    pending = payload.get("pending_stage")
+    if pending is not None:  # its evaluation rides with the next statistics round, as it would have
+        strategy.riding = Riding(pending, strategy.evaluation_request(done - 1))
     log(
         INFO,
         "Resuming %s from %s after stage %d/%d",

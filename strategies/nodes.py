@@ -5,12 +5,16 @@
   away, then go on without it (its missing statistics are backfilled when it comes back).
 * Identity: a reply's client is the Flower node that sent it (the message metadata; with
   SuperNode authentication, a node id is bound to a registered key). A node is mapped to the
-  client it claims once, at first contact -- a tiny ``query.info`` message to every node the
-  server has not heard from, before any round that carries data -- and the map is one-to-one
+  client it claims once, at first contact -- the round itself where it goes to every node
+  anyway and at most ``strategies.stream.WINDOW`` (4) nodes are connected (plain uploads, no
+  sampling, no excluded site, no ``require-all-clients``: all of
+  its replies are read and the claims settled before any is used,
+  :meth:`~strategies.base.StagedStrategy.settle_first_contact`), else a tiny ``query.info``
+  message to every node the server has not heard from, before the round -- and the map is one-to-one
   and checkpointed (a resumed run keeps it while any of its nodes is still connected, and warns
   when none is; the simulation engine gives its nodes new ids every run, so there it starts
   afresh without a warning). A node claiming a second client, or a client already served by another
-  node, is rejected; two unknown nodes claiming the same client in the same discovery leave
+  node, is rejected; two unknown nodes claiming the same client at the same first contact leave
   that client *contested*: neither node is mapped, both are named, and the client is left out
   (so an impostor that answers first cannot take over a client, it can only get it excluded).
 * Sampling: train rounds with ``clients-per-round > 0`` go only to the nodes of a seeded sample

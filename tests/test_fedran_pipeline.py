@@ -208,7 +208,7 @@ class CrashingGrid(LocalGrid):
         super().__init__(client_app, num_clients)
         self.rounds, self.crash_at = 0, crash_at
 
-    def push_messages(self, messages):  # each round (and the discovery) pushes its messages once
+    def push_messages(self, messages):  # each round pushes its messages once
         self.rounds += 1
         if self.rounds == self.crash_at:
             raise KeyboardInterrupt("server killed")
@@ -221,8 +221,8 @@ def test_resume_after_a_crash_ends_with_the_uninterrupted_classifier(runs):
     split = federated_split(cfg)
     with pytest.raises(KeyboardInterrupt):
         FedRANStrategy(cfg, split, ResultsRecorder(cfg.output_dir, "fedran", {})).start(
-            CrashingGrid(NUM_CLIENTS, 4)
-        )  # send 1 is the nodes' discovery
+            CrashingGrid(NUM_CLIENTS, 3)
+        )  # send 3 is stage 3's round (the nodes' first contact rides with stage 1's)
     resumed = recording(FedRANStrategy)(cfg.replace(resume=True), split, ResultsRecorder(cfg.output_dir, "fedran", {}))
     resumed.start(LocalGrid(client_app, NUM_CLIENTS))
     assert len(resumed.history) == NUM_TASKS - 2 and len(resumed.recorder.stages) == NUM_TASKS

@@ -16,7 +16,8 @@ message            Flower type    carries
                                   Fisher + anchor, LGA's old model, TARGET/LANDER's synthetic
                                   images, LANDER's label-text anchors)
 :class:`StatsIns`  ``query.stats``global trainable state, backfill request, FedRAN rank, the
-                                  secure round's participants
+                                  secure round's participants, the previous stage's
+                                  :class:`EvaluationRequest` where its evaluation rides along
 :class:`InfoIns`   ``query.info`` "which client do you serve?"
 :class:`EvaluateIns` ``evaluate`` the global model (and, for an analytic method, its ridge
                                   classifier W): score it on your held-out data of the seen classes
@@ -24,7 +25,7 @@ message            Flower type    carries
 
 Client -> server: :class:`TrainRes` (trainable state, loss, LGA/STAMP reports),
 :class:`StatsRes` (the method's statistics, late statistics it owes, withheld-sample count,
-FedRAN's pseudo-label counts), :class:`InfoRes` and :class:`EvaluateRes` (per seen class: correct
+FedRAN's pseudo-label counts, a riding evaluation's counts), :class:`InfoRes` and :class:`EvaluateRes` (per seen class: correct
 predictions and test samples). Each reply names the client (partition) it
 speaks for and how many examples it used. The arrays of a statistics reply are typed by
 :mod:`fcl_flower.protocol.payloads`, whose shapes the server checks against its own state. The
@@ -133,6 +134,23 @@ class TrainIns(Instruction):
 
 
 @dataclass(frozen=True)
+class EvaluationRequest:
+    """The federated evaluation of an earlier stage, riding with a statistics round's instruction
+    (strategies/evaluation.py): score the instruction's model, with ridge classifier ``ridge``, on
+    this client's held-out data of the ``num_seen`` classes seen after task ``task``. The reply
+    carries the counts beside its statistics (:class:`StatsRes` ``evaluation``)."""
+
+    task: int
+    num_seen: int
+    ridge: ArrayRecord | None = None  # {"weights": W (M x num_seen)}; None: no classifier yet
+
+    def instruction(self, ins: StatsIns) -> EvaluateIns:
+        """The evaluation as the instruction of its own exchange would carry it (same model)."""
+        header = Header(ins.header.run_id, "evaluate", self.task, self.task + 1, ins.header.server_round, 0)
+        return EvaluateIns(header, ins.config, num_seen=self.num_seen, model=ins.model, ridge=self.ridge)
+
+
+@dataclass(frozen=True)
 class StatsIns(Instruction):
     """A statistics round: one pass over the local data of the task with the global (frozen) model."""
 
@@ -143,6 +161,7 @@ class StatsIns(Instruction):
     rank: int = 0  # FedRAN: the upload rank r (0: not a FedRAN round)
     secagg: SecAggRound | None = None  # set: upload masked for these participants
     forget: tuple[int, ...] = ()  # a forget round (phase stsa-forget): the sites the server removes wholly
+    evaluate: EvaluationRequest | None = None  # the previous stage's evaluation, riding with these statistics
 
     def _fill(self, content: RecordDict) -> None:
         entries: dict[str, Any] = {
@@ -152,6 +171,11 @@ class StatsIns(Instruction):
         }
         if self.forget:  # only in a forget round: a statistics round's instruction is as before
             entries["forget"] = ",".join(str(site) for site in self.forget)
+        if self.evaluate is not None:  # only where an evaluation rides along
+            entries["evaluate-task"] = self.evaluate.task
+            entries["evaluate-num-seen"] = self.evaluate.num_seen
+            if self.evaluate.ridge is not None:
+                content[RIDGE] = self.evaluate.ridge
         if self.secagg is not None:
             entries.update(self.secagg.entries())
         content[ROUND] = ConfigRecord(entries)
@@ -228,7 +252,21 @@ def parse_instruction(message: Message) -> Instruction:
         rank=read_int(entry(round_, "rank", ROUND), "rank"),
         secagg=SecAggRound.from_entries(round_) if "secagg-round-nodes" in round_ else None,
         forget=_decode_sites(read_str(round_["forget"], "forget")) if "forget" in round_ else (),
+        evaluate=_evaluation_request(round_, content.array_records.get(RIDGE), header),
     )
+
+
+def _evaluation_request(round_: ConfigRecord, ridge: ArrayRecord | None, header: Header) -> EvaluationRequest | None:
+    """The evaluation riding with a statistics instruction, if any; ProtocolError if malformed."""
+    if "evaluate-task" not in round_:
+        if ridge is not None:
+            raise ProtocolError(f"a '{RIDGE}' record without an evaluation request")
+        return None
+    task = read_int(round_["evaluate-task"], "evaluate-task")
+    if task >= header.task:
+        raise ProtocolError(f"evaluate-task {task} is not a stage before this one (task {header.task})")
+    num_seen = read_int(entry(round_, "evaluate-num-seen", ROUND), "evaluate-num-seen", minimum=1)
+    return EvaluationRequest(task, num_seen, ridge)
 
 
 def _decode_sites(text: str) -> tuple[int, ...]:
@@ -364,9 +402,12 @@ class StatsRes(Reply):
     backfill: Mapping[int, Backfill] = field(default_factory=dict)  # task -> late statistics
     fedran: FedranReport | None = None
     secagg: MaskedReport | None = None  # a masked upload's view signature and accusations
+    evaluation: EvaluateRes | None = None  # the counts of an evaluation that rode with the instruction
 
     def metrics(self) -> dict[str, MetricRecordValues]:
         out: dict[str, MetricRecordValues] = {**super().metrics(), "withheld-samples": self.withheld}
+        if self.evaluation is not None:
+            out["evaluate-num-examples"] = self.evaluation.num_examples
         for task, late in self.backfill.items():
             out[f"{BACKFILL_PREFIX}{task}-num-examples"] = late.num_examples
         if self.fedran is not None:
@@ -385,6 +426,8 @@ class StatsRes(Reply):
         content[MODEL] = self.arrays
         for task, late in sorted(self.backfill.items()):
             content[f"{BACKFILL_PREFIX}{task}"] = late.arrays
+        if self.evaluation is not None:
+            content[COUNTS] = self.evaluation.counts
         if self.secagg is not None:
             content[SECAGG] = ConfigRecord(self.secagg.entries())
 
@@ -494,7 +537,7 @@ def _parse_stats(content: RecordDict, metrics: MetricRecord, base: ReplyBase) ->
         raise ProtocolError(f"reply has no '{MODEL}' record")
     backfill: dict[int, Backfill] = {}
     for name, record in content.array_records.items():
-        if name == MODEL:
+        if name in (MODEL, COUNTS):
             continue
         task_text = name.removeprefix(BACKFILL_PREFIX)
         if not name.startswith(BACKFILL_PREFIX) or not task_text.isdigit():
@@ -502,6 +545,15 @@ def _parse_stats(content: RecordDict, metrics: MetricRecord, base: ReplyBase) ->
         backfill[int(task_text)] = Backfill(record, metric_int(metrics, f"{name}-num-examples"))
     allowed = {"partition-id", "num-examples", "withheld-samples"} | _FEDRAN_METRICS
     allowed |= {f"{BACKFILL_PREFIX}{task}-num-examples" for task in backfill}
+    evaluation = None
+    if COUNTS in content.array_records:  # an evaluation rode along; the server checks it was asked for
+        allowed.add("evaluate-num-examples")
+        evaluation = EvaluateRes(
+            base.header,
+            base.client,
+            metric_int(metrics, "evaluate-num-examples"),
+            counts=content.array_records[COUNTS],
+        )
     only(metrics, allowed, "metrics")
     fedran = None
     if _FEDRAN_METRICS & set(metrics):
@@ -518,4 +570,5 @@ def _parse_stats(content: RecordDict, metrics: MetricRecord, base: ReplyBase) ->
         backfill=dict(sorted(backfill.items())),
         fedran=fedran,
         secagg=None if report is None else MaskedReport.from_entries(report),
+        evaluation=evaluation,
     )
