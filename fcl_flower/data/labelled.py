@@ -19,6 +19,8 @@ Whatever the transform returns (PIL image, array or tensor) is converted to a fl
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -163,6 +165,28 @@ class LabelledDataset(Dataset):
     def with_transform(self, transform: Transform | None) -> LabelledDataset:
         """The same samples with another transform (e.g. eval transforms for statistics)."""
         return LabelledDataset(self._storage, transform=transform, indices=self._indices)
+
+    def fingerprint(self) -> str | None:
+        """SHA-256 of what this view feeds a model: the transform's ``repr``, the labels, and the
+        exact samples (in-memory storage) or each file's path, size and mtime (``paths``). None
+        when it cannot be told faithfully: a transform whose ``repr`` is an object address (a
+        lambda, a class without one), or a reader's images (fcl_flower/data/own.py)."""
+        described = repr(self.transform)
+        if " at 0x" in described or self._storage.kind == "reader":
+            return None
+        h = hashlib.sha256(f"{self._storage.kind}\0{described}\0".encode())
+        h.update(np.ascontiguousarray(self.targets, dtype=np.int64).tobytes())
+        images = self._storage.images
+        if self._storage.kind == "paths":
+            for j in self._indices:
+                path = images[int(j)]
+                st = os.stat(path)
+                h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        else:
+            h.update(f"{images.dtype.str}\0{tuple(images.shape[1:])}\0".encode())
+            for start in range(0, len(self._indices), 4096):  # a memory-mapped array is read in pieces
+                h.update(np.ascontiguousarray(images[self._indices[start : start + 4096]]).tobytes())
+        return h.hexdigest()
 
     # -- Dataset protocol --------------------------------------------------------------------
     def __len__(self) -> int:

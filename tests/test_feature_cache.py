@@ -1,0 +1,215 @@
+"""The features cache (fcl_flower/feature_cache.py, clients/features.py; issue 32): the same
+results with and without it, a second run reuses every feature, a changed backbone or changed
+data misses, a damaged file is refused and recomputed, a folder open to others is refused."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+import clients.app
+import clients.features
+from fcl_flower.data import LabelledDataset
+from fcl_flower.feature_cache import (
+    CacheUse,
+    FeatureCache,
+    FeatureCacheError,
+    cached_batches,
+    check_folder,
+    feature_key,
+    load_entry,
+    save_entry,
+)
+from fcl_flower.local_grid import LocalGrid
+from fcl_flower.runtime import build_model, iter_features, server_split
+from tests.conftest import build, server_identity, small_config
+
+
+def run(cfg, node_config: dict[str, Any], cache: FeatureCache, monkeypatch: pytest.MonkeyPatch):
+    """One in-process run whose nodes use ``cache`` as their process's memory cache (a fresh
+    cache: a fresh process)."""
+    monkeypatch.setattr(clients.features, "PROCESS_CACHE", cache)
+    server_identity()
+    strategy = build(cfg)
+    strategy.stage_weights = []
+    end_stage = strategy.end_stage
+
+    def recording_end_stage(task: int):  # a copy of W after each stage
+        extra = end_stage(task)
+        strategy.stage_weights.append(strategy.weights.clone())
+        return extra
+
+    strategy.end_stage = recording_end_stage
+    configs = [{"partition-id": k, "num-partitions": cfg.num_clients, **node_config} for k in range(cfg.num_clients)]
+    grid = LocalGrid(clients.app.app, cfg.num_clients, first_node_id=1, node_configs=configs)
+    strategy.start(grid)
+    assert not any(r.has_error() for r in grid.replies)
+    return strategy
+
+
+def outcome(strategy) -> list[tuple]:
+    return [
+        (s.accuracy, s.per_task_accuracy, s.extra.get("federated_evaluation", {}).get("accuracy"))
+        for s in strategy.recorder.stages
+    ]
+
+
+def cache_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("features of ")]
+
+
+def test_the_same_results_with_and_without_the_cache_and_a_second_run_reuses_every_feature(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stage-1 training (one FedAvg round changes the backbone), then STSA statistics and
+    federated evaluation: without a cache, with a cold one, and in a 'new process' (a fresh
+    memory cache) over the same folder: W and every accuracy are the same; the third run
+    computes no feature and says so task by task."""
+    caplog.set_level(logging.INFO)
+    folder = tmp_path / "features"
+    cfg = dict(rf_dim=100, num_tasks=2, num_clients=2, evaluation="federated", stage1_rounds=1, local_epochs=1)
+    plain = run(small_config(tmp_path / "a", **cfg), {"feature-cache-mib": 0}, FeatureCache(), monkeypatch)
+    assert cache_lines(caplog) == []
+    cold = FeatureCache()
+    first = run(small_config(tmp_path / "b", **cfg), {"feature-cache": str(folder)}, cold, monkeypatch)
+    # per client: stats of task 0 and 1, evaluation after stage 1 and 2; the stats of a task and the
+    # evaluation's held-out data are different data, so nothing repeats within one run
+    assert (cold.hits, cold.misses) == (0, 8)
+    assert len(cache_lines(caplog)) == 8 and all("computed and cached" in line for line in cache_lines(caplog))
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    files = sorted(folder.iterdir())
+    assert len(files) == 8 and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    caplog.clear()
+    fresh = FeatureCache()
+    second = run(small_config(tmp_path / "c", **cfg), {"feature-cache": str(folder)}, fresh, monkeypatch)
+    assert (fresh.hits, fresh.misses) == (8, 0)
+    lines = cache_lines(caplog)
+    assert len(lines) == 8 and all("reused from cache" in line for line in lines)
+    assert any(line.startswith("features of task 1 (client 0): reused from cache ") for line in lines)
+    for other in (first, second):
+        assert len(other.stage_weights) == len(plain.stage_weights) == 2
+        for w, v in zip(plain.stage_weights, other.stage_weights):
+            assert w.dtype == v.dtype and torch.equal(w, v)
+        assert outcome(other) == outcome(plain)
+
+
+@pytest.fixture
+def model_and_data(tmp_path: Path):
+    cfg = small_config(tmp_path, rf_dim=100, num_tasks=2, num_clients=2, batch_size=64)
+    split = server_split(cfg)
+    return cfg, build_model(cfg, split), split.client_train(0, 0, eval_transform=True)
+
+
+def test_a_changed_backbone_or_changed_data_misses(model_and_data) -> None:
+    cfg, model, data = model_and_data
+    cpu = torch.device("cpu")
+    key = feature_key(model.backbone, data, cpu, cfg.batch_size)
+    assert key is not None and key == feature_key(model.backbone, data, cpu, cfg.batch_size)
+    assert key != feature_key(model.backbone, data.subset(np.arange(len(data) - 1)), cpu, cfg.batch_size)
+    assert key != feature_key(model.backbone, data, cpu, cfg.batch_size + 1)
+    other = LabelledDataset(data.tensors()[0].numpy(), np.array(data.targets), data.transform)
+    assert feature_key(model.backbone, other, cpu, cfg.batch_size) == key  # the same samples, stored anew
+    changed = data.tensors()[0].numpy()
+    changed[3, 0, 0, 0] = np.nextafter(changed[3, 0, 0, 0], np.float32(2))  # one sample, one ulp
+    assert feature_key(model.backbone, LabelledDataset(changed, np.array(data.targets)), cpu, 7) != key
+    relabelled = np.array(data.targets)
+    relabelled[0] += 1
+    assert feature_key(model.backbone, LabelledDataset(data.tensors()[0].numpy(), relabelled), cpu, 7) != key
+    assert data.with_transform(lambda x: x).fingerprint() is None  # a transform without a faithful repr
+    with torch.no_grad():  # stage-1 training moved one weight by one ulp
+        weight = next(model.backbone.parameters())
+        weight.view(-1)[0] = torch.nextafter(weight.view(-1)[0], torch.tensor(1.0))
+    assert feature_key(model.backbone, data, cpu, cfg.batch_size) != key
+
+
+def test_a_hit_yields_the_same_batches_bit_for_bit(model_and_data, tmp_path: Path) -> None:
+    cfg, model, data = model_and_data
+    folder = check_folder(tmp_path / "c")
+    plain = list(iter_features(model, data, cfg, torch.device("cpu")))
+    use = CacheUse(FeatureCache(), folder, "task 0")
+    for _ in range(2):  # computed, then from memory
+        batches = list(iter_features(model, data, cfg, torch.device("cpu"), use))
+        assert len(batches) == len(plain) > 1
+        for (z, y), (z0, y0) in zip(batches, plain):
+            assert torch.equal(z, z0) and torch.equal(y, y0) and z.dtype == torch.float64
+    from_disk = CacheUse(FeatureCache(), folder, "task 0")
+    batches = list(iter_features(model, data, cfg, torch.device("cpu"), from_disk))
+    assert from_disk.cache.hits == 1 and all(torch.equal(a[0], b[0]) for a, b in zip(batches, plain))
+
+
+def _tamper_features(path: Path) -> None:
+    with np.load(path, allow_pickle=False) as npz:
+        arrays = {name: np.array(npz[name]) for name in npz.files}
+    arrays["features"][0, 0] += 1.0  # the digest left as it was
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    path.write_bytes(buffer.getvalue())
+
+
+@pytest.mark.parametrize("damage", ["tampered", "truncated", "other arrays"])
+def test_a_damaged_cache_file_is_refused_removed_and_recomputed(
+    damage: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = check_folder(tmp_path / "c")
+    features, labels = torch.randn(5, 3, dtype=torch.float64), torch.arange(5)
+    save_entry(folder, "k" * 64, features, labels)
+    path = folder / f"{'k' * 64}.npz"
+    loaded = load_entry(folder, "k" * 64)
+    assert loaded is not None and torch.equal(loaded[0], features) and torch.equal(loaded[1], labels)
+    if damage == "tampered":
+        _tamper_features(path)
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-40])
+    else:
+        buffer = io.BytesIO()
+        np.savez(buffer, features=features.numpy(), labels=labels.numpy())
+        path.write_bytes(buffer.getvalue())
+    caplog.set_level(logging.INFO)
+    cache = FeatureCache()
+    recomputed = list(cached_batches(CacheUse(cache, folder, "task 0"), "k" * 64, 2, iter([(features, labels)])))
+    assert (cache.hits, cache.misses) == (0, 1)
+    assert torch.equal(recomputed[0][0], features)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("is damaged" in m and "recomputed" in m for m in messages)
+    assert any(m.startswith("features of task 0: computed and cached kkkkkkkkkkkk") for m in messages)
+    again = load_entry(folder, "k" * 64)  # written anew, whole
+    assert again is not None and torch.equal(again[0], features)
+
+
+def test_a_folder_open_to_others_is_refused_in_one_line_and_the_node_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    made = check_folder(tmp_path / "new" / "cache")
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    os.chmod(open_folder, 0o755)
+    with pytest.raises(FeatureCacheError, match="open to group or others"):
+        check_folder(open_folder)
+    link = tmp_path / "link"
+    link.symlink_to(made)
+    with pytest.raises(FeatureCacheError, match="not a folder"):
+        check_folder(link)
+
+    class Job:  # what cache_for reads of a job
+        partition = 0
+
+        class context:
+            node_config: ClassVar[dict[str, Any]] = {"feature-cache": str(open_folder)}
+
+    caplog.set_level(logging.INFO)
+    for _ in range(2):
+        use = clients.features.cache_for(Job(), "task 0")  # type: ignore[arg-type]
+        assert use is not None and use.folder is None  # memory only
+    assert sum("open to group or others" in r.getMessage() for r in caplog.records) == 1
+    Job.context.node_config = {"feature-cache-mib": -1}
+    with pytest.raises(ValueError, match="feature-cache-mib"):
+        clients.features.cache_for(Job(), "task 0")  # type: ignore[arg-type]
