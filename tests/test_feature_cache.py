@@ -213,3 +213,43 @@ def test_a_folder_open_to_others_is_refused_in_one_line_and_the_node_goes_on(
     Job.context.node_config = {"feature-cache-mib": -1}
     with pytest.raises(ValueError, match="feature-cache-mib"):
         clients.features.cache_for(Job(), "task 0")  # type: ignore[arg-type]
+
+
+class Pixels:
+    """A site's image reader (fcl_flower/data/own.py PlanImages' interface): decoded uint8 arrays."""
+
+    def __init__(self, arrays: np.ndarray) -> None:
+        self.arrays = arrays
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def array(self, j: int) -> np.ndarray:
+        return self.arrays[j]
+
+    def read(self, j: int):
+        from PIL import Image
+
+        return Image.fromarray(self.arrays[j])
+
+
+def test_a_sites_images_are_known_by_their_decoded_pixels_and_files_by_size_and_mtime(tmp_path: Path) -> None:
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, size=(4, 6, 6), dtype=np.uint8)
+    labels = np.arange(4)
+    key = LabelledDataset(Pixels(pixels), labels).fingerprint()
+    assert key is not None and key == LabelledDataset(Pixels(pixels.copy()), labels).fingerprint()
+    changed = pixels.copy()
+    changed[2, 3, 3] ^= 1
+    assert LabelledDataset(Pixels(changed), labels).fingerprint() != key
+    paths = []
+    for j in range(2):
+        paths.append(str(tmp_path / f"{j}.png"))
+        Image.fromarray(pixels[j]).save(paths[-1])
+    files = LabelledDataset(paths, labels[:2])
+    before = files.fingerprint()
+    assert before is not None and before == files.fingerprint()
+    Image.fromarray(changed[2]).save(paths[1])  # rewritten: another size or mtime
+    os.utime(paths[1], ns=(1, 1))
+    assert files.fingerprint() != before
