@@ -22,7 +22,7 @@ so every statistic built on them is the same bit for bit as without the cache, a
 backbone's forward pass is itself deterministic (it is on CPU).
 
 **On disk** each entry is one ``<key>.npz`` (NumPy, read with ``allow_pickle=False``) holding
-the features, the labels and a SHA-256 of both; it is written to a temporary file of mode 0600
+the features, the labels and a SHA-256 of both and of the key; it is written to a temporary file of mode 0600
 and renamed into place. A file that fails to load, holds other arrays or whose digest does not
 match is logged in one line, removed and recomputed: a cache file is never trusted blindly. The
 folder must be this user's and closed to group and others (it is made 0700 when absent); any
@@ -95,8 +95,9 @@ def feature_key(backbone: nn.Module, dataset: LabelledDataset, device: torch.dev
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _content_digest(features: np.ndarray, labels: np.ndarray) -> str:
-    h = hashlib.sha256(FORMAT.encode())
+def _content_digest(key: str, features: np.ndarray, labels: np.ndarray) -> str:
+    """SHA-256 of an entry's key and arrays: a file renamed to another key does not pass either."""
+    h = hashlib.sha256(f"{FORMAT}\0{key}\0".encode())
     for array in (features, labels):
         h.update(f"{array.dtype.str}\0{array.shape}\0".encode())
         h.update(np.ascontiguousarray(array).tobytes())
@@ -131,7 +132,7 @@ def save_entry(folder: Path, key: str, features: torch.Tensor, labels: torch.Ten
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=folder)
     try:
         with os.fdopen(fd, "wb") as out:
-            digest = np.frombuffer(_content_digest(f, y).encode(), dtype=np.uint8)
+            digest = np.frombuffer(_content_digest(key, f, y).encode(), dtype=np.uint8)
             np.savez(out, features=f, labels=y, digest=digest)
             out.flush()
             os.fsync(out.fileno())
@@ -164,7 +165,7 @@ def load_entry(folder: Path, key: str) -> tuple[torch.Tensor, torch.Tensor] | No
             f, y, digest = npz["features"], npz["labels"], npz["digest"]
         if f.dtype != np.float64 or y.dtype != np.int64 or f.ndim != 2 or y.shape != (f.shape[0],):
             raise ValueError(f"arrays of dtype {f.dtype}/{y.dtype} and shape {f.shape}/{y.shape}")
-        if digest.dtype != np.uint8 or digest.tobytes().decode("ascii", "replace") != _content_digest(f, y):
+        if digest.dtype != np.uint8 or digest.tobytes().decode("ascii", "replace") != _content_digest(key, f, y):
             raise ValueError("its contents do not match their SHA-256")
     except Exception as err:  # a truncated zip, a tampered array, another file under its name
         log(WARNING, "feature cache file %s is damaged (%s): removed and recomputed", path.name, err)

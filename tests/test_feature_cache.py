@@ -154,7 +154,7 @@ def _tamper_features(path: Path) -> None:
     path.write_bytes(buffer.getvalue())
 
 
-@pytest.mark.parametrize("damage", ["tampered", "truncated", "other arrays"])
+@pytest.mark.parametrize("damage", ["tampered", "truncated", "other arrays", "another key's file"])
 def test_a_damaged_cache_file_is_refused_removed_and_recomputed(
     damage: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -168,10 +168,13 @@ def test_a_damaged_cache_file_is_refused_removed_and_recomputed(
         _tamper_features(path)
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:-40])
-    else:
+    elif damage == "other arrays":
         buffer = io.BytesIO()
         np.savez(buffer, features=features.numpy(), labels=labels.numpy())
         path.write_bytes(buffer.getvalue())
+    else:  # a whole, valid entry of another key, renamed
+        save_entry(folder, "j" * 64, features + 1, labels)
+        os.replace(folder / f"{'j' * 64}.npz", path)
     caplog.set_level(logging.INFO)
     cache = FeatureCache()
     recomputed = list(cached_batches(CacheUse(cache, folder, "task 0"), "k" * 64, 2, iter([(features, labels)])))
