@@ -7,7 +7,10 @@ from __future__ import annotations
 import io
 import logging
 import os
+import shutil
 import stat
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,12 +34,19 @@ from fcl_flower.feature_cache import (
 from fcl_flower.local_grid import LocalGrid
 from fcl_flower.runtime import build_model, iter_features, server_split
 from tests.conftest import build, server_identity, small_config
+from tests.test_warm_worker import assert_same_content, worker_threads
+
+#: stage-1 training (one FedAvg round changes the backbone), then STSA statistics and federated evaluation
+SETTINGS: dict[str, Any] = dict(
+    rf_dim=100, num_tasks=2, num_clients=2, evaluation="federated", stage1_rounds=1, local_epochs=1
+)
 
 
-def run(cfg, node_config: dict[str, Any], cache: FeatureCache, monkeypatch: pytest.MonkeyPatch):
+def run(cfg, node_config: dict[str, Any], cache: FeatureCache | None, monkeypatch: pytest.MonkeyPatch | None):
     """One in-process run whose nodes use ``cache`` as their process's memory cache (a fresh
-    cache: a fresh process)."""
-    monkeypatch.setattr(clients.features, "PROCESS_CACHE", cache)
+    cache: a fresh process; None: the node config turns caching off)."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(clients.features, "PROCESS_CACHE", cache)
     server_identity()
     strategy = build(cfg)
     strategy.stage_weights = []
@@ -52,6 +62,7 @@ def run(cfg, node_config: dict[str, Any], cache: FeatureCache, monkeypatch: pyte
     grid = LocalGrid(clients.app.app, cfg.num_clients, first_node_id=1, node_configs=configs)
     strategy.start(grid)
     assert not any(r.has_error() for r in grid.replies)
+    strategy.grid = grid
     return strategy
 
 
@@ -66,8 +77,14 @@ def cache_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("features of ")]
 
 
+@pytest.fixture(scope="module")
+def uncached(tmp_path_factory: pytest.TempPathFactory):
+    """The run without any features cache (node config feature-cache-mib=0)."""
+    return run(small_config(tmp_path_factory.mktemp("uncached"), **SETTINGS), {"feature-cache-mib": 0}, None, None)
+
+
 def test_the_same_results_with_and_without_the_cache_and_a_second_run_reuses_every_feature(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    uncached, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Stage-1 training (one FedAvg round changes the backbone), then STSA statistics and
     federated evaluation: without a cache, with a cold one, and in a 'new process' (a fresh
@@ -75,9 +92,7 @@ def test_the_same_results_with_and_without_the_cache_and_a_second_run_reuses_eve
     computes no feature and says so task by task."""
     caplog.set_level(logging.INFO)
     folder = tmp_path / "features"
-    cfg = dict(rf_dim=100, num_tasks=2, num_clients=2, evaluation="federated", stage1_rounds=1, local_epochs=1)
-    plain = run(small_config(tmp_path / "a", **cfg), {"feature-cache-mib": 0}, FeatureCache(), monkeypatch)
-    assert cache_lines(caplog) == []
+    cfg, plain = SETTINGS, uncached
     cold = FeatureCache()
     first = run(small_config(tmp_path / "b", **cfg), {"feature-cache": str(folder)}, cold, monkeypatch)
     # per client: stats of task 0 and 1, evaluation after stage 1 and 2; the stats of a task and the
@@ -99,6 +114,46 @@ def test_the_same_results_with_and_without_the_cache_and_a_second_run_reuses_eve
         for w, v in zip(plain.stage_weights, other.stage_weights):
             assert w.dtype == v.dtype and torch.equal(w, v)
         assert outcome(other) == outcome(plain)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder with a short path (a Unix socket's path has at most 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="fclf-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_warm_worker_answers_a_stats_message_again_from_its_cache_with_the_same_reply(
+    uncached, short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The node's warm worker keeps the features between messages: the same statistics message,
+    three times, is computed once and reused twice, and every reply is the reply without a cache."""
+    from flwr.app import Context, RecordDict
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(short_dir))
+    grid = uncached.grid
+    message, plain = next(
+        (m, r)
+        for m, r in zip(grid.sent, grid.replies)
+        if m.metadata.message_type == "query.stats" and m.metadata.dst_node_id == 1
+    )
+    warm = {"partition-id": 0, "num-partitions": 2, "warm-worker": True}
+    cache = FeatureCache()
+    monkeypatch.setattr(clients.features, "PROCESS_CACHE", cache)
+    caplog.set_level(logging.INFO)
+    with worker_threads([warm], run_config={}) as handled:
+        context = Context(run_id=1, node_id=1, node_config=warm, state=RecordDict(), run_config={})
+        replies = [clients.app.app(message, context) for _ in range(3)]
+    assert handled == ["worker-0"] * 3
+    assert (cache.hits, cache.misses) == (2, 1)
+    lines = cache_lines(caplog)
+    assert [line.split(": ")[1].rsplit(" ", 1)[0] for line in lines] == ["computed and cached"] + [
+        "reused from cache"
+    ] * 2
+    for reply in replies:
+        assert not reply.has_error()
+        assert_same_content(plain.content, reply.content)
 
 
 @pytest.fixture
@@ -213,6 +268,8 @@ def test_a_folder_open_to_others_is_refused_in_one_line_and_the_node_goes_on(
         use = clients.features.cache_for(Job(), "task 0")  # type: ignore[arg-type]
         assert use is not None and use.folder is None  # memory only
     assert sum("open to group or others" in r.getMessage() for r in caplog.records) == 1
+    Job.context.node_config = {"feature-cache-mib": 0}  # no cache at all: features computed as before
+    assert clients.features.cache_for(Job(), "task 0") is None  # type: ignore[arg-type]
     Job.context.node_config = {"feature-cache-mib": -1}
     with pytest.raises(ValueError, match="feature-cache-mib"):
         clients.features.cache_for(Job(), "task 0")  # type: ignore[arg-type]
