@@ -60,9 +60,10 @@ class FeatureCacheError(RuntimeError):
     """The cache folder cannot be trusted (owner, permissions, kind); one line."""
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a buffer (no copy of a contiguous CPU tensor)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 def backbone_digest(backbone: nn.Module) -> str:
@@ -100,7 +101,7 @@ def _content_digest(key: str, features: np.ndarray, labels: np.ndarray) -> str:
     h = hashlib.sha256(f"{FORMAT}\0{key}\0".encode())
     for array in (features, labels):
         h.update(f"{array.dtype.str}\0{array.shape}\0".encode())
-        h.update(np.ascontiguousarray(array).tobytes())
+        h.update(np.ascontiguousarray(array).data)
     return h.hexdigest()
 
 

@@ -177,7 +177,7 @@ class LabelledDataset(Dataset):
         if " at 0x" in described or (self._storage.kind == "reader" and not hasattr(images, "array")):
             return None
         h = hashlib.sha256(f"{self._storage.kind}\0{described}\0".encode())
-        h.update(np.ascontiguousarray(self.targets, dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(self.targets, dtype=np.int64).data)
         if self._storage.kind == "paths":
             for j in self._indices:
                 path = images[int(j)]
@@ -187,11 +187,11 @@ class LabelledDataset(Dataset):
             for j in self._indices:
                 array = np.ascontiguousarray(images.array(int(j)))
                 h.update(f"{array.dtype.str}\0{array.shape}\0".encode())
-                h.update(array.tobytes())
+                h.update(array.data)
         else:
             h.update(f"{images.dtype.str}\0{tuple(images.shape[1:])}\0".encode())
             for start in range(0, len(self._indices), 4096):  # a memory-mapped array is read in pieces
-                h.update(np.ascontiguousarray(images[self._indices[start : start + 4096]]).tobytes())
+                h.update(np.ascontiguousarray(images[self._indices[start : start + 4096]]).data)
         return h.hexdigest()
 
     # -- Dataset protocol --------------------------------------------------------------------
