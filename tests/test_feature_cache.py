@@ -32,7 +32,7 @@ from fcl_flower.feature_cache import (
     save_entry,
 )
 from fcl_flower.local_grid import LocalGrid
-from fcl_flower.runtime import build_model, iter_features, server_split
+from fcl_flower.runtime import build_model, federated_split, iter_features, server_split
 from tests.conftest import build, server_identity, small_config
 from tests.test_warm_worker import assert_same_content, worker_threads
 
@@ -102,6 +102,11 @@ def test_the_same_results_with_and_without_the_cache_and_a_second_run_reuses_eve
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     files = sorted(folder.iterdir())
     assert len(files) == 8 and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    run_cfg = small_config(tmp_path / "b", **cfg)
+    split = federated_split(run_cfg)
+    data = split.client_train(0, 0, eval_transform=True)
+    seeded = feature_key(build_model(run_cfg, split).backbone, data, torch.device("cpu"), run_cfg.batch_size)
+    assert seeded is not None and folder / f"{seeded}.npz" not in files  # the trained backbone's features
     caplog.clear()
     fresh = FeatureCache()
     second = run(small_config(tmp_path / "c", **cfg), {"feature-cache": str(folder)}, fresh, monkeypatch)
