@@ -2,7 +2,7 @@
 
 Node config (``flower-supernode --node-config "..."``):
 
-* ``feature-cache = "<folder>"`` -- keep the backbone's features of this node's data on disk as
+* ``feature-cache = "<absolute folder>"`` -- keep the backbone's features of this node's data on disk as
   well, so that a later run (a new worker, a new process) with the same data and the same
   backbone reads them back (fcl_flower/feature_cache.py: keyed by content hash, checked on
   every read). The folder is made 0700 if absent; one of another user's, or open to group or
@@ -51,6 +51,8 @@ def _folder(value: object) -> Path | None:
         raise NodeConfigError(f"node config {FOLDER_KEY} must name a folder, not {value!r}")
     path = Path(value).expanduser()
     try:
+        if not path.is_absolute():  # the worker and the ClientApp run in different folders
+            raise FeatureCacheError(f"node config {FOLDER_KEY} {value!r} is not an absolute path: refused")
         return check_folder(path)
     except FeatureCacheError as err:
         if value not in _refused:

@@ -273,6 +273,10 @@ def test_a_folder_open_to_others_is_refused_in_one_line_and_the_node_goes_on(
         use = clients.features.cache_for(Job(), "task 0")  # type: ignore[arg-type]
         assert use is not None and use.folder is None  # memory only
     assert sum("open to group or others" in r.getMessage() for r in caplog.records) == 1
+    Job.context.node_config = {"feature-cache": "relative/folder"}
+    use = clients.features.cache_for(Job(), "task 0")  # type: ignore[arg-type]
+    assert use is not None and use.folder is None
+    assert sum("not an absolute path: refused" in r.getMessage() for r in caplog.records) == 1
     Job.context.node_config = {"feature-cache-mib": 0}  # no cache at all: features computed as before
     assert clients.features.cache_for(Job(), "task 0") is None  # type: ignore[arg-type]
     Job.context.node_config = {"feature-cache-mib": -1}
