@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from flwr.app import Context
 
+from clients.features import cache_for
 from clients.job import ClientJob
 from fcl_flower import methods
 from fcl_flower.analytic import random_projection
@@ -33,7 +34,8 @@ def handle_evaluate(job: ClientJob) -> EvaluateRes:
     if methods.get(cfg.strategy).family is methods.Family.ANALYTIC:
         projection = random_projection(job.model.backbone.feature_dim, cfg.rf_dim, seed=cfg.seed)
         weights = _ridge_weights(ins, projection, job.model.backbone.feature_dim)
-        preds, labels = predict_ridge(job.model, test, cfg, job.device, weights, projection)
+        cache = cache_for(job, f"the held-out data of tasks 0..{ins.header.task}")
+        preds, labels = predict_ridge(job.model, test, cfg, job.device, weights, projection, cache)
     else:
         preds, labels = predict_logits(job.model, test, cfg, job.device, num_seen)
     correct, total = class_counts(preds.numpy(), labels.numpy(), num_seen)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from clients.features import cache_for
 from clients.job import ClientJob
 from clients.statistics import UploadNoise, effective_rf_dim, projection_for, upload_noise
 from fcl_flower.analytic import random_features
@@ -156,7 +157,8 @@ def fedran_client_update(
 def local_backbone_features(job: ClientJob) -> tuple[Tensor, Tensor]:
     """Z (n × d, float64) and global labels of this client's samples of the current task."""
     zs, ys = [], []
-    for features, y in iter_features(job.model, job.local_data(eval_transform=True), job.cfg, job.device):
+    data, cache = job.local_data(eval_transform=True), cache_for(job, f"task {job.task}")
+    for features, y in iter_features(job.model, data, job.cfg, job.device, cache):
         zs.append(features)
         ys.append(y)
     if not zs:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
+from clients.features import cache_for
 from clients.job import ClientJob
 from fcl_flower.analytic import random_features, random_projection
 from fcl_flower.data import LabelledDataset
@@ -121,7 +122,8 @@ def local_task_features(job: ClientJob, task: int | None = None) -> tuple[torch.
     task = job.task if task is None else task
     projection = projection_for(job)
     phis, labels = [], []
-    for features, y in iter_features(job.model, task_data(job, task), job.cfg, job.device):
+    data, cache = task_data(job, task), cache_for(job, f"task {task}")
+    for features, y in iter_features(job.model, data, job.cfg, job.device, cache):
         phis.append(random_features(features, projection, job.cfg.feature_clip))
         labels.append(y - job.split.tasks[task].start)
     dim = effective_rf_dim(job.model.backbone.feature_dim, job.cfg.rf_dim)

@@ -33,6 +33,7 @@ from logging import INFO
 import torch
 from flwr.common.logger import log
 
+from clients.features import cache_for
 from clients.job import ClientJob
 from clients.ledger import input_digest
 from clients.secure import masked_upload
@@ -73,7 +74,7 @@ def stsa_statistics(job: ClientJob, task: int, wire: torch.dtype = torch.float64
     counts = per_class_counts(torch.as_tensor(data.targets - classes.start), len(classes))
     disclosed = counts >= job.cfg.min_class_count
     accumulator = StatisticsAccumulator(dim, len(classes), with_gram=True)
-    for features, y in iter_features(job.model, data, job.cfg, job.device):
+    for features, y in iter_features(job.model, data, job.cfg, job.device, cache_for(job, f"task {task}")):
         keep = disclosed[y - classes.start]
         accumulator.update(random_features(features[keep], projection, job.cfg.feature_clip), y[keep] - classes.start)
     gram = accumulator.packed_gram(wire)

@@ -15,6 +15,7 @@ from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit, LabelledDataset, get_federated_split
 from fcl_flower.data.federated import PROTOCOL_ARGS
 from fcl_flower.data.plan import CUSTOM, FederationLayout, TaskPlan, custom_plan, public_plan
+from fcl_flower.feature_cache import CacheUse, cached_batches, feature_key
 from fcl_flower.models import IncrementalClassifier, build_classifier, pick_device
 
 
@@ -113,12 +114,29 @@ def make_loader(dataset: LabelledDataset, cfg: RunConfig, *, shuffle: bool, seed
     )
 
 
-@torch.no_grad()
 def iter_features(
+    model: IncrementalClassifier,
+    dataset: LabelledDataset,
+    cfg: RunConfig,
+    device: torch.device,
+    cache: CacheUse | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Backbone features (eval mode, no augmentation) batch by batch, never all at once.
+
+    With ``cache`` they come from it when it holds this backbone's features of this data (the
+    same batches, bit for bit), else they are computed and cached (fcl_flower/feature_cache.py)."""
+    model.eval().to(device)
+    key = None if cache is None else feature_key(model.backbone, dataset, device, cfg.batch_size)
+    if cache is None or key is None:
+        yield from _computed_features(model, dataset, cfg, device)
+    else:
+        yield from cached_batches(cache, key, cfg.batch_size, _computed_features(model, dataset, cfg, device))
+
+
+@torch.no_grad()
+def _computed_features(
     model: IncrementalClassifier, dataset: LabelledDataset, cfg: RunConfig, device: torch.device
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Backbone features (eval mode, no augmentation) batch by batch, never all at once."""
-    model.eval().to(device)
     for images, labels in make_loader(dataset, cfg, shuffle=False):
         yield model.features(images.to(device)).double().cpu(), labels.long()
 
@@ -145,6 +163,7 @@ def predict_ridge(
     device: torch.device,
     weights: torch.Tensor | None,
     projection: torch.Tensor | None,
+    cache: CacheUse | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(predictions, true labels) of an analytic method's classifier: random features
     ``R(f) = ReLU(f · W_rand)`` of the frozen backbone's features, scored by the ridge weights W
@@ -154,7 +173,7 @@ def predict_ridge(
     from fcl_flower.analytic import predict, random_features
 
     phis, labels = [], []
-    for features, y in iter_features(model, dataset, cfg, device):
+    for features, y in iter_features(model, dataset, cfg, device, cache):
         phis.append(random_features(features, projection, cfg.feature_clip))
         labels.append(y)
     if not phis:

@@ -19,6 +19,8 @@ Whatever the transform returns (PIL image, array or tensor) is converted to a fl
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -163,6 +165,34 @@ class LabelledDataset(Dataset):
     def with_transform(self, transform: Transform | None) -> LabelledDataset:
         """The same samples with another transform (e.g. eval transforms for statistics)."""
         return LabelledDataset(self._storage, transform=transform, indices=self._indices)
+
+    def fingerprint(self) -> str | None:
+        """SHA-256 of what this view feeds a model: the transform's ``repr``, the labels, and the
+        exact samples (in-memory storage; a site's reader's decoded arrays, which it keeps for the
+        pass that follows, fcl_flower/data/own.py) or each file's path, size and mtime
+        (``paths``). None when it cannot be told faithfully: a transform whose ``repr`` is an
+        object address (a lambda, a class without one), a reader that does not give its arrays."""
+        described = repr(self.transform)
+        images = self._storage.images
+        if " at 0x" in described or (self._storage.kind == "reader" and not hasattr(images, "array")):
+            return None
+        h = hashlib.sha256(f"{self._storage.kind}\0{described}\0".encode())
+        h.update(np.ascontiguousarray(self.targets, dtype=np.int64).data)
+        if self._storage.kind == "paths":
+            for j in self._indices:
+                path = images[int(j)]
+                st = os.stat(path)
+                h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        elif self._storage.kind == "reader":
+            for j in self._indices:
+                array = np.ascontiguousarray(images.array(int(j)))
+                h.update(f"{array.dtype.str}\0{array.shape}\0".encode())
+                h.update(array.data)
+        else:
+            h.update(f"{images.dtype.str}\0{tuple(images.shape[1:])}\0".encode())
+            for start in range(0, len(self._indices), 4096):  # a memory-mapped array is read in pieces
+                h.update(np.ascontiguousarray(images[self._indices[start : start + 4096]]).data)
+        return h.hexdigest()
 
     # -- Dataset protocol --------------------------------------------------------------------
     def __len__(self) -> int:
