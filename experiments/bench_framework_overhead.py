@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from experiments.benchlib import format_table, median, write_json
@@ -202,18 +203,22 @@ def server_scaling(dim: int, clients: list[int], repeats: int, rows: int = 20, c
         uploads.append((pack_symmetrised(phi.T @ phi, torch.float32), phi.T @ y, y.sum(dim=0)))
     kwargs = {"relative_tolerance": 2.0**-24, "nonnegative": True}
     samples: dict[int, list[dict[str, float]]] = {k: [] for k in clients}
+    # the running sums are allocated once and zeroed per stage (as a server's buffers are reused): a
+    # fresh 64 MiB buffer's first touch (page faults) would be counted as the first upload's add
+    packed = torch.zeros(packed_length(dim), dtype=torch.float64)
+    sums = torch.zeros(dim, classes, dtype=torch.float64)
+    counts = torch.zeros(classes, dtype=torch.float64)
     for _ in range(repeats):
         for k in clients:  # alternating K within every repeat
             timing = {"add": 0.0, "screen": 0.0}
             began = time.perf_counter()
-            packed = torch.zeros(packed_length(dim), dtype=torch.float64)
-            sums = torch.zeros(dim, classes, dtype=torch.float64)
-            counts = torch.zeros(classes, dtype=torch.float64)
+            for buffer in (packed, sums, counts):
+                buffer.zero_()
             for gram, c, n in uploads[:k]:
                 t0 = time.perf_counter()
                 screen_packed_statistics(gram, c, n, **kwargs)
                 t1 = time.perf_counter()
-                packed += gram
+                np.add(packed.numpy(), gram.numpy(), out=packed.numpy())  # as TaskSum.add (strategies/stsa.py)
                 sums += c
                 counts += n
                 timing["screen"] += t1 - t0
