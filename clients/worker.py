@@ -44,7 +44,6 @@ import json
 import os
 import signal
 import socket
-import stat
 import struct
 import subprocess
 import sys
@@ -61,6 +60,8 @@ from flwr.common.logger import log
 from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Context as ProtoContext
 from flwr.proto.message_pb2 import Message as ProtoMessage
+
+from fcl_flower.private_paths import private_path_problem
 
 ENABLE_KEY = "warm-worker"  # node config: true hands messages to the node's worker (clients/app.py)
 IDLE_KEY = "warm-worker-idle"  # node config: seconds without a message before the worker exits
@@ -111,20 +112,10 @@ def worker_key(node_config: Mapping[str, Any], run_config: Mapping[str, Any] | N
 
 def check_private(path: Path, *, kind: str) -> None:
     """Refuse ``path`` unless it is a ``kind`` ("folder" or "socket") of this user's, closed to
-    group and others, and not a symbolic link."""
-    try:
-        st = os.lstat(path)
-    except OSError as err:
-        raise WorkerError(f"warm worker {kind} {path}: {err.strerror}") from None
-    is_kind = stat.S_ISDIR(st.st_mode) if kind == "folder" else stat.S_ISSOCK(st.st_mode)
-    if not is_kind:
-        raise WorkerError(f"warm worker {kind} {path} is not a {kind}: refused")
-    if st.st_uid != os.getuid():
-        raise WorkerError(f"warm worker {kind} {path} belongs to uid {st.st_uid}, not {os.getuid()}: refused")
-    if st.st_mode & 0o077:
-        raise WorkerError(
-            f"warm worker {kind} {path} is open to group or others (mode {stat.S_IMODE(st.st_mode):o}): refused"
-        )
+    group and others, and not a symbolic link (fcl_flower/private_paths.py)."""
+    problem = private_path_problem(path, kind)
+    if problem is not None:
+        raise WorkerError(f"warm worker {kind} {path} {problem}: refused")
 
 
 def worker_folder(node_config: Mapping[str, Any]) -> Path:

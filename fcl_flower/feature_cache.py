@@ -50,6 +50,7 @@ from flwr.common.logger import log
 from torch import nn
 
 from fcl_flower.data import LabelledDataset
+from fcl_flower.private_paths import private_path_problem
 
 FORMAT = "fcl-flower-features/1"
 DEFAULT_MEMORY_MIB = 256
@@ -115,15 +116,9 @@ def check_folder(folder: Path) -> Path:
         pass
     except OSError as err:
         raise FeatureCacheError(f"cannot make the feature cache folder {folder}: {err.strerror}") from None
-    st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode):
-        raise FeatureCacheError(f"feature cache {folder} is not a folder: refused")
-    if st.st_uid != os.getuid():
-        raise FeatureCacheError(f"feature cache folder {folder} belongs to uid {st.st_uid}, not {os.getuid()}: refused")
-    if st.st_mode & 0o077:
-        raise FeatureCacheError(
-            f"feature cache folder {folder} is open to group or others (mode {stat.S_IMODE(st.st_mode):o}): refused"
-        )
+    problem = private_path_problem(folder, "folder")
+    if problem is not None:
+        raise FeatureCacheError(f"feature cache folder {folder} {problem}: refused")
     return folder
 
 
