@@ -18,7 +18,6 @@ three.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.bench_warm_worker import capture
-from experiments.benchlib import OneLineErrorParser, machine_info, median, write_json
+from experiments.benchlib import median, run_worker_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,16 +101,7 @@ def bench(repeats: int, rf_dim: int, folder: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser: argparse.ArgumentParser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rf-dim", type=int, default=200)
-    parser.add_argument("--out", default=None, help="folder of the JSON (default experiments/results)")
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = bench(args.repeats, args.rf_dim, Path(tmp))
-    result["machine"] = machine_info()
-    result["load_average_after"] = list(os.getloadavg())
-    path = write_json("bench_feature_cache", result, args.out)
+    result, path = run_worker_bench("bench_feature_cache", __doc__ or "", bench, argv)
     for name, row in result["summary"].items():
         print(f"{name}: the worker handles query.stats in {row['handler_median_s']:.3f} s (median; "
               f"min {row['handler_min_s']:.3f} s), "

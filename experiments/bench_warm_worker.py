@@ -18,7 +18,6 @@ message from the SuperNode, pushing the reply) comes on top of both, the same fo
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.benchlib import OneLineErrorParser, machine_info, median, write_json
+from experiments.benchlib import median, run_worker_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,16 +142,7 @@ def bench(repeats: int, rf_dim: int, folder: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser: argparse.ArgumentParser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rf-dim", type=int, default=200)
-    parser.add_argument("--out", default=None, help="folder of the JSON (default experiments/results)")
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = bench(args.repeats, args.rf_dim, Path(tmp))
-    result["machine"] = machine_info()
-    result["load_average_after"] = list(os.getloadavg())
-    path = write_json("bench_warm_worker", result, args.out)
+    result, path = run_worker_bench("bench_warm_worker", __doc__ or "", bench, argv)
     for kind, row in result["summary"].items():
         print(
             f"{kind}: fresh process {row['wall_median_s']:.2f} s (inside {row['inside_median_s']:.2f} s), "

@@ -143,3 +143,23 @@ def _default(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"cannot serialise {type(value).__name__}")
+
+
+def run_worker_bench(
+    name: str, doc: str, bench: Callable[[int, int, Path], dict[str, Any]], argv: list[str] | None
+) -> tuple[dict[str, Any], Path]:
+    """The command line of a warm-worker benchmark (``--repeats``, ``--rf-dim``, ``--out``): runs
+    ``bench(repeats, rf_dim, a temporary folder)``, adds the machine and the load after, writes
+    experiments/results/<name>.json; returns the result and its path."""
+    import tempfile
+
+    parser: argparse.ArgumentParser = OneLineErrorParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rf-dim", type=int, default=200)
+    parser.add_argument("--out", default=None, help="folder of the JSON (default experiments/results)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = bench(args.repeats, args.rf_dim, Path(tmp))
+    result["machine"] = machine_info()
+    result["load_average_after"] = list(os.getloadavg())
+    return result, write_json(name, result, args.out)
