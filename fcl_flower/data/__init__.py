@@ -13,8 +13,9 @@ a ClientApp message without a model never imports torch (issue 32).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fcl_flower.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from .bundle import DatasetBundle, class_order, remap_labels
@@ -66,10 +67,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _WHERE, globals())

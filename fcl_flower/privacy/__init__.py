@@ -8,8 +8,9 @@ The names are imported on first use (PEP 562): the secure-aggregation steps with
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fcl_flower.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from .disclosure import disclosable, per_class_counts, withheld_cells
@@ -38,10 +39,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _WHERE, globals())
