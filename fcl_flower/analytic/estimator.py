@@ -143,11 +143,9 @@ class GramEstimator:
         self._num_columns = [0] * num_classes
         self._dense: list[Tensor | None] = [None] * num_classes  # P_i once it outgrew its columns
 
-    def add(self, class_sums: Tensor, counts: Tensor) -> None:
-        """Fold in uploads: ``class_sums`` (M, c) or (D, M, c), ``counts`` (c,) or (D, c).
-
-        A client with K_D dummy clients sends D = K_D uploads; each counts once in K.
-        """
+    def _uploads(self, class_sums: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """``class_sums`` (M, c) or (D, M, c) and ``counts`` (c,) or (D, c) as (D, M, c) and (D, c)
+        float64 CPU tensors; AnalyticInputError on other shapes."""
         if class_sums.dim() == 2:
             class_sums, counts = class_sums.unsqueeze(0), counts.unsqueeze(0)
         if class_sums.dim() != 3 or tuple(class_sums.shape[1:]) != (self.rf_dim, self.num_classes):
@@ -161,8 +159,14 @@ class GramEstimator:
             )
         if counts.dtype.is_complex or counts.dtype == torch.bool:
             raise AnalyticInputError(f"counts must be real numbers, got {counts.dtype}")
-        sums = class_sums.to(device="cpu", dtype=torch.float64)
-        cnt = counts.to(device="cpu", dtype=torch.float64)
+        return class_sums.to(device="cpu", dtype=torch.float64), counts.to(device="cpu", dtype=torch.float64)
+
+    def add(self, class_sums: Tensor, counts: Tensor) -> None:
+        """Fold in uploads: ``class_sums`` (M, c) or (D, M, c), ``counts`` (c,) or (D, c).
+
+        A client with K_D dummy clients sends D = K_D uploads; each counts once in K.
+        """
+        sums, cnt = self._uploads(class_sums, counts)
         if bool((cnt < 0).any()):
             raise AnalyticInputError("counts must be non-negative")
         present = cnt > 0
@@ -192,16 +196,7 @@ class GramEstimator:
         that never had it (fcl_flower/analytic/unlearning.py). A P_i still kept as columns loses the
         very block it received; a dense P_i is subtracted. A block never received is refused
         (AnalyticInputError) before anything changes."""
-        if class_sums.dim() == 2:
-            class_sums, counts = class_sums.unsqueeze(0), counts.unsqueeze(0)
-        if class_sums.dim() != 3 or tuple(class_sums.shape[1:]) != (self.rf_dim, self.num_classes):
-            raise AnalyticInputError(
-                f"class_sums must have shape (D, {self.rf_dim}, {self.num_classes}), got {tuple(class_sums.shape)}"
-            )
-        if tuple(counts.shape) != (class_sums.shape[0], self.num_classes):
-            raise AnalyticInputError(f"counts shape {tuple(counts.shape)} does not match the class sums")
-        sums = class_sums.to(device="cpu", dtype=torch.float64)
-        cnt = counts.to(device="cpu", dtype=torch.float64)
+        sums, cnt = self._uploads(class_sums, counts)
         present = cnt > 0
         if int(sums.shape[0]) > self.num_uploads or bool((present.sum(dim=0) > self.holders).any()):
             raise AnalyticInputError("the estimator holds fewer uploads than the removal takes out")
