@@ -225,19 +225,24 @@ def test_no_worker_means_one_line_a_start_and_the_same_reply(
     assert started == [worker.socket_path(worker.worker_folder(nc), worker.worker_key(nc, {"x": 1}))]
 
 
-def test_a_killed_workers_stale_socket_means_a_new_worker_and_one_line(
-    plain: LocalGrid, short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A worker killed with SIGKILL leaves its socket file behind, with nobody listening: the
-    ClientApp starts a new worker, answers itself and logs one line."""
-    message, expected = one_message(plain)
+def node_socket(short_dir: Path) -> tuple[dict[str, Any], Path]:
+    """Node 0's config with the warm worker on, and the socket path its worker would use."""
     nc: dict[str, Any] = {
         "partition-id": 0,
         "num-partitions": 2,
         "warm-worker": True,
         "warm-worker-dir": str(short_dir),
     }
-    path = worker.socket_path(worker.worker_folder(nc), worker.worker_key(nc, {}))
+    return nc, worker.socket_path(worker.worker_folder(nc), worker.worker_key(nc, {}))
+
+
+def test_a_killed_workers_stale_socket_means_a_new_worker_and_one_line(
+    plain: LocalGrid, short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker killed with SIGKILL leaves its socket file behind, with nobody listening: the
+    ClientApp starts a new worker, answers itself and logs one line."""
+    message, expected = one_message(plain)
+    nc, path = node_socket(short_dir)
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     dead.bind(str(path))
     os.chmod(path, 0o600)
@@ -260,13 +265,7 @@ def test_a_worker_that_dies_mid_message_costs_one_line(
     plain: LocalGrid, short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     message, expected = one_message(plain)
-    nc: dict[str, Any] = {
-        "partition-id": 0,
-        "num-partitions": 2,
-        "warm-worker": True,
-        "warm-worker-dir": str(short_dir),
-    }
-    path = worker.socket_path(worker.worker_folder(nc), worker.worker_key(nc, {}))
+    nc, path = node_socket(short_dir)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
     os.chmod(path, 0o600)
