@@ -130,15 +130,15 @@ def test_stsa_forget_samples_by_replacing_an_upload_with_the_kept_samples_statis
     data = make_data(1)
     state = federated(data, list(range(CLIENTS)), TASKS)
     forget = {0: [0, 3, 4, 11], 2: [1, 2, 7]}
-    rows = []
-    for (client, task), (phi, labels) in sorted(data.items()):
+
+    def keep_of(client: int, task: int, labels: torch.Tensor) -> torch.Tensor | None:
+        if client != 1 or task not in forget:
+            return None
         keep = torch.ones(len(labels), dtype=torch.bool)
-        if client == 1 and task in forget:
-            keep[forget[task]] = False
-            replace_upload(
-                state, task_classes(task), upload_of(phi, labels, task), upload_of(phi[keep], labels[keep], task)
-            )
-        rows.append((phi[keep], labels[keep]))
+        keep[forget[task]] = False
+        return keep
+
+    rows = forget_where(data, state, keep_of)
     weights, gamma = solved(state, CLASSES)
     reference, ref_gamma = central_weights(rows, CLASSES)
     assert gamma == ref_gamma
@@ -146,19 +146,28 @@ def test_stsa_forget_samples_by_replacing_an_upload_with_the_kept_samples_statis
     assert state.num_samples == sum(int(r[1].numel()) for r in rows)
 
 
+def forget_where(data, state, keep_of):
+    """Every site's upload whose ``keep_of(client, task, labels)`` mask is not None is replaced by
+    that of its kept samples (``replace_upload``); returns every site's kept rows, for the reference."""
+    rows = []
+    for (client, task), (phi, labels) in sorted(data.items()):
+        keep = keep_of(client, task, labels)
+        if keep is None:
+            keep = torch.ones(len(labels), dtype=torch.bool)
+        else:
+            replace_upload(
+                state, task_classes(task), upload_of(phi, labels, task), upload_of(phi[keep], labels[keep], task)
+            )
+        rows.append((phi[keep], labels[keep]))
+    return rows
+
+
 def test_stsa_forget_a_class_leaves_its_column_zero_and_the_rest_exact() -> None:
     """Class 3 (stage 2) is forgotten: every holder replaces its upload by that of its other samples."""
     data = make_data(2)
     state = federated(data, list(range(CLIENTS)), TASKS)
     before = float(state.class_sums[:, 3].norm())
-    rows = []
-    for (_client, task), (phi, labels) in sorted(data.items()):
-        keep = labels != 3
-        if task == 1:
-            replace_upload(
-                state, task_classes(task), upload_of(phi, labels, task), upload_of(phi[keep], labels[keep], task)
-            )
-        rows.append((phi[keep], labels[keep]))
+    rows = forget_where(data, state, lambda _client, task, labels: labels != 3 if task == 1 else None)
     weights, gamma = solved(state, CLASSES)
     reference, ref_gamma = central_weights(rows, CLASSES)
     assert gamma == ref_gamma
