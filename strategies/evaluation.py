@@ -216,9 +216,11 @@ class Riding:
         if not self.asked and grid is not None:  # no round carried it (a secure sum opened before a resume)
             self.scores = collect(host, grid, task, self.request)
         else:
+            rejected = host.accounting.rejected  # why the statistics reply that carried the counts failed
             for name in sorted({host.nodes_name(node) for node in self.asked}, key=client_order):
                 if name not in self.scores.counts and name not in self.scores.left_out:
-                    self.scores.left_out[name] = "evaluation: no readable statistics reply within round-timeout"
+                    why = rejected.get(name, "no readable statistics reply within round-timeout")
+                    self.scores.left_out[name] = f"evaluation: {why}"
             warn_left_out(self.scores, task)
         scores = self.scores
         accuracy, per_task, scored = score(host, scores, task)
