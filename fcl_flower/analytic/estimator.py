@@ -20,7 +20,8 @@ has columns √B_i S^(i): two matmuls instead of c·K rank-1 updates.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -241,6 +242,67 @@ class GramEstimator:
         z_b = self.class_sums * torch.sqrt(b).unsqueeze(0)
         gram.addmm_(z_b, z_b.T, alpha=-1.0)
         return 0.5 * (gram + gram.T)
+
+    def state_dict(self) -> dict[str, object]:
+        """Everything the estimate depends on (a checkpoint; :meth:`from_state` reads it back):
+        S, n_i, K_i, K and each P_i as its blocks of columns or dense, so that a removal after a
+        resume still finds the very blocks it added."""
+        return {
+            "k_mode": self.k_mode,
+            "class_sums": self.class_sums,
+            "counts": self.counts,
+            "holders": self.holders,
+            "num_uploads": self.num_uploads,
+            "columns": [list(blocks) for blocks in self._columns],
+            "dense": list(self._dense),
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], rf_dim: int, num_classes: int) -> GramEstimator:
+        """The estimator :meth:`state_dict` describes, every field checked against ``rf_dim`` and
+        ``num_classes`` (AnalyticInputError naming the field otherwise)."""
+
+        def tensor(value: Any, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float64) -> Tensor:
+            if not isinstance(value, Tensor) or tuple(value.shape) != shape or value.dtype != dtype:
+                raise AnalyticInputError(f"estimator {name} must be a {dtype} tensor of shape {shape}")
+            if dtype.is_floating_point and not bool(torch.isfinite(value).all()):
+                raise AnalyticInputError(f"estimator {name} has non-finite entries")
+            return value.clone()
+
+        k_mode = state.get("k_mode")
+        if k_mode not in K_MODES:
+            raise AnalyticInputError(f"estimator k_mode must be one of {K_MODES}, got {k_mode!r}")
+        estimator = cls(rf_dim, num_classes, k_mode=cast(KMode, k_mode))
+        estimator.class_sums = tensor(state.get("class_sums"), "class_sums", (rf_dim, num_classes))
+        estimator.counts = tensor(state.get("counts"), "counts", (num_classes,))
+        estimator.holders = tensor(state.get("holders"), "holders", (num_classes,), torch.int64)
+        uploads = state.get("num_uploads")
+        if isinstance(uploads, bool) or not isinstance(uploads, int) or uploads < 0:
+            raise AnalyticInputError(f"estimator num_uploads must be an int >= 0, got {uploads!r}")
+        estimator.num_uploads = uploads
+        if bool((estimator.counts < 0).any()) or bool((estimator.holders < 0).any()):
+            raise AnalyticInputError("estimator counts and holders must be >= 0")
+        if bool((estimator.holders > uploads).any()):
+            raise AnalyticInputError("estimator holders exceed its number of uploads")
+        columns, dense = state.get("columns"), state.get("dense")
+        if (
+            not isinstance(columns, list)
+            or not isinstance(dense, list)
+            or not len(columns) == len(dense) == num_classes
+        ):
+            raise AnalyticInputError(f"estimator columns and dense must be lists of {num_classes} classes")
+        for i, (blocks, full) in enumerate(zip(columns, dense)):
+            if full is not None:
+                estimator._dense[i] = tensor(full, f"dense[{i}]", (rf_dim, rf_dim))
+            if not isinstance(blocks, list) or (full is not None and blocks):
+                raise AnalyticInputError(f"estimator columns[{i}] must be a list of blocks (none once dense)")
+            for j, block in enumerate(blocks):
+                width = int(block.shape[1]) if isinstance(block, Tensor) and block.dim() == 2 else -1
+                estimator._columns[i].append(tensor(block, f"columns[{i}][{j}]", (rf_dim, max(width, 1))))
+            estimator._num_columns[i] = sum(int(b.shape[1]) for b in estimator._columns[i])
+            if estimator._num_columns[i] > rf_dim:
+                raise AnalyticInputError(f"estimator columns[{i}] holds more than {rf_dim} columns")
+        return estimator
 
     def state_numbers(self) -> int:
         """Numbers held (for memory accounting): columns or dense P_i, plus S."""

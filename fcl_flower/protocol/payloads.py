@@ -12,8 +12,9 @@ arrays, numeric dtype, shape and finiteness, and raises :class:`UploadError` wit
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ from fcl_flower.tensors import cast_for_wire, read_tensor
 from fcl_flower.tensors import tensor_record as to_record
 
 Tensor = torch.Tensor
+
+
+T = TypeVar("T")
 
 
 def _exact_keys(record: ArrayRecord, keys: tuple[str, ...]) -> None:
@@ -183,10 +187,11 @@ class StsaEStats:
     counts: Tensor
     KEYS = ("class-sums", "counts")
 
+    def arrays(self) -> dict[str, Tensor]:
+        return {"class-sums": self.class_sums, "counts": self.counts}
+
     def to_record(self, wire_dtype: str) -> ArrayRecord:
-        return to_record(
-            {"class-sums": cast_for_wire(self.class_sums, wire_dtype), "counts": cast_for_wire(self.counts, wire_dtype)}
-        )
+        return to_record({key: cast_for_wire(value, wire_dtype) for key, value in self.arrays().items()})
 
     @classmethod
     def read(
@@ -211,14 +216,11 @@ class FedranStats:
     label_corr: Tensor
     KEYS = ("basis", "singular-values", "label-corr")
 
+    def arrays(self) -> dict[str, Tensor]:
+        return {"basis": self.basis, "singular-values": self.singular_values, "label-corr": self.label_corr}
+
     def to_record(self, wire_dtype: str) -> ArrayRecord:
-        return to_record(
-            {
-                "basis": cast_for_wire(self.basis, wire_dtype),
-                "singular-values": cast_for_wire(self.singular_values, wire_dtype),
-                "label-corr": cast_for_wire(self.label_corr, wire_dtype),
-            }
-        )
+        return to_record({key: cast_for_wire(value, wire_dtype) for key, value in self.arrays().items()})
 
     @classmethod
     def read(cls, record: ArrayRecord, *, dim: int, classes: int, max_rank: int) -> FedranStats:
@@ -333,22 +335,60 @@ class ForgetStats:
         """Every key ``added-<task>-<name>`` or ``kept-<task>-<name>`` for a task of ``classes_of``
         (the stages done so far, and their numbers of classes), each upload complete, a kept part
         only beside its added one; shapes as a statistics upload's (:meth:`StsaStats.read`)."""
-        found: dict[tuple[str, int], set[str]] = {}
-        for key in record:
-            part, _, rest = key.partition("-")
-            task_text, _, name = rest.partition("-")
-            if part not in ("added", "kept") or not task_text.isdigit() or name not in StsaStats.KEYS:
-                raise UploadError(f"unexpected array '{key}' in a forget reply")
-            if int(task_text) not in classes_of:
-                raise UploadError(f"array '{key}' names a stage that has not run")
-            found.setdefault((part, int(task_text)), set()).add(name)
         uploads: dict[str, dict[int, StsaStats]] = {"added": {}, "kept": {}}
-        for (part, task), names in sorted(found.items()):
-            if names != set(StsaStats.KEYS):
-                raise UploadError(f"the {part} upload of stage {task + 1} lacks {sorted(set(StsaStats.KEYS) - names)}")
-            sub = ArrayRecord({name: record[f"{part}-{task}-{name}"] for name in StsaStats.KEYS})
+        for (part, task), sub in forget_groups(record, ("added", "kept"), StsaStats.KEYS, classes_of).items():
             uploads[part][task] = StsaStats.read(sub, packed=packed, dim=dim, classes=classes_of[task])
         stray = sorted(set(uploads["kept"]) - set(uploads["added"]))
         if stray:
             raise UploadError(f"a kept part of stage {stray[0] + 1} without the upload it replaces")
         return cls(uploads["added"], uploads["kept"])
+
+
+def forget_groups(
+    record: ArrayRecord, parts: tuple[str, ...], keys: tuple[str, ...], tasks: Collection[int]
+) -> dict[tuple[str, int], ArrayRecord]:
+    """A forget reply's arrays ``<part>-<task>-<key>`` grouped by (part, task), in order, each group
+    complete (every one of ``keys``) and of a stage in ``tasks`` (those that have run); UploadError
+    naming the first array or upload that is not."""
+    found: dict[tuple[str, int], set[str]] = {}
+    for key in record:
+        part, _, rest = key.partition("-")
+        task_text, _, name = rest.partition("-")
+        if part not in parts or not task_text.isdigit() or name not in keys:
+            raise UploadError(f"unexpected array '{key}' in a forget reply")
+        if int(task_text) not in tasks:
+            raise UploadError(f"array '{key}' names a stage that has not run")
+        found.setdefault((part, int(task_text)), set()).add(name)
+    groups: dict[tuple[str, int], ArrayRecord] = {}
+    for (part, task), names in sorted(found.items()):
+        if names != set(keys):
+            raise UploadError(f"the {part} upload of stage {task + 1} lacks {sorted(set(keys) - names)}")
+        groups[(part, task)] = ArrayRecord({name: record[f"{part}-{task}-{name}"] for name in keys})
+    return groups
+
+
+@dataclass(frozen=True)
+class SiteUploads:
+    """A whole-site forget round's reply for a method whose uploads are not STSA's (STSA-E: the
+    class sums and counts of the site's dummy clients; FedRAN: U, σ, B; docs/unlearning.md): per
+    stage, the arrays of the upload the site kept, as the server read them (``added-<task>-<key>``),
+    which the server checks against its digest. Empty for a site with nothing to remove."""
+
+    added: Mapping[int, Mapping[str, Tensor]]
+
+    def to_record(self, wire_dtype: str) -> ArrayRecord:
+        return to_record(
+            {
+                f"added-{task}-{name}": cast_for_wire(value, wire_dtype)
+                for task, arrays in sorted(self.added.items())
+                for name, value in arrays.items()
+            }
+        )
+
+    @staticmethod
+    def read(
+        record: ArrayRecord, *, keys: tuple[str, ...], tasks: Collection[int], read_one: Callable[[ArrayRecord, int], T]
+    ) -> dict[int, T]:
+        """Per stage the upload ``read_one(its arrays, task)`` reads (the method's own parse of a
+        statistics upload of that stage, every check of it included)."""
+        return {task: read_one(sub, task) for (_, task), sub in forget_groups(record, ("added",), keys, tasks).items()}
