@@ -31,6 +31,7 @@ from torch import Tensor
 from clients.features import cache_for
 from clients.job import ClientJob
 from clients.statistics import UploadNoise, effective_rf_dim, projection_for, upload_noise
+from clients.upload_store import as_read, keep_upload, store_folder
 from fcl_flower.analytic import random_features
 from fcl_flower.analytic.lowrank import LowRankSummary, client_summary, client_summary_from_gram
 from fcl_flower.analytic.pseudolabel import pseudo_label_client, pseudo_label_report, select_labelled
@@ -196,6 +197,9 @@ def handle_stats(job: ClientJob) -> StatsRes:
         pseudo_correct=int(stats.pseudo["correct"]),
     )
     num_samples = stats.num_samples
+    folder = store_folder(job.context.node_config)
+    if folder is not None:  # kept as the server reads it, so that the site can be forgotten exactly later
+        keep_upload(job, folder, job.task, as_read(arrays.arrays(), job.cfg.wire_dtype), num_samples)
     if noise is not None and noise.on_counts:  # ñ noised; the report must not give it away
         num_samples = noisy_count(noise, num_samples)
         report = FedranReport(num_samples + stats.withheld, 0, 0, 0)

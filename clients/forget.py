@@ -1,4 +1,5 @@
-"""A site's side of a forget round (phase ``stsa-forget``, docs/unlearning.md).
+"""A site's side of a forget round (phase ``stsa-forget``; ``stsa-e-forget`` and ``fedran-forget``
+through :func:`handle_forget_site`, docs/unlearning.md).
 
 The server asks every site between two stages (run config ``forget``). A site the server names
 (a whole-site removal, the server operator's request) re-sends every upload it kept
@@ -27,13 +28,15 @@ import torch
 
 from clients.job import ClientJob
 from clients.statistics import local_task_features
-from clients.upload_store import as_received, load_upload, save_upload, store_folder, store_sizes
+from clients.upload_store import as_received, load_arrays, load_upload, save_upload, store_folder, store_sizes
 from fcl_flower.analytic import StatisticsAccumulator
 from fcl_flower.protocol import StatsIns, StatsRes
-from fcl_flower.protocol.payloads import ForgetStats, StsaStats
+from fcl_flower.protocol.payloads import FedranStats, ForgetStats, SiteUploads, StsaEStats, StsaStats
 from fcl_flower.tensors import WIRE_DTYPES
 
 SAMPLES_KEY = "forget-samples"  # node-config key: the site's own request
+# the arrays of a kept upload, per method whose forget round re-sends whole uploads (handle_forget_site)
+UPLOAD_KEYS = {"stsa-e": StsaEStats.KEYS, "fedran": FedranStats.KEYS}
 
 
 class ForgetError(RuntimeError):
@@ -149,3 +152,29 @@ def handle_forget(job: ClientJob) -> StatsRes:
             done_classes |= task_classes
         _note_applied(folder, job.partition, done_rows, done_classes)
     return job.stats_reply(removed, arrays=ForgetStats(added, kept).to_record(job.cfg.wire_dtype))
+
+
+def handle_forget_site(job: ClientJob) -> StatsRes:
+    """The forget round of a method that forgets whole sites only (STSA-E, FedRAN; phases
+    ``stsa-e-forget``, ``fedran-forget``): a site the server names re-sends every upload it kept of
+    the stages so far, as the server read them; any other site answers with an empty reply. A
+    site's own sample requests (``forget-samples``) are refused with the reason."""
+    assert isinstance(job.ins, StatsIns)
+    config = job.context.node_config
+    wire = job.cfg.wire_dtype
+    if job.partition not in job.ins.forget:
+        if sample_requests(config) != ({}, set()):
+            raise ForgetError(
+                f"{SAMPLES_KEY}: strategy {job.cfg.strategy} forgets whole sites only (run config forget 'S:C'); "
+                "a site's samples or classes are forgotten with strategy stsa"
+            )
+        return job.stats_reply(0, arrays=SiteUploads({}).to_record(wire))
+    folder = store_folder(config)
+    if folder is None:
+        raise ForgetError("asked to forget, but this node keeps no uploads (node config upload-store)")
+    added: dict[int, dict[str, torch.Tensor]] = {}
+    removed = 0
+    for task in (t for t in store_sizes(folder, job.partition) if t <= job.task):
+        added[task], samples, _ = load_arrays(folder, job.partition, task, UPLOAD_KEYS[job.cfg.strategy])
+        removed += samples
+    return job.stats_reply(removed, arrays=SiteUploads(added).to_record(wire))

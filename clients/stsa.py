@@ -28,10 +28,7 @@ server opens over ≥ t survivors carries at least σ² (fcl_flower/privacy/nois
 
 from __future__ import annotations
 
-from logging import INFO
-
 import torch
-from flwr.common.logger import log
 
 from clients.features import cache_for
 from clients.job import ClientJob
@@ -47,7 +44,7 @@ from clients.statistics import (
     task_data,
     upload_noise,
 )
-from clients.upload_store import as_received, save_upload, store_folder
+from clients.upload_store import as_received, keeping, store_folder
 from fcl_flower.analytic import StatisticsAccumulator, random_features
 from fcl_flower.analytic.factor import factor_is_smaller, rotated_factor
 from fcl_flower.privacy.disclosure import per_class_counts
@@ -122,6 +119,12 @@ def noisy_stsa_statistics(job: ClientJob, task: int) -> Statistics:
     return Statistics(payload, 0 if noise.on_counts else stats.num_samples, stats.withheld)
 
 
+def kept_arrays(payload: StsaStats | StsaFactorStats, wire_dtype: str) -> dict[str, torch.Tensor] | None:
+    """What a site keeps of a plain upload: a Gram upload as the server reads it; a factor none
+    (its G is the server's own product, which the site cannot re-send bit for bit)."""
+    return as_received(payload, wire_dtype).arrays() if isinstance(payload, StsaStats) else None
+
+
 def handle_stats(job: ClientJob) -> StatsRes:
     """STSA statistics of the current task and of any owed earlier task; masked in a secure round.
     With node config ``upload-store`` a plain Gram upload is also kept on this node's disk
@@ -129,25 +132,7 @@ def handle_stats(job: ClientJob) -> StatsRes:
     assert isinstance(job.ins, StatsIns)
     if job.ins.secagg is None:
         folder = store_folder(job.context.node_config)
-        if folder is None:
-            return reply_with_backfill(job, noisy_stsa_statistics)
-
-        def keeping(job: ClientJob, task: int) -> Statistics:
-            stats = noisy_stsa_statistics(job, task)
-            if isinstance(stats.payload, StsaStats):
-                size = save_upload(
-                    folder,
-                    job.partition,
-                    task,
-                    as_received(stats.payload, job.cfg.wire_dtype),
-                    stats.num_samples,
-                    run=job.ins.header.run_id,
-                    client=f"client-{job.partition}",
-                )
-                log(INFO, "client-%d keeps its upload of stage %d: %d bytes on disk", job.partition, task + 1, size)
-            return stats
-
-        return reply_with_backfill(job, keeping)
+        return reply_with_backfill(job, keeping(folder, noisy_stsa_statistics, kept_arrays))
     return masked_stats(job, job.ins.secagg)
 
 

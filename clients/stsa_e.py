@@ -15,6 +15,7 @@ import torch
 
 from clients.job import ClientJob
 from clients.statistics import Statistics, local_task_features, reply_with_backfill, upload_noise
+from clients.upload_store import as_read, keeping, store_folder
 from fcl_flower.analytic import StatisticsAccumulator, split_into_dummy_clients
 from fcl_flower.privacy.disclosure import withheld_cells
 from fcl_flower.protocol import StatsRes
@@ -54,6 +55,13 @@ def noisy_stsa_e_statistics(job: ClientJob, task: int) -> Statistics:
     return Statistics(payload, 0 if noise.on_counts else stats.num_samples, stats.withheld)
 
 
+def kept_arrays(payload: StsaEStats, wire_dtype: str) -> dict[str, torch.Tensor]:
+    """What a site keeps of its upload (node config ``upload-store``): as the server reads it."""
+    return as_read(payload.arrays(), wire_dtype)
+
+
 def handle_stats(job: ClientJob) -> StatsRes:
-    """STSA-E statistics of the current task (and of any owed earlier task)."""
-    return reply_with_backfill(job, noisy_stsa_e_statistics)
+    """STSA-E statistics of the current task (and of any owed earlier task); with node config
+    ``upload-store`` each upload is also kept on this node's disk (clients/upload_store.py)."""
+    folder = store_folder(job.context.node_config)
+    return reply_with_backfill(job, keeping(folder, noisy_stsa_e_statistics, kept_arrays))

@@ -1,9 +1,10 @@
 """A site's own copy of what it uploaded, per stage, so that it can be forgotten exactly later
 (issue 33, docs/unlearning.md).
 
-With node config ``upload-store`` (a folder; or $FCL_UPLOAD_STORE) an STSA client in plain mode
-writes every upload it sends, as the server will read it (G at the wire dtype, C and the counts
-as float64 of their wire values), to ``<folder>/partition-<p>/task-<t>.safetensors`` with the run
+With node config ``upload-store`` (a folder; or $FCL_UPLOAD_STORE) an STSA, STSA-E or FedRAN
+client in plain mode writes every upload it sends, as the server will read it (STSA: G at the
+wire dtype, C and the counts as float64 of their wire values; STSA-E: its dummy clients' class
+sums and counts, FedRAN: U, σ and B, each as float64 of its wire values), to ``<folder>/partition-<p>/task-<t>.safetensors`` with the run
 id, the client name and the number of samples in its metadata. To forget the stage later the site
 re-sends exactly these bytes (the server checks them against its digest, strategies/unlearning.py)
 together with the statistics of the samples it keeps, even after its raw data of that stage is
@@ -18,13 +19,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from logging import INFO
 from pathlib import Path
 from typing import Any
 
 import torch
+from flwr.common.logger import log
 from safetensors.torch import load, save
 
+from clients.job import ClientJob
+from clients.statistics import Statistics
 from fcl_flower.protocol.payloads import StsaStats
 from fcl_flower.tensors import cast_for_wire
 
@@ -59,15 +64,35 @@ def upload_path(folder: Path, partition: int, task: int) -> Path:
     return folder / f"partition-{int(partition)}" / f"task-{int(task)}.safetensors"
 
 
+def as_read(arrays: Mapping[str, torch.Tensor], wire_dtype: str) -> dict[str, torch.Tensor]:
+    """An upload the server reads in float64 (STSA-E's, FedRAN's) as it reads it: each array cast to
+    the wire dtype and back to float64."""
+    return {name: cast_for_wire(value, wire_dtype).to(torch.float64).contiguous() for name, value in arrays.items()}
+
+
 def save_upload(
     folder: Path, partition: int, task: int, stats: StsaStats, num_samples: int, *, run: str, client: str
 ) -> int:
-    """Keep one upload (atomically, mode 0600); returns its size on disk in bytes."""
+    """Keep one STSA upload (atomically, mode 0600); returns its size on disk in bytes."""
+    return save_arrays(folder, partition, task, stats.arrays(), num_samples, run=run, client=client)
+
+
+def save_arrays(
+    folder: Path,
+    partition: int,
+    task: int,
+    arrays: Mapping[str, torch.Tensor],
+    num_samples: int,
+    *,
+    run: str,
+    client: str,
+) -> int:
+    """Keep one upload's arrays, any method's (atomically, mode 0600); returns its size in bytes."""
     path = upload_path(folder, partition, task)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path.parent, 0o700)
     meta = {"format": FORMAT, "run": run, "client": client, "task": str(int(task)), "num_samples": str(num_samples)}
-    blob = save(stats.arrays(), metadata=meta)
+    blob = save(dict(arrays), metadata=meta)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -82,8 +107,24 @@ def save_upload(
     return path.stat().st_size
 
 
+def keep_upload(job: ClientJob, folder: Path, task: int, arrays: Mapping[str, torch.Tensor], num_samples: int) -> None:
+    """Keep ``job``'s upload of ``task`` (as the server reads it) and log its size on disk."""
+    size = save_arrays(
+        folder, job.partition, task, arrays, num_samples, run=job.ins.header.run_id, client=f"client-{job.partition}"
+    )
+    log(INFO, "client-%d keeps its upload of stage %d: %d bytes on disk", job.partition, task + 1, size)
+
+
 def load_upload(folder: Path, partition: int, task: int) -> tuple[StsaStats, int, dict[str, str]]:
-    """(the upload, its number of samples, its metadata: run, client, task)."""
+    """(the STSA upload, its number of samples, its metadata: run, client, task)."""
+    arrays, samples, meta = load_arrays(folder, partition, task, StsaStats.KEYS)
+    return StsaStats(arrays["gram-packed"], arrays["class-sums"], arrays["counts"]), samples, meta
+
+
+def load_arrays(
+    folder: Path, partition: int, task: int, keys: tuple[str, ...]
+) -> tuple[dict[str, torch.Tensor], int, dict[str, str]]:
+    """(the upload's arrays, named ``keys``, its number of samples, its metadata: run, client, task)."""
     path = upload_path(folder, partition, task)
     if not path.is_file():
         raise StoreError(f"{path}: no kept upload of stage {task + 1}")
@@ -94,10 +135,29 @@ def load_upload(folder: Path, partition: int, task: int) -> tuple[StsaStats, int
         meta = json.loads(blob[8 : 8 + header_size]).get("__metadata__", {})
     except Exception as err:
         raise StoreError(f"{path}: not a kept upload ({err})") from None
-    if meta.get("format") != FORMAT or set(arrays) != set(StsaStats.KEYS):
-        raise StoreError(f"{path}: not a kept upload of this format ({FORMAT})")
-    stats = StsaStats(arrays["gram-packed"], arrays["class-sums"], arrays["counts"])
-    return stats, int(meta["num_samples"]), dict(meta)
+    if meta.get("format") != FORMAT or set(arrays) != set(keys):
+        raise StoreError(f"{path}: not a kept upload of this format ({FORMAT}, arrays {', '.join(keys)})")
+    return arrays, int(meta["num_samples"]), dict(meta)
+
+
+def keeping(
+    folder: Path | None,
+    compute: Callable[[ClientJob, int], Statistics],
+    arrays_of: Callable[[Any, str], Mapping[str, torch.Tensor] | None],
+) -> Callable[[ClientJob, int], Statistics]:
+    """``compute`` (a task's statistics), also keeping each upload in ``folder`` (none: as it is):
+    ``arrays_of(payload, wire dtype)`` the arrays as the server reads them (None: not kept)."""
+    if folder is None:
+        return compute
+
+    def kept(job: ClientJob, task: int) -> Statistics:
+        stats = compute(job, task)
+        arrays = arrays_of(stats.payload, job.cfg.wire_dtype)
+        if arrays is not None:
+            keep_upload(job, folder, task, arrays, stats.num_samples)
+        return stats
+
+    return kept
 
 
 def store_sizes(folder: Path, partition: int) -> dict[int, int]:
