@@ -292,10 +292,11 @@ class RunConfig:
     # --- unlearning (docs/unlearning.md) -----------------------------------------------------
     forget: str = _knob(
         "",
-        "STSA: removals applied between stages, comma-separated: 'S:C' forgets site C (client id) wholly after "
+        "STSA, STSA-E, FedRAN: removals applied between stages, comma-separated: 'S:C' forgets site C (client id) "
+        "wholly after "
         "stage S (the server operator's request; the site re-sends the uploads it kept under node config "
         "upload-store and takes no part in later stages), 'S' runs a forget round after stage S in which each "
-        "site applies its own request (node config forget-samples). Empty: none.",
+        "site applies its own request (node config forget-samples; STSA only). Empty: none.",
     )
     stage1_exclude: str = _knob(
         "",
@@ -387,6 +388,29 @@ class RunConfig:
             if site.strip():
                 sites.extend(self._client_ids(site, "forget"))
         return {stage: tuple(sorted(set(sites))) for stage, sites in sorted(requests.items())}
+
+    def check_forget(self) -> None:
+        """``forget`` where the method has a forget round (the registry's ``forget``) and the server
+        can check a removal against what it accepted: plain uploads (no secure-aggregation, no noise),
+        STSA's in Gram form; a site's own requests (a bare stage 'S') only where the method forgets
+        samples (docs/unlearning.md). ConfigError with the reason otherwise."""
+        if not self.forget_requests():
+            return
+        able = methods.with_capability("forget")
+        if self.strategy not in able:
+            raise ConfigError(f"forget: strategy {self.strategy} has no forget round (it works with {', '.join(able)})")
+        if self.secure_aggregation or self.upload_noise or self.stats_form != "gram":
+            raise ConfigError(
+                "forget works with plain uploads in Gram form (no secure-aggregation, no noise, stats-form gram): "
+                "the server checks a removal against what it accepted"
+            )
+        bare = [item.strip() for item in self.forget.split(",") if item.strip() and ":" not in item]
+        if bare and self.method.forget != "samples":
+            samples = ", ".join(m.name for m in methods.specs() if m.forget == "samples")
+            raise ConfigError(
+                f"forget: '{bare[0]}' (the sites' own sample requests) works with strategy {samples}; "
+                f"{self.strategy} forgets whole sites only ('S:C')"
+            )
 
     def _client_ids(self, text: str, knob: str) -> list[int]:
         ids = []
@@ -508,13 +532,7 @@ class RunConfig:
         if self.min_class_count < 1:
             raise ConfigError(f"min-class-count must be >= 1 (got {self.min_class_count})")
         self.stage1_excluded()  # both parse, or say why not
-        if self.forget_requests() and (
-            self.strategy != "stsa" or self.secure_aggregation or self.stats_form != "gram" or self.upload_noise
-        ):
-            raise ConfigError(
-                "forget works with plain STSA uploads in Gram form (strategy stsa, no secure-aggregation, "
-                "stats-form gram, no noise): the server checks a removal against what it accepted"
-            )
+        self.check_forget()
         if not 8 <= self.secagg_fraction_bits <= 48:
             raise ConfigError(f"secagg-fraction-bits must be in [8, 48] (got {self.secagg_fraction_bits})")
         if self.secagg_min_clients < 2:

@@ -71,6 +71,9 @@ class MethodSpec:
     pooled_data: bool = False  # the server trains on every client's data (joint bounds): no federated-only run
     factor_upload: bool = False  # a client may upload its rotated [features, labels] instead of the Gram (stats-form)
     anchor_dim: int = 0  # > 0: the model has an anchor head of this size (LANDER's label-text space)
+    # its forget round (run config forget, docs/unlearning.md): "samples" (whole sites, a site's samples or
+    # classes), "sites" (whole sites only), "" (none)
+    forget: str = ""
 
     def phase(self, name: str) -> Phase:
         for phase in self.phases:
@@ -232,6 +235,7 @@ register(
         backfill=True,
         upload_noise=("gram", "sums", "counts"),
         factor_upload=True,
+        forget="samples",
     )
 )
 register(
@@ -240,10 +244,15 @@ register(
         family=Family.ANALYTIC,
         summary="STSA-E: class sums and counts of dummy clients only; the server estimates G (Eq. 9)",
         strategy="strategies.stsa_e:STSAEStrategy",
-        phases=(FEDAVG, Phase("stsa-e-stats", Kind.STATS, "clients.stsa_e:handle_stats")),
-        knobs=_all(DENSE_RIDGE_KNOBS, ("dummy-clients", "k-mode"), NOISE_KNOBS),
+        phases=(
+            FEDAVG,
+            Phase("stsa-e-stats", Kind.STATS, "clients.stsa_e:handle_stats"),
+            Phase("stsa-e-forget", Kind.STATS, "clients.forget:handle_forget_site"),
+        ),
+        knobs=_all(DENSE_RIDGE_KNOBS, ("dummy-clients", "k-mode", "forget"), NOISE_KNOBS),
         backfill=True,
         upload_noise=("sums", "counts"),
+        forget="sites",
     )
 )
 register(
@@ -252,9 +261,16 @@ register(
         family=Family.ANALYTIC,
         summary="FedRAN: truncated SVD of the Gram per client, QR-SVD merge, subspace ridge, pseudo-labels",
         strategy="strategies.fedran:FedRANStrategy",
-        phases=(FEDAVG, Phase("fedran-stats", Kind.STATS, "clients.fedran:handle_stats")),
-        knobs=_all(RIDGE_KNOBS, ("rank", "rank-budget-bytes", "label-ratio", "pseudo-threshold"), NOISE_KNOBS),
+        phases=(
+            FEDAVG,
+            Phase("fedran-stats", Kind.STATS, "clients.fedran:handle_stats"),
+            Phase("fedran-forget", Kind.STATS, "clients.forget:handle_forget_site"),
+        ),
+        knobs=_all(
+            RIDGE_KNOBS, ("rank", "rank-budget-bytes", "label-ratio", "pseudo-threshold", "forget"), NOISE_KNOBS
+        ),
         upload_noise=("gram", "sums", "counts"),
+        forget="sites",
     )
 )
 register(

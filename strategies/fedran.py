@@ -12,10 +12,12 @@ import dataclasses
 from typing import Any
 
 import torch
+from flwr.app import ArrayRecord
 
 from fcl_flower import restore as fields
 from fcl_flower.analytic.checks import check_lowrank_statistics, wire_epsilon
 from fcl_flower.analytic.communication import WIRE_DTYPE_BYTES, fedran_upload_numbers
+from fcl_flower.analytic.errors import AnalyticInputError
 from fcl_flower.analytic.lowrank import (
     LowRankError,
     LowRankSummary,
@@ -25,6 +27,7 @@ from fcl_flower.analytic.lowrank import (
 )
 from fcl_flower.analytic.ridge import GCVRow, default_ridge_grid
 from fcl_flower.analytic.subspace import pad_label_corr, select_subspace_ridge_gcv, solve_subspace_ridge
+from fcl_flower.analytic.unlearning import remerge_without
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.data import FederationLayout
 from fcl_flower.protocol import FedranReport, Instruction, StatsIns, StatsRes, UploadError
@@ -32,11 +35,13 @@ from fcl_flower.protocol.payloads import FedranStats
 from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.tensors import WIRE_DTYPES
-from strategies.analytic import AnalyticStrategy, ridge_extras, upload_checks
+from strategies.analytic import ridge_extras, upload_checks
 from strategies.base import Accepted, RoundPlan
+from strategies.forgetting import WholeSiteForgetting, site_of
+from strategies.unlearning import Commitment, ForgetRefused
 
 
-class FedRANStrategy(AnalyticStrategy):
+class FedRANStrategy(WholeSiteForgetting):
     """FedRAN and FedRAN-SSL as a staged Flower strategy (one upload per client per stage).
 
     Stage-1 adaptation (``stage1-rounds``): the paper keeps a *pretrained* backbone frozen for
@@ -68,6 +73,8 @@ class FedRANStrategy(AnalyticStrategy):
     """
 
     stats_phase = "fedran-stats"
+    forget_phase = "fedran-forget"
+    upload_keys = FedranStats.KEYS
 
     def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
@@ -80,6 +87,10 @@ class FedRANStrategy(AnalyticStrategy):
         if cfg.rank_budget_bytes > 0:
             self.upload_rank(self.num_tasks - 1)  # the last stage has the widest B: fail now, not then
         self._stage: dict[str, Any] = {}
+        # where removals are scheduled (docs/unlearning.md): every site's summary (U_k, σ_k, n_k) per
+        # stage in merge order, and the server rank of each stage's merge, to merge the kept ones again
+        self.site_summaries: dict[int, list[tuple[int, LowRankSummary]]] = {}
+        self.stage_ranks: dict[int, int] = {}
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -96,6 +107,12 @@ class FedRANStrategy(AnalyticStrategy):
                 "num_samples": summary.num_samples,
                 "discarded": (summary.discarded.spectral, summary.discarded.trace),
             },
+            "site_summaries": {
+                str(task): {str(site): summary_state(kept) for site, kept in sites}
+                for task, sites in sorted(self.site_summaries.items())
+            },
+            "stage_ranks": {str(task): rank for task, rank in sorted(self.stage_ranks.items())},
+            **self.forgetting_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -135,9 +152,47 @@ class FedRANStrategy(AnalyticStrategy):
         self.gram_noise_variance = fields.number(
             state.get("gram_noise_variance", 0.0), "state/gram_noise_variance", 0.0
         )
+        self.load_site_summaries(state)
+        self.load_forgetting_state(state)
+
+    def load_site_summaries(self, state: dict[str, Any]) -> None:
+        """The kept per-site summaries and stage ranks (removals scheduled), each checked."""
+        ranks = fields.mapping(state.get("stage_ranks", {}), "state/stage_ranks")
+        self.stage_ranks = {}
+        for key, rank in ranks.items():
+            if not str(key).isdigit() or int(key) >= self.num_tasks:
+                raise RestoreError(f"state/stage_ranks/{key}", "must name a stage of this run")
+            self.stage_ranks[int(key)] = fields.integer(rank, f"state/stage_ranks/{key}", 1, self.rf_dim)
+        self.site_summaries = {}
+        for key, sites in fields.mapping(state.get("site_summaries", {}), "state/site_summaries").items():
+            where = f"state/site_summaries/{key}"
+            if not str(key).isdigit() or int(key) not in self.stage_ranks:
+                raise RestoreError(where, "must name a stage of this run with its rank in state/stage_ranks")
+            kept = []
+            for site, saved in sorted(fields.mapping(sites, where).items(), key=lambda item: int(item[0])):
+                if not str(site).isdigit() or int(site) >= self.cfg.num_clients:
+                    raise RestoreError(f"{where}/{site}", "must name a client of this run")
+                kept.append(
+                    (int(site), self.restored_summary(fields.mapping(saved, f"{where}/{site}"), f"{where}/{site}"))
+                )
+            self.site_summaries[int(key)] = kept
+
+    def restored_summary(self, saved: Any, where: str) -> LowRankSummary:
+        """One site's summary (U orthonormal, σ descending >= 0) from a checkpoint."""
+        basis = fields.tensor(fields.entry(saved, "basis", where), f"{where}/basis", (self.rf_dim, None))
+        rank = int(basis.shape[1])
+        sigma = fields.tensor(fields.entry(saved, "singular_values", where), f"{where}/singular_values", (rank,))
+        samples = fields.integer(fields.entry(saved, "num_samples", where), f"{where}/num_samples", 0)
+        try:
+            return LowRankSummary(basis, sigma, samples)
+        except LowRankError as err:
+            raise RestoreError(where, f"is not a low-rank summary: {err}") from None
 
     def check_restored(self, completed: int) -> None:
         super().check_restored(completed)
+        ahead = [t for t in self.stage_ranks if t >= completed]
+        if ahead:
+            raise RestoreError(f"state/stage_ranks/{ahead[0]}", f"is of a stage that has not run ({completed} have)")
         if int(self.label_corr.shape[1]) > self.num_seen(completed - 1):
             raise RestoreError("state/label_corr", f"has columns of classes not yet seen after {completed} stages")
 
@@ -158,9 +213,9 @@ class FedRANStrategy(AnalyticStrategy):
         return super().plan_stage(task)
 
     def customise(self, plan: RoundPlan, ins: Instruction) -> Instruction:
-        if isinstance(ins, StatsIns):
+        if isinstance(ins, StatsIns) and plan.phase == self.stats_phase:
             return dataclasses.replace(ins, rank=self.upload_rank(plan.task))
-        return ins
+        return super().customise(plan, ins)
 
     # ---------------------------------------------------------------- replies
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
@@ -211,12 +266,47 @@ class FedRANStrategy(AnalyticStrategy):
         if self.noise is not None:
             self.gram_noise_variance += len(ordered) * self.noise.gram**2
             self.note_sums_noise(self.split.tasks[plan.task], len(ordered))  # B's task columns only
+        if self.removals_scheduled:
+            self.site_summaries[plan.task] = [(site_of(r.client), r.payload["summary"]) for r in ordered]
+            self.stage_ranks[plan.task] = self.server_rank
         for r in ordered:
+            self.commit_upload(r.client, plan.task, r.payload["stats"], r.num_examples)
             r_k = r.payload["stats"].rank
             self._stage["client_ranks"][r.client] = r_k
             self._stage["formula"][r.client] = fedran_upload_numbers(self.rf_dim, r_k, classes) * self.bytes_per_number
             for key in PSEUDO_FIELDS:
                 self._stage["pseudo"][key] += getattr(r.payload["pseudo"], key)
+
+    # ---------------------------------------------------------------- unlearning
+    def read_upload(self, task: int, record: ArrayRecord) -> FedranStats:
+        """A re-sent upload of a forget round, read as the statistics upload of its stage."""
+        return FedranStats.read(record, dim=self.rf_dim, classes=self.num_seen(task), max_rank=self.upload_rank(task))
+
+    def remove_site(self, client: str, uploads: dict[int, tuple[FedranStats, Commitment]]) -> None:
+        """Merge the kept summaries again without ``client`` (:func:`remerge_without`: the merges of
+        a run that never had it, from the same empty start), subtract its B and its samples."""
+        lost = [t + 1 for t in uploads if t not in self.site_summaries]
+        if lost:
+            raise ForgetRefused(f"{client}: the server kept no summaries of stage(s) {lost}")
+        site = site_of(client)
+        tasks = sorted(self.site_summaries)
+        try:
+            merged = remerge_without(
+                [self.site_summaries[t] for t in tasks],
+                {site},
+                [self.stage_ranks[t] for t in tasks],
+                start=LowRankSummary.empty(self.rf_dim),
+            )
+        except (LowRankError, AnalyticInputError) as err:
+            raise ForgetRefused(f"{client}: the kept summaries do not merge again: {err}") from None
+        assert merged is not None
+        self.summary_state = merged
+        for task, (stats, entry) in uploads.items():
+            self.label_corr[:, : self.num_seen(task)] -= stats.label_corr
+            self.num_samples -= entry.num_samples
+        self.site_summaries = {
+            t: [(k, kept) for k, kept in sites if k != site] for t, sites in self.site_summaries.items()
+        }
 
     # ---------------------------------------------------------------- solve
     def ridge_grid(self) -> list[float] | None:
@@ -266,3 +356,8 @@ class FedRANStrategy(AnalyticStrategy):
 
 
 PSEUDO_FIELDS = tuple(f.name for f in dataclasses.fields(FedranReport))
+
+
+def summary_state(summary: LowRankSummary) -> dict[str, Any]:
+    """One site's kept summary as a checkpoint holds it."""
+    return {"basis": summary.basis, "singular_values": summary.singular_values, "num_samples": summary.num_samples}

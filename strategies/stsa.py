@@ -44,7 +44,6 @@ import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
 
 from fcl_flower import restore as fields
 from fcl_flower.analytic import packed_length
@@ -66,7 +65,6 @@ from fcl_flower.analytic.ridge import RidgeState, product_rounding_bound, sum_ro
 from fcl_flower.analytic.unlearning import replace_upload
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederationLayout
-from fcl_flower.methods import Kind
 from fcl_flower.privacy.noise import secure_share
 from fcl_flower.privacy.secagg import add_ring, unmask_sum
 from fcl_flower.privacy.secure_fedavg import OpenedSumRejected
@@ -79,7 +77,6 @@ from fcl_flower.tensors import WIRE_DTYPES
 from strategies.accounting import client_name, client_order
 from strategies.analytic import (
     FEDAVG_PHASE,
-    AnalyticStrategy,
     noisy_total,
     ridge_extras,
     rounded_count,
@@ -88,12 +85,13 @@ from strategies.analytic import (
 )
 from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundFailed, RoundFold, RoundPlan, StageFailed
-from strategies.loop import RunFailed, run_one_round
+from strategies.forgetting import ForgetRounds, SiteForgetFold, site_of
+from strategies.loop import RunFailed
 from strategies.secure import MAX_ATTEMPTS, RestartSecureRound, SecureRounds
 from strategies.secure_fedavg import MaskedFedAvg
 from strategies.spool import UploadSpool
 from strategies.stream import InOrder
-from strategies.unlearning import Commitments, ForgetRefused, as_upload, verified_removal
+from strategies.unlearning import ForgetRefused, as_upload, verified_removal
 
 MASKED_NAMES = ("gram-packed", "class-sums", "counts")
 FORGET_PHASE = "stsa-forget"  # the forget round between stages (docs/unlearning.md)
@@ -275,54 +273,39 @@ class MaskedFold:
         self.strategy.open_masked(self.plan, self.sums, self.clients)
 
 
-class ForgetFold:
+class ForgetFold(SiteForgetFold):
     """A forget round (docs/unlearning.md): each site's removal is checked against the server's
     commitments and applied, or refused with its reason; then the ridge is solved again and the
-    removals are recorded (results.json ``unlearning``)."""
+    removals are recorded (results.json ``unlearning``). Besides the named sites (wholly), every
+    site's own requests (samples, classes) are applied."""
 
-    def __init__(self, strategy: STSAStrategy, plan: RoundPlan) -> None:
-        self.strategy, self.plan = strategy, plan
-        self.answered: set[str] = set()
-
-    def add(self, item: Accepted[Any]) -> None:
+    def apply(self, item: Accepted[Any]) -> None:
         strategy, payload = self.strategy, item.payload
-        self.answered.add(item.client)
-        named = int(item.client.rsplit("-", 1)[1]) in strategy._forget_sites
-        try:
-            if named:
-                uploads = {t: (stats, int(stats.counts.sum())) for t, stats in payload.added.items()}
-                strategy.forget_client(item.client, uploads, what="client", requested_by="server operator")
-                strategy.withdraw(item.client)
-                return
-            for task, stats in sorted(payload.added.items()):
-                kept = payload.kept.get(task)
-                strategy.forget(
-                    item.client,
-                    task,
-                    stats,
-                    int(stats.counts.sum()),
-                    kept,
-                    int(kept.counts.sum()) if kept is not None else 0,
-                    what="samples" if kept is not None else "stage",
-                    requested_by="site",
-                )
-        except ForgetRefused as err:
-            log(WARNING, "removal refused for %s: %s", item.client, err)
-            strategy.forgotten.append({"who": item.client, "refused": str(err)})
-
-    def finish(self) -> None:
-        strategy = self.strategy
-        for site in strategy._forget_sites:  # named, but no acceptable answer: nothing was removed
-            name = client_name(site)
-            if name not in self.answered:
-                strategy.forgotten.append({"who": name, "refused": "no acceptable reply in the forget round"})
+        if site_of(item.client) in strategy._forget_sites:
+            uploads = {t: (stats, int(stats.counts.sum())) for t, stats in payload.added.items()}
+            strategy.forget_client(item.client, uploads, what="client", requested_by="server operator")
+            strategy.withdraw(item.client)
+            return
+        for task, stats in sorted(payload.added.items()):
+            kept = payload.kept.get(task)
+            strategy.forget(
+                item.client,
+                task,
+                stats,
+                int(stats.counts.sum()),
+                kept,
+                int(kept.counts.sum()) if kept is not None else 0,
+                what="samples" if kept is not None else "stage",
+                requested_by="site",
+            )
 
 
 OPENED_SUM = "secagg-opened"  # the run folder's copy of the last opened secure sum (for an honest resume)
 
 
-class STSAStrategy(AnalyticStrategy):
+class STSAStrategy(ForgetRounds):
     stats_phase = "stsa-stats"
+    forget_phase = FORGET_PHASE
 
     def __init__(self, cfg: RunConfig, split: FederationLayout, recorder: ResultsRecorder) -> None:
         super().__init__(cfg, split, recorder)
@@ -339,12 +322,6 @@ class STSAStrategy(AnalyticStrategy):
         self._in_ridge: set[int] = set()  # tasks whose own stage's statistics went into the ridge state
         self._resumed_opening: dict[str, Any] | None = None  # a secure sum opened before an interruption
         self._round_args: tuple[Grid, float] | None = None  # the grid and timeout of the round in progress
-        # a digest of every accepted plain upload, per client and task: what a removal must match
-        self.commitments = Commitments()
-        self.removals_scheduled = bool(cfg.forget_requests())
-        self.forgotten: list[dict[str, Any]] = []  # the removals applied since the last re-solve
-        self.unlearning_log: list[dict[str, Any]] = []  # every re-solve after removals (results.json)
-        self._forget_sites: tuple[int, ...] = ()  # the sites the forget round in progress removes wholly
         # every factor upload's rows, for the N x N kernel solve while N <= M / 2 (None: G solves)
         self.stack = (
             FactorStack.empty(self.rf_dim, split.num_classes, self.rf_dim // 2) if cfg.stats_form == "factor" else None
@@ -861,82 +838,22 @@ class STSAStrategy(AnalyticStrategy):
         else:
             self.commitments.record(self.run_id, client, task, kept_upload)
         self.stack = None  # the stacked factors still hold the removed rows: G solves from now on
-        event = {
-            "who": client,
-            "requested_by": requested_by,
-            "what": what,
-            "task": task,
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "removed_samples": removed.num_samples,
-            "removed_counts": {str(c): int(n) for c, n in zip(self.split.tasks[task], removed.counts.tolist()) if n},
-        }
-        self.forgotten.append(event)
-        return event
+        counts = {str(c): int(n) for c, n in zip(self.split.tasks[task], removed.counts.tolist()) if n}
+        return self.record_removal(client, task, removed.num_samples, counts, what=what, requested_by=requested_by)
 
     def forget_client(self, client: str, uploads: dict[int, tuple[StsaStats, int]], **how: Any) -> list[dict[str, Any]]:
         """A whole client (site) out of every stage it contributed to: ``uploads`` its uploads by task,
         as its store kept them (those of stages the server never accepted are passed over). Every one
         is verified before any is applied (all or nothing)."""
-        committed = self.commitments.tasks_of(client)
-        missing = [t for t in committed if t not in uploads]
-        if missing:
-            raise ForgetRefused(f"{client}: its uploads of stage(s) {[t + 1 for t in missing]} are not in the request")
-        # a kept upload the server never accepted (rejected, or lost on the way) took nothing in
-        uploads = {t: upload for t, upload in uploads.items() if t in committed}
-        for task, (stats, samples) in sorted(uploads.items()):
-            self.commitments.verify(client, task, as_upload(stats, samples))
-        return [self.forget(client, task, stats, samples, **how) for task, (stats, samples) in sorted(uploads.items())]
+        verified = self.site_uploads(
+            client, uploads, lambda task, upload: self.commitments.verify(client, task, as_upload(*upload))
+        )
+        return [self.forget(client, task, *upload, **how) for task, (upload, _) in sorted(verified.items())]
 
     def withdraw(self, client: str) -> None:
         """``client`` is forgotten wholly: no later round goes to it and it owes nothing."""
-        self.nodes.withdrawn.add(int(client.rsplit("-", 1)[1]))
+        super().withdraw(client)
         self.backfill.withdraw(client)
-
-    def between_stages(self, grid: Grid, task: int, timeout: float) -> None:
-        """The forget round run config ``forget`` asks for after stage ``task`` + 1: every site is
-        asked (the named ones re-send their uploads to be removed wholly, the others apply their own
-        requests, node config forget-samples), then W is solved again and the removals recorded."""
-        requests = self.cfg.forget_requests()
-        if task + 1 not in requests:
-            return
-        self._forget_sites = tuple(s for s in requests[task + 1] if s not in self.nodes.withdrawn)
-        plan = RoundPlan(task, FORGET_PHASE, Kind.STATS)
-        try:
-            run_one_round(self, grid, plan, timeout, Result())
-        except StageFailed as err:  # nobody answered: nothing was removed
-            self.forgotten.append({"refused": f"the forget round after stage {task + 1} failed: {err}"})
-        finally:
-            self._forget_sites = ()
-        if self.forgotten:
-            record = self.resolve(task)
-            log(
-                INFO,
-                "[stage %d] after the forget round: accuracy %.2f%% (was %.2f%%)",
-                task + 1,
-                record["accuracy_after"],
-                record["accuracy_before"],
-            )
-
-    def resolve(self, task: int) -> dict[str, Any]:
-        """Solve again after removals (γ re-selected under ``ridge auto``) and score: the record of
-        the removals, with the accuracy (all seen classes and per task) before and after."""
-        before, per_task_before, _ = self.score_central(task)
-        self.weights, _extra = self.solve(task)
-        after, per_task_after, _ = self.score_central(task)
-        record = {
-            "after_stage": task + 1,
-            "requests": list(self.forgotten),
-            "accuracy_before": before,
-            "accuracy_after": after,
-            "per_task_before": per_task_before,
-            "per_task_after": per_task_after,
-            "ridge_after": _extra.get("ridge"),
-        }
-        self.forgotten = []
-        self.unlearning_log.append(record)
-        self.recorder.info["unlearning"] = self.unlearning_log  # results.json: who, what, when, counts, accuracy
-        self.recorder.write()
-        return record
 
     # ---------------------------------------------------------------- solve
     def solve(self, task: int) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -1006,9 +923,7 @@ class STSAStrategy(AnalyticStrategy):
             "ridge": self.ridge.state_dict(),
             "missing": self.backfill.state_dict(),
             "secagg_barred": barred,
-            "commitments": self.commitments.state_dict(),
-            "withdrawn": sorted(self.nodes.withdrawn),
-            "unlearning": list(self.unlearning_log),
+            **self.forgetting_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1017,16 +932,7 @@ class STSAStrategy(AnalyticStrategy):
         if self.ridge.num_samples:
             self.stack = None  # the checkpoint holds G, not the factors: solve from G from now on
         self.backfill.load_state_dict(state.get("missing", {}))
-        self.commitments.load_state_dict(state.get("commitments", {}))
-        withdrawn = fields.integers(state.get("withdrawn", []), "state/withdrawn", 0, self.cfg.num_clients - 1)
-        for site in withdrawn:
-            self.withdraw(client_name(site))
-        log_entries = state.get("unlearning", [])
-        if not isinstance(log_entries, list) or not all(isinstance(e, dict) for e in log_entries):
-            raise RestoreError("state/unlearning", "must be the list of the forget rounds' records")
-        self.unlearning_log = list(log_entries)
-        if self.unlearning_log:
-            self.recorder.info["unlearning"] = self.unlearning_log
+        self.load_forgetting_state(state)
         barred = fields.mapping(state.get("secagg_barred", {}), "state/secagg_barred")
         for client, why in barred.items():
             if not client.isdigit() or int(client) >= self.cfg.num_clients or not isinstance(why, str):

@@ -18,6 +18,7 @@ docs/unlearning.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 
 from fcl_flower import restore as fields
 from fcl_flower.analytic.checks import StatisticsRejected
-from fcl_flower.analytic.unlearning import Upload, check_removal, upload_digest
+from fcl_flower.analytic.unlearning import Upload, arrays_digest, check_removal, upload_digest
 from fcl_flower.protocol.payloads import StsaStats
 from fcl_flower.restore import RestoreError
 
@@ -65,8 +66,21 @@ class Commitments:
         """Commit to ``upload`` of ``client`` for ``task`` (one per client and task: on time, or
         later as a backfill)."""
         digest = upload_digest(context_of(run, client, task), upload)
-        counts = tuple(float(c) for c in upload.counts.to(torch.float64).tolist())
-        entry = Commitment(digest, run, upload.num_samples, counts)
+        return self._keep(client, task, digest, run, upload.num_samples, upload.counts)
+
+    def record_arrays(
+        self, run: str, client: str, task: int, arrays: Mapping[str, torch.Tensor], num_samples: int, counts: Any = ()
+    ) -> Commitment:
+        """Commit to an upload of another form than STSA's (STSA-E, FedRAN): its arrays as the server
+        read them, by name (:func:`~fcl_flower.analytic.unlearning.arrays_digest`), with its number
+        of samples and the counts per class of the task where the upload has them."""
+        digest = arrays_digest(context_of(run, client, task), sorted(arrays.items()), num_samples)
+        return self._keep(client, task, digest, run, num_samples, torch.as_tensor(counts, dtype=torch.float64))
+
+    def _keep(
+        self, client: str, task: int, digest: str, run: str, num_samples: int, counts: torch.Tensor
+    ) -> Commitment:
+        entry = Commitment(digest, run, int(num_samples), tuple(float(c) for c in counts.to(torch.float64).tolist()))
         self.entries[(client, task)] = entry
         return entry
 
@@ -76,10 +90,22 @@ class Commitments:
 
     def verify(self, client: str, task: int, upload: Upload) -> Commitment:
         """The commitment ``upload`` matches; ForgetRefused (why) when there is none or it differs."""
+        return self._match(client, task, lambda entry: upload_digest(context_of(entry.run, client, task), upload))
+
+    def verify_arrays(self, client: str, task: int, arrays: Mapping[str, torch.Tensor]) -> Commitment:
+        """:meth:`verify` for an upload committed with :meth:`record_arrays` (its number of samples
+        is the commitment's: the site re-sends only the arrays)."""
+
+        def digest(entry: Commitment) -> str:
+            return arrays_digest(context_of(entry.run, client, task), sorted(arrays.items()), entry.num_samples)
+
+        return self._match(client, task, digest)
+
+    def _match(self, client: str, task: int, digest: Callable[[Commitment], str]) -> Commitment:
         entry = self.entries.get((client, task))
         if entry is None:
             raise ForgetRefused(f"{client} has no accepted upload of stage {task + 1} to remove")
-        if upload_digest(context_of(entry.run, client, task), upload) != entry.digest:
+        if digest(entry) != entry.digest:
             raise ForgetRefused(
                 f"the upload {client} names for stage {task + 1} is not the one the server accepted "
                 f"(its SHA-256 differs from the commitment {entry.digest[:16]}…)"

@@ -80,24 +80,33 @@ def withdrawal(tmp_path_factory: pytest.TempPathFactory):
     store = out / "store"
     cfg = _cfg(out, "withdraws", forget=f"{AFTER}:{LEAVER}")
     weights: list[torch.Tensor] = []
+    full, _ = _stopped_then_resumed(cfg, _nodes(store), weights, AFTER)  # stage 4 checkpointed, then stopped
+    never = run_in_process(_cfg(out, "never"), _drop(LEAVER))
+    return full, weights, never, store
+
+
+def _stopped_then_resumed(cfg, nodes: list[dict], weights: list[torch.Tensor], stop: int, seen=None):
+    """Run ``cfg`` until stage ``stop`` + 1 is checkpointed (after any forget round of the stage
+    before), stop it there and resume it to the end: (the strategy, W after each stage).
+    ``seen(strategy, task)`` looks at the strategy before each checkpoint."""
     save = loop.save
 
     def save_then_stop(strategy, task):
+        if seen is not None:
+            seen(strategy, task)
         save(strategy, task)
-        if task == AFTER:  # stage 4 is checkpointed, after the forget round of stage 3
+        if task == stop:
             interrupt.request_stop()
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop, "save", save_then_stop)
         try:
             with pytest.raises(interrupt.RunInterrupted):
-                _run(cfg, _nodes(store), weights)
+                _run(cfg, nodes, weights)
         finally:
             interrupt.clear()
-    assert len(weights) == AFTER + 1
-    full, _ = _run(cfg.replace(resume=True), _nodes(store), weights)
-    never = run_in_process(_cfg(out, "never"), _drop(LEAVER))
-    return full, weights, never, store
+    assert len(weights) == stop + 1
+    return _run(cfg.replace(resume=True), nodes, weights)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -241,14 +250,21 @@ def test_stage1_exclude_keeps_a_site_out_of_stage1_fedavg_only_and_withdrawn_sit
         ({"forget": "9:1"}, "must start with a stage in 1..5"),
         ({"forget": "3:7"}, "not a client id in 0..2"),
         ({"stage1_exclude": "a"}, "not a client id"),
-        ({"forget": "3:1", "strategy": "stsa-e"}, "forget works with plain STSA uploads"),
-        ({"forget": "3:1", "secure_aggregation": True}, "forget works with plain STSA uploads"),
+        ({"forget": "3:1", "strategy": "joint"}, "strategy joint has no forget round .*stsa, stsa-e, fedran"),
+        ({"forget": "3:1", "strategy": "lwf"}, "strategy lwf has no forget round"),
+        ({"forget": "3:1", "secure_aggregation": True}, "forget works with plain uploads in Gram form"),
+        ({"forget": "3:1", "stats_form": "factor"}, "forget works with plain uploads in Gram form"),
+        ({"forget": "3:1", "strategy": "stsa-e", "noise_q": 0.1, "noise_s": 1.0}, "forget works with plain uploads"),
+        ({"forget": "3", "strategy": "stsa-e"}, "'3' .* works with strategy stsa; stsa-e forgets whole sites only"),
+        ({"forget": "2:1,3", "strategy": "fedran"}, "'3' .* works with strategy stsa; fedran forgets whole sites"),
     ],
 )
 def test_bad_unlearning_knobs_are_refused_with_one_line(tmp_path: Path, changes: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         RunConfig(dataset="digits", num_clients=3, num_tasks=5, out=str(tmp_path), **changes).validated()
     assert RunConfig(forget="3:1,5", num_tasks=5, num_clients=3).validated().forget_requests() == {3: (1,), 5: ()}
+    for strategy in ("stsa-e", "fedran"):  # whole sites
+        assert RunConfig(strategy=strategy, forget="3:1", num_tasks=5, num_clients=3).validated().forget == "3:1"
 
 
 def test_the_resumed_run_keeps_the_site_out_and_its_commitments_and_record(withdrawal) -> None:
