@@ -16,14 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from clients.upload_store import load_arrays, store_sizes
+from clients.upload_store import load_arrays, save_arrays, store_sizes
+from fcl_flower.analytic.errors import AnalyticInputError
 from fcl_flower.analytic.estimator import GramEstimator
 from fcl_flower.analytic.lowrank import LowRankSummary, merge_two_level
 from fcl_flower.analytic.subspace import pad_label_corr
 from fcl_flower.protocol.payloads import FedranStats, StsaEStats
+from strategies import loop
 from strategies.unlearning import ForgetRefused
-from tests.conftest import run_in_process, small_config
-from tests.test_unlearning_strategy import _drop, _stopped_then_resumed, relative
+from tests.conftest import reply_partition, run_in_process, small_config
+from tests.test_unlearning_strategy import _drop, _run, _stopped_then_resumed, relative
 
 LEAVER, TASKS, CLIENTS, AFTER = 1, 5, 3, 2
 TOL = 1e-10
@@ -34,18 +36,8 @@ METHODS = {
 
 
 def _cfg(out: Path, strategy: str, name: str, **changes):
-    knobs = METHODS[strategy][0]
-    return small_config(
-        out,
-        strategy=strategy,
-        num_tasks=TASKS,
-        num_clients=CLIENTS,
-        ridge="auto",
-        rf_dim=100,
-        run_name=name,
-        **knobs,
-        **changes,
-    )
+    knobs = {"num_tasks": TASKS, **METHODS[strategy][0], **changes}
+    return small_config(out, strategy=strategy, num_clients=CLIENTS, ridge="auto", rf_dim=100, run_name=name, **knobs)
 
 
 def _nodes(store: Path) -> list[dict]:
@@ -160,6 +152,77 @@ def test_a_removal_that_does_not_match_the_commitment_is_refused_and_an_honest_o
     assert torch.equal(full.summary_state.basis, state.basis)  # the very merges of site 0 alone
     assert torch.equal(full.summary_state.singular_values, state.singular_values)
     assert relative(full.label_corr, corr) <= TOL
+
+
+@pytest.mark.parametrize("strategy", sorted(METHODS))
+def test_a_removal_whose_kept_upload_changed_is_refused_in_the_forget_round_and_changes_nothing(
+    strategy: str, tmp_path: Path
+) -> None:
+    """Site 1's kept upload of stage 1 is altered on its disk before the forget round after stage 1
+    (forget "1:1"): the server refuses the removal (its digest is not the commitment's), records
+    why, W stays what it was, and the site is not withdrawn: it takes part in stage 2."""
+    store = tmp_path / "store"
+    keys = METHODS[strategy][1].KEYS
+    solved: list[torch.Tensor] = []
+
+    def alter(running, task: int) -> None:
+        if task == 0:
+            arrays, samples, meta = load_arrays(store, LEAVER, 0, keys)
+            changed = "class-sums" if strategy == "stsa-e" else "label-corr"  # still a well-formed upload
+            arrays[changed] = arrays[changed] * 1.5
+            save_arrays(store, LEAVER, 0, arrays, samples, run=meta["run"], client=meta["client"])
+
+    def resolved(running, task: int) -> None:
+        solved.append(running.weights.clone())
+
+    cfg = _cfg(tmp_path / "out", strategy, "altered", num_tasks=2, forget=f"1:{LEAVER}")
+    with pytest.MonkeyPatch.context() as patch:
+        save = loop.save
+        patch.setattr(loop, "save", lambda running, task: (resolved(running, task), save(running, task)))
+        full, weights = _run(cfg, _nodes(store), after_stage=alter)
+    (refused,) = full.unlearning_log[0]["requests"]
+    assert refused["who"] == f"client-{LEAVER}" and "not the one the server accepted" in refused["refused"]
+    assert torch.equal(solved[0], weights[0])  # the re-solve found the state unchanged
+    assert full.nodes.withdrawn == set() and f"client-{LEAVER}" in full.recorder.stages[1].clients
+    assert full.commitments.tasks_of(f"client-{LEAVER}") == [0, 1]
+
+
+def test_stsa_e_late_statistics_go_into_the_kept_estimator_and_a_withdrawal_stays_exact(tmp_path: Path) -> None:
+    """Site 2 misses stage 1 and sends it late with stage 2 (backfill); site 1 withdraws after
+    stage 2. The late upload goes into stage 1's kept estimator and is committed, so W equals the
+    run that never had site 1 (and got site 2's stage 1 late too) at stages 2 to 5."""
+
+    def late(task: int, phase: str, replies: list) -> list:
+        return [r for r in replies if r.has_error() or not (task == 0 and reply_partition(r) == 2)]
+
+    def late_and_never(task: int, phase: str, replies: list) -> list:
+        return _drop(LEAVER)(task, phase, late(task, phase, replies))
+
+    store = tmp_path / "store"
+    cfg = _cfg(tmp_path / "out", "stsa-e", "late", forget=f"{AFTER}:{LEAVER}")
+    full, weights = _run(cfg, _nodes(store), tamper=late)
+    never = run_in_process(_cfg(tmp_path / "out", "stsa-e", "late-never"), late_and_never)
+    assert full.recorder.stages[0].extra["statistics_missing"] == {"client-2": [1]}  # owed, sent with stage 2
+    assert never.recorder.stages[0].extra["statistics_missing"]["client-2"] == [1]
+    assert full.commitments.tasks_of("client-2") == list(range(TASKS))  # the late one committed too
+    assert relative(weights[AFTER - 1], never.stage_weights[AFTER - 1]) > 1e-6
+    for task in range(AFTER, TASKS):
+        assert relative(weights[task], never.stage_weights[task]) <= TOL
+
+
+def test_an_estimator_state_round_trips_and_a_bad_one_is_refused_with_its_field() -> None:
+    torch.manual_seed(0)
+    estimator = GramEstimator(6, 2, k_mode="per-class")
+    estimator.add(torch.rand(3, 6, 2), torch.tensor([[2.0, 0.0], [1.0, 3.0], [4.0, 1.0]]))
+    back = GramEstimator.from_state(estimator.state_dict(), 6, 2)
+    assert torch.equal(back.result(), estimator.result())
+    bad = {**estimator.state_dict(), "holders": torch.tensor([9, 9])}
+    with pytest.raises(AnalyticInputError, match="holders exceed its number of uploads"):
+        GramEstimator.from_state(bad, 6, 2)
+    with pytest.raises(AnalyticInputError, match=r"class_sums must be a torch\.float64 tensor of shape"):
+        GramEstimator.from_state({**estimator.state_dict(), "class_sums": torch.zeros(5, 2)}, 6, 2)
+    with pytest.raises(AnalyticInputError, match="columns and dense must be lists of 2 classes"):
+        GramEstimator.from_state({**estimator.state_dict(), "dense": [None]}, 6, 2)
 
 
 def _estimate(strategy, task: int, stats: StsaEStats) -> torch.Tensor:

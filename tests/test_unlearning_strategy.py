@@ -28,7 +28,7 @@ from fcl_flower.runtime import federated_split
 from strategies import loop
 from strategies.nodes import NodeDirectory
 from strategies.unlearning import ForgetRefused, as_upload
-from tests.conftest import NODE_BASE, build, reply_partition, run_in_process, server_identity, small_config
+from tests.conftest import NODE_BASE, build, reply_partition, run_in_process, sent_header, server_identity, small_config
 
 LEAVER, TASKS, CLIENTS, AFTER = 1, 5, 3, 3
 TOL = 1e-10
@@ -47,9 +47,10 @@ def _cfg(out_dir: Path, name: str, **changes):
     )
 
 
-def _run(cfg, node_configs: list[dict], weights: list[torch.Tensor] | None = None):
+def _run(cfg, node_configs: list[dict], weights: list[torch.Tensor] | None = None, tamper=None, after_stage=None):
     """Run ``cfg`` through the strategy's loop on nodes with these node configs; (the strategy, W
-    after each stage's solve, appended to ``weights`` if given)."""
+    after each stage's solve, appended to ``weights`` if given). ``tamper(task, phase, replies)``
+    filters the replies; ``after_stage(strategy, task)`` runs after each stage's solve."""
     server_identity()
     strategy = build(cfg)
     weights = [] if weights is None else weights
@@ -58,10 +59,17 @@ def _run(cfg, node_configs: list[dict], weights: list[torch.Tensor] | None = Non
     def spy(task: int):
         extra = end_stage(task)
         weights.append(strategy.weights.clone())  # type: ignore[attr-defined]
+        if after_stage is not None:
+            after_stage(strategy, task)
         return extra
 
+    def hook(sent: list[Message], replies: list[Message]) -> list[Message]:
+        header = sent_header(sent[0])
+        return tamper(header.task, header.phase, replies) if tamper is not None else replies
+
     strategy.end_stage = spy  # type: ignore[method-assign]
-    strategy.start(LocalGrid(client_app, cfg.num_clients, first_node_id=NODE_BASE, node_configs=node_configs))
+    grid = LocalGrid(client_app, cfg.num_clients, first_node_id=NODE_BASE, node_configs=node_configs, tamper=hook)
+    strategy.start(grid)
     return strategy, weights
 
 
