@@ -107,12 +107,16 @@ class ForgetRounds(AnalyticStrategy):
             return
         self._forget_sites = tuple(s for s in requests[task + 1] if s not in self.nodes.withdrawn)
         plan = RoundPlan(task, self.forget_phase, Kind.STATS)
+        rejected = dict(self.accounting.rejected)
         try:
             run_one_round(self, grid, plan, timeout, Result())
         except StageFailed as err:  # nobody answered: nothing was removed
             self.forgotten.append({"refused": f"the forget round after stage {task + 1} failed: {err}"})
         finally:
             self._forget_sites = ()
+        for who, why in sorted(self.accounting.rejected.items()):  # a site's error or a rejected reply
+            if rejected.get(who) != why:
+                self.forgotten.append({"who": who, "refused": f"its forget reply was rejected: {why}"})
         if self.forgotten:
             record = self.resolve(task)
             log(

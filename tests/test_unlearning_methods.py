@@ -187,6 +187,22 @@ def test_a_removal_whose_kept_upload_changed_is_refused_in_the_forget_round_and_
     assert full.commitments.tasks_of(f"client-{LEAVER}") == [0, 1]
 
 
+def test_a_sites_own_sample_request_is_refused_with_its_reason_under_stsa_e(tmp_path: Path) -> None:
+    """STSA-E forgets whole sites only: site 2's node config lists samples to forget, so its forget
+    reply is an error whose reason the round records; site 1's withdrawal is applied all the same."""
+    rows = tmp_path / "forget.txt"
+    rows.write_text("1,0\n")
+    nodes = _nodes(tmp_path / "store")
+    nodes[2]["forget-samples"] = str(rows)
+    cfg = _cfg(tmp_path / "out", "stsa-e", "samples", num_tasks=2, forget=f"1:{LEAVER}")
+    full, _ = _run(cfg, nodes)
+    requests = full.unlearning_log[0]["requests"]
+    assert [(r["who"], r["what"]) for r in requests if "refused" not in r] == [(f"client-{LEAVER}", "client")]
+    (refused,) = [r for r in requests if "refused" in r]
+    assert refused["who"] == "client-2" and "stsa-e forgets whole sites only" in refused["refused"]
+    assert full.nodes.withdrawn == {LEAVER} and "client-2" in full.recorder.stages[1].clients
+
+
 def test_stsa_e_late_statistics_go_into_the_kept_estimator_and_a_withdrawal_stays_exact(tmp_path: Path) -> None:
     """Site 2 misses stage 1 and sends it late with stage 2 (backfill); site 1 withdraws after
     stage 2. The late upload goes into stage 1's kept estimator and is committed, so W equals the
