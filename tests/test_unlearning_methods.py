@@ -25,6 +25,7 @@ from fcl_flower.protocol.payloads import FedranStats, StsaEStats
 from strategies import loop
 from strategies.unlearning import ForgetRefused
 from tests.conftest import reply_partition, run_in_process, small_config
+from tests.test_checkpoint_trust import Checkpoint, refused
 from tests.test_unlearning_strategy import _drop, _run, _stopped_then_resumed, relative
 
 LEAVER, TASKS, CLIENTS, AFTER = 1, 5, 3, 2
@@ -201,6 +202,39 @@ def test_a_sites_own_sample_request_is_refused_with_its_reason_under_stsa_e(tmp_
     (refused,) = [r for r in requests if "refused" in r]
     assert refused["who"] == "client-2" and "stsa-e forgets whole sites only" in refused["refused"]
     assert full.nodes.withdrawn == {LEAVER} and "client-2" in full.recorder.stages[1].clients
+
+
+class ServerKilled(Exception):
+    """The server dies right after the checkpoint of stage 1 (of 2)."""
+
+
+@pytest.mark.parametrize(
+    ("strategy", "path", "field", "message"),
+    [
+        ("stsa-e", ("estimators", "0"), "num_uploads", "field 'state/estimators/0' is not an estimator state"),
+        ("fedran", ("site_summaries", "0", "2"), "num_samples", "field 'state/site_summaries/0/2/num_samples'"),
+    ],
+)
+def test_a_resigned_checkpoint_with_a_bad_kept_state_is_refused_with_its_field(
+    strategy: str, path: tuple[str, ...], field: str, message: str, tmp_path: Path
+) -> None:
+    """What a removal needs after a resume (STSA-E's estimators, FedRAN's per-site summaries) is
+    checked like every other field of a checkpoint, even one signed with the installation's key."""
+    cfg = _cfg(tmp_path / "out", strategy, "killed", num_tasks=2, forget=f"1:{LEAVER}")
+    save = loop.save
+
+    def save_then_die(running, task: int) -> None:
+        save(running, task)
+        raise ServerKilled
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "save", save_then_die)
+        with pytest.raises(ServerKilled):
+            _run(cfg, _nodes(tmp_path / "store"))
+    ck = Checkpoint(cfg.output_dir)
+    ck.node("state", *path)[field] = -1
+    ck.resigned()
+    assert message in refused(cfg.replace(resume=True))
 
 
 def test_stsa_e_late_statistics_go_into_the_kept_estimator_and_a_withdrawal_stays_exact(tmp_path: Path) -> None:
