@@ -1,0 +1,311 @@
+"""Issue 33 under secure aggregation: the forget round after a stage is its own secure round in
+which a leaving site masks the negation of what it added and every other site masks zeros; the
+server opens only the sum (in process, digits, through the real ClientApp and the strategy loop).
+
+The attacker's view first: a server that names a site that never asked for a whole-site removal
+would read that site's statistics (with the others masking zeros, the opened sum *is* them). A
+site takes part as a leaving site only with its node config's ``forget-consent = true`` (or its own
+``forget-samples`` request), and its ledger opens each removal over one set of survivors only. A
+removal that is not some dataset's statistics within what was added is refused and changes nothing.
+
+Then exactness: a secure run with ``forget = "S:C"`` ends, bit for bit in the ring, where a secure
+run that never had site C's statistics ends (G, C and n equal; W equal), at stage S and after; a
+site's own sample request leaves the server with exactly the sum of what every site now keeps."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Message
+
+from clients import secure_forget
+from clients.app import app as client_app
+from clients.ledger import Ledger, forget_ledger_key
+from clients.upload_store import load_secure_upload, secure_tasks, secure_upload_path
+from fcl_flower.analytic.packing import unpack_upper
+from fcl_flower.config import ConfigError, RunConfig
+from fcl_flower.local_grid import LocalGrid
+from fcl_flower.privacy.secagg import SecureAggregationError, decode_fixed_point, encode_fixed_point
+from tests.conftest import NODE_BASE, build, reply_partition, sent_header, server_identity, small_config
+
+LEAVER, TASKS, CLIENTS, AFTER = 1, 5, 3, 2
+TOL = 1e-10
+
+
+def _cfg(out_dir: Path, name: str, **changes):
+    settings = dict(num_tasks=TASKS, num_clients=CLIENTS, ridge="auto", rf_dim=60, secure_aggregation=True)
+    return small_config(out_dir, run_name=name, **{**settings, **changes})
+
+
+def _nodes(store: Path, **extra: dict) -> list[dict]:
+    """Node configs: each site keeps its uploads in ``store`` and its ledger beside it."""
+    ledger = str(store.parent / f"{store.name}-ledger")
+    return [
+        {
+            "partition-id": k,
+            "num-partitions": CLIENTS,
+            "upload-store": str(store),
+            "secagg-ledger": ledger,
+            **extra.get(str(k), {}),
+        }
+        for k in range(CLIENTS)
+    ]
+
+
+def _drop(partition: int):
+    """Every reply of ``partition`` is lost: the run never has its statistics (nor its keys)."""
+
+    def tamper(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        return [r for r in replies if r.has_error() or reply_partition(r) != partition]
+
+    return tamper
+
+
+def _run(cfg, node_configs: list[dict], tamper=None):
+    """Run ``cfg`` on nodes with these node configs; (the strategy, W after each stage's solve, the
+    ridge G before and after each forget round, the headers of every secure step)."""
+    server_identity()
+    strategy = build(cfg)
+    weights: list[torch.Tensor] = []
+    forget_grams: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    headers: list = []
+    end_stage, between, header = strategy.end_stage, strategy.between_stages, strategy.header
+
+    def spy_end(task: int):
+        extra = end_stage(task)
+        weights.append(strategy.weights.clone())  # type: ignore[attr-defined]
+        return extra
+
+    def spy_between(grid, task, timeout):
+        before = strategy.ridge.gram.clone()  # type: ignore[attr-defined]
+        between(grid, task, timeout)
+        after = strategy.ridge.gram.clone()  # type: ignore[attr-defined]
+        forget_grams.append((before, after, strategy.weights.clone()))  # type: ignore[attr-defined]
+
+    def spy_header(plan, attempt):
+        made = header(plan, attempt)
+        headers.append(made)
+        return made
+
+    strategy.end_stage = spy_end  # type: ignore[method-assign]
+    strategy.between_stages = spy_between  # type: ignore[method-assign]
+    strategy.header = spy_header  # type: ignore[method-assign]
+
+    def hook(sent, replies):
+        return tamper(sent_header(sent[0]).task, sent_header(sent[0]).phase, replies) if tamper else replies
+
+    strategy.start(
+        LocalGrid(client_app, cfg.num_clients, first_node_id=NODE_BASE, node_configs=node_configs, tamper=hook)
+    )
+    return strategy, weights, forget_grams, headers
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.matrix_norm(a - b) / torch.linalg.matrix_norm(b))
+
+
+def _ledger_entries(store: Path, run_id: str, key: str) -> list[tuple[Path, list[int]]]:
+    """(ledger file, the survivors it recorded) of every node ledger holding ``key`` for ``run_id``."""
+    found = []
+    for path in (store.parent / f"{store.name}-ledger").glob("ledger-*.json"):
+        runs = json.loads(path.read_text())["runs"]
+        if key in runs.get(run_id, {}):
+            found.append((path, runs[run_id][key]))
+    return found
+
+
+# ------------------------------------------------------------------ the attacker's view
+@pytest.fixture(scope="module")
+def unconsented(tmp_path_factory: pytest.TempPathFactory):
+    """The server names site 1 for a whole-site removal; site 1 never gave forget-consent."""
+    out = tmp_path_factory.mktemp("unconsented")
+    return _run(_cfg(out, "unconsented", forget=f"{AFTER}:{LEAVER}"), _nodes(out / "store")), out / "store"
+
+
+def test_a_site_named_without_its_consent_refuses_and_the_server_learns_and_removes_nothing(unconsented) -> None:
+    (strategy, _, forget_grams, _), store = unconsented
+    record = strategy.unlearning_log[0]
+    refusals = [r for r in record["requests"] if "refused" in r]
+    assert [r["who"] for r in refusals] == [f"client-{LEAVER}"]
+    assert "forget-consent=true: refused" in refusals[0]["refused"]
+    assert not any("removed_samples" in r for r in record["requests"])
+    before, after, _ = forget_grams[AFTER - 1]
+    assert torch.equal(before, after)  # the opened sum of zeros changed nothing
+    assert record["accuracy_before"] == record["accuracy_after"]
+    # the site stays: it is not withdrawn and uploads in every later stage
+    assert LEAVER not in strategy.nodes.withdrawn
+    assert secure_tasks(store, LEAVER) == list(range(TASKS))
+    # its statistics were never opened alone: no ledger holds a removal of it
+    assert list((store.parent / f"{store.name}-ledger").glob("ledger-*.json"))  # the nodes' ledgers
+    assert _ledger_entries(store, strategy.run_id, forget_ledger_key("site")) == []
+
+
+@pytest.fixture(scope="module")
+def withdrawal(tmp_path_factory: pytest.TempPathFactory):
+    """Site 1 consents and is forgotten after stage 2; the secure run that never had site 1."""
+    out = tmp_path_factory.mktemp("secure-withdrawal")
+    store = out / "store"
+    nodes = _nodes(store, **{str(LEAVER): {"forget-consent": True}})
+    full = _run(_cfg(out, "withdraws", forget=f"{AFTER}:{LEAVER}"), nodes)
+    never = _run(_cfg(out, "never"), _nodes(out / "never-store"), _drop(LEAVER))
+    return full, never, store
+
+
+def test_the_leaving_sites_ledger_opens_its_removal_over_one_set_only(withdrawal) -> None:
+    (strategy, *_), _, store = withdrawal
+    entries = _ledger_entries(store, strategy.run_id, forget_ledger_key("site"))
+    assert len(entries) == 1  # the leaving site alone recorded a removal; the others masked zeros
+    path, survivors = entries[0]
+    assert len(survivors) == CLIENTS
+    ledger = Ledger(path.parent, "unused", 0)
+    ledger.path = path
+    ledger.check(strategy.run_id, [forget_ledger_key("site")], survivors)  # a retry over the same set: allowed
+    other = survivors[:-1]  # a server asking again over another set would learn by difference
+    with pytest.raises(SecureAggregationError, match="the removal 'site' was already opened over nodes"):
+        ledger.check(strategy.run_id, [forget_ledger_key("site")], other)
+
+
+def test_the_forget_round_masks_under_its_own_round_context(withdrawal) -> None:
+    (_, _, _, headers), _, _ = withdrawal
+    contexts = {(h.run_id, h.task, h.stage, h.server_round, h.attempt) for h in headers if h.phase == "stsa-stats"}
+    forget = [(h.run_id, h.task, h.stage, h.server_round, h.attempt) for h in headers if h.phase == "stsa-forget"]
+    assert forget and not set(forget) & contexts  # never a stage round's context: no mask is reused
+    assert len(contexts) == TASKS
+
+
+def test_a_removal_that_is_no_datasets_statistics_is_refused_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leaving site that "removes" twice what it added (more samples of a class than were added),
+    or the negation of a removal (negative counts): refused with the reason, nothing subtracted, and
+    the site is not withdrawn."""
+    whole = secure_forget.whole_site_removal
+
+    def doubled(job, folder, ring):
+        samples = whole(job, folder, ring)
+        ring.gram, ring.sums, ring.counts = (
+            ring.gram * np.uint64(2),
+            ring.sums * np.uint64(2),
+            ring.counts * np.uint64(2),
+        )
+        return 2 * samples
+
+    monkeypatch.setattr(secure_forget, "whole_site_removal", doubled)
+    nodes = _nodes(tmp_path / "store", **{str(LEAVER): {"forget-consent": True}})
+    strategy, _, forget_grams, _ = _run(_cfg(tmp_path, "doubled", forget=f"{AFTER}:{LEAVER}", num_tasks=AFTER), nodes)
+    (refused,) = strategy.unlearning_log[0]["requests"]
+    assert refused["who"] == f"client-{LEAVER}" and refused["secure"] is True
+    assert "the opened removal fails its checks" in refused["refused"] and "were added" in refused["refused"]
+    before, after, _ = forget_grams[AFTER - 1]
+    assert torch.equal(before, after) and LEAVER not in strategy.nodes.withdrawn
+
+
+# ------------------------------------------------------------------ exactness
+def test_a_withdrawn_site_leaves_the_secure_run_that_never_had_it_bit_for_bit(withdrawal) -> None:
+    (full, weights, forget_grams, _), (never, never_weights, _, _), store = withdrawal
+    record = full.unlearning_log[0]
+    assert record["after_stage"] == AFTER
+    (event,) = record["requests"]
+    assert (event["who"], event["what"], event["requested_by"]) == (f"client-{LEAVER}", "client", "server operator")
+    assert event["secure"] is True and event["opened_over"] == CLIENTS and event["stages"] == list(range(1, AFTER + 1))
+    kept = [load_secure_upload(store, LEAVER, t) for t in range(AFTER)]
+    assert event["removed_samples"] == sum(u.num_samples for u in kept) > 0
+    assert sum(event["removed_counts"].values()) == event["removed_samples"]
+    assert record["ridge_after"] == never.recorder.stages[AFTER - 1].extra["ridge"]  # γ re-selected alike
+    before, after, resolved = forget_grams[AFTER - 1]
+    assert not torch.equal(before, after)
+    # before the removal site 1 was in W; right after it and at every later stage, W is the run without it
+    assert relative(weights[AFTER - 1], never_weights[AFTER - 1]) > 1e-6
+    assert relative(resolved, never_weights[AFTER - 1]) <= TOL  # the re-solve after the forget round
+    for stage in range(AFTER, TASKS):
+        assert relative(weights[stage], never_weights[stage]) <= TOL
+    # exact in the ring: the statistics are equal bit for bit, so W is too
+    assert torch.equal(full.ridge.gram, never.ridge.gram)
+    assert torch.equal(full.ridge.class_sums, never.ridge.class_sums)
+    assert full.ridge.num_samples == never.ridge.num_samples
+    assert torch.equal(weights[-1], never_weights[-1])
+    assert LEAVER in full.nodes.withdrawn and secure_tasks(store, LEAVER) == list(range(AFTER))
+    saved = json.loads(full.recorder.path.read_text())
+    assert saved["unlearning"][0]["requests"][0]["secure"] is True
+
+
+def test_secure_uploads_are_kept_atomically_mode_0600(withdrawal) -> None:
+    _, _, store = withdrawal
+    for partition in range(CLIENTS):
+        for task in secure_tasks(store, partition):
+            path = secure_upload_path(store, partition, task)
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+            upload = load_secure_upload(store, partition, task)
+            assert upload.layout[0] == task and upload.counts.dtype == torch.float64
+        assert stat.S_IMODE((store / f"partition-{partition}").stat().st_mode) == 0o700
+        assert not list((store / f"partition-{partition}").glob(".*.tmp"))
+
+
+def _kept_sum(strategy, store: Path, bits: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Σ over sites and stages of what each site keeps, through the fixed-point encoding (what a
+    secure run whose sites had masked exactly these statistics would hold)."""
+    dim, classes = strategy.rf_dim, strategy.split.num_classes
+    gram = torch.zeros(dim * (dim + 1) // 2, dtype=torch.float64)
+    sums = torch.zeros(dim, classes, dtype=torch.float64)
+    total = 0
+    for partition in range(CLIENTS):
+        for task in secure_tasks(store, partition):
+            upload = load_secure_upload(store, partition, task)
+            enc = {
+                k: decode_fixed_point(encode_fixed_point(v.numpy(), bits, 1), bits) for k, v in upload.arrays().items()
+            }
+            gram += torch.from_numpy(enc["gram-packed"])
+            block = strategy.split.tasks[task]
+            sums[:, block.start : block.stop] += torch.from_numpy(enc["class-sums"]).reshape(dim, -1)
+            total += int(enc["counts"][:-1].sum())
+    return unpack_upper(gram, dim), sums, total
+
+
+def test_a_sites_own_sample_request_leaves_exactly_the_sum_of_what_every_site_keeps(tmp_path: Path) -> None:
+    """Site 2 lists rows of its stage-1 and stage-2 data; the secure forget round after stage 2
+    removes them (requested by the site, no consent knob needed). Afterwards, and after the later
+    stages, the server's G, C and n are exactly the fixed-point sum of what every site keeps."""
+    store = tmp_path / "store"
+    rows = tmp_path / "forget.txt"
+    rows.write_text("1,0\n1,2\n2,1\n")
+    strategy, _, _, _ = _run(
+        _cfg(tmp_path, "samples", forget=str(AFTER)), _nodes(store, **{"2": {"forget-samples": str(rows)}})
+    )
+    (event,) = strategy.unlearning_log[0]["requests"]
+    assert (event["who"], event["what"], event["requested_by"], event["removed_samples"]) == (
+        "client-2",
+        "samples",
+        "site",
+        3,
+    )
+    assert json.loads((store / "partition-2" / "forgotten.json").read_text()) == {
+        "rows": {"0": [0, 2], "1": [1]},
+        "classes": [],
+    }
+    gram, sums, total = _kept_sum(strategy, store, strategy.cfg.secagg_fraction_bits)
+    assert torch.equal(strategy.ridge.gram, gram) and torch.equal(strategy.ridge.class_sums, sums)
+    assert strategy.ridge.num_samples == total
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"noise_q": 1.0, "noise_s": 0.1}, "forget works with STSA uploads in Gram form without noise"),
+        ({"stats_form": "factor"}, "forget works with STSA uploads in Gram form without noise"),
+    ],
+)
+def test_forget_under_secure_aggregation_refuses_noise_and_the_factor_form(
+    tmp_path: Path, changes: dict, message: str
+) -> None:
+    base: dict[str, Any] = dict(
+        dataset="digits", num_clients=3, num_tasks=5, out=str(tmp_path), forget="3:1", secure_aggregation=True
+    )
+    assert RunConfig(**base).validated().forget_requests() == {3: (1,)}  # accepted on its own
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**base, **changes).validated()
