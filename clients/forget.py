@@ -114,6 +114,10 @@ def kept_statistics(job: ClientJob, task: int, rows: set[int], drop: set[int]) -
 
 def handle_forget(job: ClientJob) -> StatsRes:
     assert isinstance(job.ins, StatsIns)
+    if job.ins.secagg is not None:  # the forget round is a secure round: its own handler
+        from clients.secure_forget import handle_secure_forget
+
+        return handle_secure_forget(job)
     config = job.context.node_config
     named = job.partition in job.ins.forget
     rows, classes = ({}, set()) if named else sample_requests(config)

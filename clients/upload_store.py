@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,23 +64,8 @@ def save_upload(
     folder: Path, partition: int, task: int, stats: StsaStats, num_samples: int, *, run: str, client: str
 ) -> int:
     """Keep one upload (atomically, mode 0600); returns its size on disk in bytes."""
-    path = upload_path(folder, partition, task)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path.parent, 0o700)
     meta = {"format": FORMAT, "run": run, "client": client, "task": str(int(task)), "num_samples": str(num_samples)}
-    blob = save(stats.arrays(), metadata=meta)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(blob)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    return path.stat().st_size
+    return _write_private(upload_path(folder, partition, task), save(stats.arrays(), metadata=meta))
 
 
 def load_upload(folder: Path, partition: int, task: int) -> tuple[StsaStats, int, dict[str, str]]:
@@ -98,6 +84,98 @@ def load_upload(folder: Path, partition: int, task: int) -> tuple[StsaStats, int
         raise StoreError(f"{path}: not a kept upload of this format ({FORMAT})")
     stats = StsaStats(arrays["gram-packed"], arrays["class-sums"], arrays["counts"])
     return stats, int(meta["num_samples"]), dict(meta)
+
+
+# ---------------------------------------------------------------- secure uploads
+SECURE_FORMAT = "fcl-flower-secure-upload-store/1"
+SECURE_KEYS = ("gram-packed", "class-sums", "counts")
+
+
+@dataclass(frozen=True)
+class SecureUpload:
+    """What a site masked in one secure statistics round, before the fixed-point encoding: the
+    float64 arrays it passed to the masking (packed G; the class sums and counts of ``layout``'s
+    tasks, column block after block; the withheld count last). The encoding is deterministic
+    (round(x · 2^f), fcl_flower/privacy/secagg.py), so re-encoding them gives the very ring
+    elements the site added. ``layout``: the round's own task first, then the owed tasks whose
+    columns rode in it; ``run``: the run id of the round (its ledger entry)."""
+
+    gram_packed: torch.Tensor
+    class_sums: torch.Tensor
+    counts: torch.Tensor
+    layout: tuple[int, ...]
+    run: str
+    num_samples: int
+
+    def arrays(self) -> dict[str, torch.Tensor]:
+        return {"gram-packed": self.gram_packed, "class-sums": self.class_sums, "counts": self.counts}
+
+
+def secure_upload_path(folder: Path, partition: int, task: int) -> Path:
+    return folder / f"partition-{int(partition)}" / f"secure-task-{int(task)}.safetensors"
+
+
+def _write_private(path: Path, blob: bytes) -> int:
+    """``blob`` to ``path`` atomically (temporary file, fsync, os.replace), mode 0600 in a 0700 folder."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(blob)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def save_secure_upload(folder: Path, partition: int, task: int, upload: SecureUpload, *, client: str) -> int:
+    """Keep what the site masked in the secure round of ``task`` (atomically, mode 0600); returns
+    its size on disk in bytes."""
+    meta = {
+        "format": SECURE_FORMAT,
+        "run": upload.run,
+        "client": client,
+        "task": str(int(task)),
+        "layout": ",".join(str(t) for t in upload.layout),
+        "num_samples": str(int(upload.num_samples)),
+    }
+    arrays = {k: v.detach().to(torch.float64).contiguous() for k, v in upload.arrays().items()}
+    return _write_private(secure_upload_path(folder, partition, task), save(arrays, metadata=meta))
+
+
+def load_secure_upload(folder: Path, partition: int, task: int) -> SecureUpload:
+    """The secure upload kept for ``task`` (StoreError: none, or not one)."""
+    path = secure_upload_path(folder, partition, task)
+    if not path.is_file():
+        raise StoreError(f"{path}: no kept secure upload of stage {task + 1}")
+    blob = path.read_bytes()
+    try:
+        arrays = load(blob)
+        header_size = int.from_bytes(blob[:8], "little")
+        meta = json.loads(blob[8 : 8 + header_size]).get("__metadata__", {})
+        layout = tuple(int(t) for t in meta["layout"].split(","))
+        samples = int(meta["num_samples"])
+    except Exception as err:
+        raise StoreError(f"{path}: not a kept secure upload ({type(err).__name__})") from None
+    if meta.get("format") != SECURE_FORMAT or set(arrays) != set(SECURE_KEYS) or not layout or layout[0] != task:
+        raise StoreError(f"{path}: not a kept secure upload of this format ({SECURE_FORMAT})")
+    if any(arrays[k].dtype != torch.float64 for k in SECURE_KEYS):
+        raise StoreError(f"{path}: a kept secure upload holds float64 arrays")
+    return SecureUpload(
+        arrays["gram-packed"], arrays["class-sums"], arrays["counts"], layout, str(meta["run"]), samples
+    )
+
+
+def secure_tasks(folder: Path, partition: int) -> list[int]:
+    """The stages (task indices) whose secure upload is kept for ``partition``."""
+    base = folder / f"partition-{int(partition)}"
+    found = base.glob("secure-task-*.safetensors") if base.is_dir() else []
+    return sorted(int(path.stem.removeprefix("secure-task-")) for path in found)
 
 
 def store_sizes(folder: Path, partition: int) -> dict[int, int]:
