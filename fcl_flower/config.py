@@ -295,7 +295,8 @@ class RunConfig:
         "STSA: removals applied between stages, comma-separated: 'S:C' forgets site C (client id) wholly after "
         "stage S (the server operator's request; the site re-sends the uploads it kept under node config "
         "upload-store and takes no part in later stages), 'S' runs a forget round after stage S in which each "
-        "site applies its own request (node config forget-samples). Empty: none.",
+        "site applies its own request (node config forget-samples). Under secure-aggregation the removal is its "
+        "own secure round and a named site takes part only with node config forget-consent=true. Empty: none.",
     )
     stage1_exclude: str = _knob(
         "",
@@ -508,12 +509,10 @@ class RunConfig:
         if self.min_class_count < 1:
             raise ConfigError(f"min-class-count must be >= 1 (got {self.min_class_count})")
         self.stage1_excluded()  # both parse, or say why not
-        if self.forget_requests() and (
-            self.strategy != "stsa" or self.secure_aggregation or self.stats_form != "gram" or self.upload_noise
-        ):
+        if self.forget_requests() and (self.strategy != "stsa" or self.stats_form != "gram" or self.upload_noise):
             raise ConfigError(
-                "forget works with plain STSA uploads in Gram form (strategy stsa, no secure-aggregation, "
-                "stats-form gram, no noise): the server checks a removal against what it accepted"
+                "forget works with STSA uploads in Gram form without noise (strategy stsa, stats-form gram, no "
+                "noise): a removal must take out exactly what was added, and the server checks it"
             )
         if not 8 <= self.secagg_fraction_bits <= 48:
             raise ConfigError(f"secagg-fraction-bits must be in [8, 48] (got {self.secagg_fraction_bits})")

@@ -91,6 +91,7 @@ from strategies.base import Accepted, RoundFailed, RoundFold, RoundPlan, StageFa
 from strategies.loop import RunFailed, run_one_round
 from strategies.secure import MAX_ATTEMPTS, RestartSecureRound, SecureRounds
 from strategies.secure_fedavg import MaskedFedAvg
+from strategies.secure_unlearning import SecureForgetFold, read_masked_removal
 from strategies.spool import UploadSpool
 from strategies.stream import InOrder
 from strategies.unlearning import Commitments, ForgetRefused, as_upload, verified_removal
@@ -345,6 +346,8 @@ class STSAStrategy(AnalyticStrategy):
         self.forgotten: list[dict[str, Any]] = []  # the removals applied since the last re-solve
         self.unlearning_log: list[dict[str, Any]] = []  # every re-solve after removals (results.json)
         self._forget_sites: tuple[int, ...] = ()  # the sites the forget round in progress removes wholly
+        # per class, the samples the opened secure sums added (what a secure removal may take out at most)
+        self.secure_class_counts = torch.zeros(split.num_classes, dtype=torch.float64)
         # every factor upload's rows, for the N x N kernel solve while N <= M / 2 (None: G solves)
         self.stack = (
             FactorStack.empty(self.rf_dim, split.num_classes, self.rf_dim // 2) if cfg.stats_form == "factor" else None
@@ -364,7 +367,7 @@ class STSAStrategy(AnalyticStrategy):
         self._resumed_opening = self.saved_opening(plan)
         if self._resumed_opening is not None:
             return []  # the sum was opened before the interruption: nobody is asked again
-        if self.secure is not None and plan.phase in (self.stats_phase, FEDAVG_PHASE):
+        if self.secure is not None and plan.phase in (self.stats_phase, FEDAVG_PHASE, FORGET_PHASE):
             return InOrder(self.secure.run(self, grid, plan, timeout))
         return super().run_round(grid, plan, timeout)
 
@@ -495,6 +498,10 @@ class STSAStrategy(AnalyticStrategy):
         return StsaStats.read(record, **shapes, noisy_counts=self.counts_noised)
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
+        if plan.phase == FORGET_PHASE and self.masked():  # a secure forget round (strategies/secure_unlearning.py)
+            return read_masked_removal(self, plan, reply)
+        if reply.secagg is not None and reply.secagg.leaving:
+            raise UploadError("a statistics upload that says it is a removal: only a forget round takes one")
         if plan.phase == FORGET_PHASE:
             done = {t: len(self.split.tasks[t]) for t in range(plan.task + 1)}
             return ForgetStats.read(reply.arrays, packed=packed_length(self.rf_dim), dim=self.rf_dim, classes_of=done)
@@ -525,7 +532,7 @@ class STSAStrategy(AnalyticStrategy):
     def stats_fold(self, plan: RoundPlan) -> RoundFold:
         """Each accepted upload is added to running sums at once and dropped (client order)."""
         if plan.phase == FORGET_PHASE:
-            return ForgetFold(self, plan)
+            return SecureForgetFold(self, plan) if self.secure is not None else ForgetFold(self, plan)
         secure = self.secure is not None and plan.phase == self.stats_phase  # as run_round decides
         return MaskedFold(self, plan) if secure or self.masked() else PlainFold(self, plan)
 
@@ -801,6 +808,8 @@ class STSAStrategy(AnalyticStrategy):
             self.ridge.add_packed(
                 self.split.tasks[task], gram if position == 0 else None, sums_c[:, block], samples, bound
             )
+            if not noisy:  # what a secure removal may take out of each class at most
+                self.secure_class_counts[self.split.tasks[task].start : self.split.tasks[task].stop] += counts[block]
             self.note_sums_noise(self.split.tasks[task], factor * factor)
             column += width
         if withheld:
@@ -840,7 +849,7 @@ class STSAStrategy(AnalyticStrategy):
         stages: the next solve (:meth:`resolve`) re-certifies G. ForgetRefused (why) where the
         upload is not the one committed to, or the removed part is no dataset's statistics."""
         if self.secure is not None:
-            raise ForgetRefused("under secure aggregation a removal is a secure round, which is not implemented")
+            raise ForgetRefused("under secure aggregation a removal is its own secure round (SecureForgetFold)")
         if self.noise is not None:
             raise ForgetRefused("noised uploads: the removal check needs exact counts")
         if self._round_sums:
@@ -1009,6 +1018,7 @@ class STSAStrategy(AnalyticStrategy):
             "commitments": self.commitments.state_dict(),
             "withdrawn": sorted(self.nodes.withdrawn),
             "unlearning": list(self.unlearning_log),
+            **({"secure_class_counts": self.secure_class_counts} if self.secure is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1025,6 +1035,10 @@ class STSAStrategy(AnalyticStrategy):
         if not isinstance(log_entries, list) or not all(isinstance(e, dict) for e in log_entries):
             raise RestoreError("state/unlearning", "must be the list of the forget rounds' records")
         self.unlearning_log = list(log_entries)
+        if self.secure is not None and "secure_class_counts" in state:
+            self.secure_class_counts = fields.tensor(
+                state["secure_class_counts"], "state/secure_class_counts", (self.split.num_classes,)
+            ).to(torch.float64)
         if self.unlearning_log:
             self.recorder.info["unlearning"] = self.unlearning_log
         barred = fields.mapping(state.get("secagg_barred", {}), "state/secagg_barred")

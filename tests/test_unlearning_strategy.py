@@ -241,8 +241,12 @@ def test_stage1_exclude_keeps_a_site_out_of_stage1_fedavg_only_and_withdrawn_sit
         ({"forget": "9:1"}, "must start with a stage in 1..5"),
         ({"forget": "3:7"}, "not a client id in 0..2"),
         ({"stage1_exclude": "a"}, "not a client id"),
-        ({"forget": "3:1", "strategy": "stsa-e"}, "forget works with plain STSA uploads"),
-        ({"forget": "3:1", "secure_aggregation": True}, "forget works with plain STSA uploads"),
+        ({"forget": "3:1", "strategy": "stsa-e"}, "forget works with STSA uploads in Gram form without noise"),
+        ({"forget": "3:1", "stats_form": "factor"}, "forget works with STSA uploads in Gram form without noise"),
+        (
+            {"forget": "3:1", "secure_aggregation": True, "noise_q": 1.0, "noise_s": 0.1},
+            "forget works with STSA uploads in Gram form without noise",
+        ),
     ],
 )
 def test_bad_unlearning_knobs_are_refused_with_one_line(tmp_path: Path, changes: dict, message: str) -> None:
