@@ -11,6 +11,11 @@ gone. Writes are atomic (a temporary file in the same folder, fsync, os.replace)
 are created mode 0600 in a folder of mode 0700: they are the site's statistics, as sensitive as
 the upload itself. :func:`store_sizes` reports the bytes on disk per stage.
 
+In a secure statistics round (``secure-aggregation``) the site keeps instead what it masked, before
+the fixed-point encoding (:class:`SecureUpload`, ``<folder>/partition-<p>/secure-task-<t>.safetensors``,
+same atomic 0600 writes): the encoding is deterministic, so a secure forget round
+(clients/secure_forget.py) re-encodes it to remove exactly the ring elements the site added.
+
 Without ``upload-store`` nothing is written (the default).
 """
 
