@@ -25,6 +25,7 @@ import torch
 from flwr.app import Message
 
 from clients import secure_forget
+from clients import stsa as stsa_client
 from clients.app import app as client_app
 from clients.ledger import Ledger, forget_ledger_key
 from clients.upload_store import load_secure_upload, secure_tasks, secure_upload_path
@@ -267,14 +268,17 @@ def _kept_sum(strategy, store: Path, bits: int) -> tuple[torch.Tensor, torch.Ten
     return unpack_upper(gram, dim), sums, total
 
 
-def test_a_sites_own_sample_request_leaves_exactly_the_sum_of_what_every_site_keeps(tmp_path: Path) -> None:
+def test_a_sites_own_sample_request_leaves_the_secure_run_that_never_had_those_samples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Site 2 lists rows of its stage-1 and stage-2 data; the secure forget round after stage 2
-    removes them (requested by the site, no consent knob needed). Afterwards, and after the later
-    stages, the server's G, C and n are exactly the fixed-point sum of what every site keeps."""
+    removes them (requested by the site: no consent knob needed). Afterwards, and after the later
+    stages, the server's G, C and n are exactly the fixed-point sum of what every site keeps, and
+    equal, bit for bit, those of a secure run whose site 2 never had those rows."""
     store = tmp_path / "store"
     rows = tmp_path / "forget.txt"
     rows.write_text("1,0\n1,2\n2,1\n")
-    strategy, _, _, _ = _run(
+    strategy, weights, forget_grams, _ = _run(
         _cfg(tmp_path, "samples", forget=str(AFTER)), _nodes(store, **{"2": {"forget-samples": str(rows)}})
     )
     (event,) = strategy.unlearning_log[0]["requests"]
@@ -291,6 +295,28 @@ def test_a_sites_own_sample_request_leaves_exactly_the_sum_of_what_every_site_ke
     gram, sums, total = _kept_sum(strategy, store, strategy.cfg.secagg_fraction_bits)
     assert torch.equal(strategy.ridge.gram, gram) and torch.equal(strategy.ridge.class_sums, sums)
     assert strategy.ridge.num_samples == total
+    # the run in which site 2 never had those rows (its data of stages 1 and 2 without them)
+    dropped = {0: [0, 2], 1: [1]}
+    original = stsa_client.task_data
+
+    def without_rows(job, task):
+        data = original(job, task)
+        if job.partition != 2 or task not in dropped:
+            return data
+        keep = np.ones(len(data), dtype=bool)
+        keep[dropped[task]] = False
+        return data.subset(keep)
+
+    monkeypatch.setattr(stsa_client, "task_data", without_rows)
+    never, never_weights, _, _ = _run(_cfg(tmp_path, "never-had-them"), _nodes(tmp_path / "never-store"))
+    assert torch.equal(strategy.ridge.gram, never.ridge.gram)
+    assert torch.equal(strategy.ridge.class_sums, never.ridge.class_sums)
+    assert strategy.ridge.num_samples == never.ridge.num_samples
+    _, _, resolved = forget_grams[AFTER - 1]
+    assert relative(weights[AFTER - 1], never_weights[AFTER - 1]) > 0  # before the round: the rows were in
+    assert relative(resolved, never_weights[AFTER - 1]) <= TOL
+    for stage in range(AFTER, TASKS):
+        assert relative(weights[stage], never_weights[stage]) <= TOL
 
 
 @pytest.mark.parametrize(
