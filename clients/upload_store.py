@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"partition {partition}: {len(sizes)} stage(s), {total} bytes")
         for task, size in sizes.items():
             print(f"  stage {task + 1}: {size} bytes")
+        for task in secure_tasks(folder, partition):
+            print(f"  stage {task + 1} (secure): {secure_upload_path(folder, partition, task).stat().st_size} bytes")
     return 0
 
 

@@ -68,6 +68,8 @@ class SecureForgetFold:
         self.sums: dict[str, Any] = {}
         self.survivors: set[str] = set()
         self.leaving: set[str] = set()
+        # the replies rejected before this round (its own key, share and masked steps come after)
+        self.rejected_before = dict(strategy.accounting.rejected)
 
     def add(self, item: Accepted[Any]) -> None:
         masked = item.payload["masked"]
@@ -78,8 +80,13 @@ class SecureForgetFold:
             self.leaving.add(item.client)
 
     def finish(self) -> None:
+        rejected = {
+            client: why
+            for client, why in self.strategy.accounting.rejected.items()
+            if self.rejected_before.get(client) != why and client not in self.survivors
+        }
         try:
-            apply_opened_removal(self.strategy, self.plan, self.sums, self.survivors, self.leaving)
+            apply_opened_removal(self.strategy, self.plan, self.sums, self.survivors, self.leaving, rejected)
         finally:  # what was revealed for a forget round says nothing about who owes statistics
             if self.strategy.secure is not None:
                 self.strategy.secure.revealed = set()
@@ -118,9 +125,17 @@ def check_opened_removal(
 
 
 def apply_opened_removal(
-    strategy: STSAStrategy, plan: RoundPlan, ring: dict[str, Any], survivors: set[str], leaving: set[str]
+    strategy: STSAStrategy,
+    plan: RoundPlan,
+    ring: dict[str, Any],
+    survivors: set[str],
+    leaving: set[str],
+    rejected: dict[str, str] | None = None,
 ) -> None:
-    """Open −R over the survivors, check R and subtract it; record the removal or why it was refused."""
+    """Open −R over the survivors, check R and subtract it; record the removal or why it was refused
+    (``rejected``: the sites whose replies this round rejected, with why: a named site's refusal, a
+    site whose own request failed)."""
+    rejected = rejected or {}
     task, seen, dim = plan.task, strategy.num_seen(plan.task), strategy.rf_dim
     opened = {name: torch.from_numpy(values) for name, values in strategy.open_ring_sums(ring).items()}
     gram, sums = -opened["gram-packed"], -opened["class-sums"].reshape(dim, seen)
@@ -156,9 +171,9 @@ def apply_opened_removal(
         for client in who:
             if client in named:
                 strategy.withdraw(client)
-    for client in sorted(named - set(who), key=client_order):
+    for client in sorted((named - set(who)) | set(rejected), key=client_order):
         if client in leaving:
             continue  # its removal was refused above, with the reason
-        why = strategy.accounting.rejected.get(client, "no masked removal from it in the forget round")
-        log(WARNING, "secure forget round after stage %d: %s did not leave: %s", task + 1, client, why)
+        why = rejected.get(client, "no masked removal from it in the forget round")
+        log(WARNING, "secure forget round after stage %d: %s took no part as a leaving site: %s", task + 1, client, why)
         strategy.forgotten.append({**base, "who": client, "refused": why})

@@ -29,6 +29,7 @@ from clients import stsa as stsa_client
 from clients.app import app as client_app
 from clients.ledger import Ledger, forget_ledger_key
 from clients.upload_store import load_secure_upload, secure_tasks, secure_upload_path
+from clients.upload_store import main as store_main
 from fcl_flower.analytic.packing import unpack_upper
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.local_grid import LocalGrid
@@ -207,6 +208,17 @@ def test_a_removal_that_is_no_datasets_statistics_is_refused_and_changes_nothing
     assert torch.equal(before, after) and LEAVER not in strategy.nodes.withdrawn
 
 
+def test_a_sites_own_request_that_cannot_be_applied_is_recorded_with_its_reason(tmp_path: Path) -> None:
+    rows = tmp_path / "forget.txt"
+    rows.write_text("1,99999\n")  # a row the site does not have
+    nodes = _nodes(tmp_path / "store", **{"2": {"forget-samples": str(rows)}})
+    strategy, _, forget_grams, _ = _run(_cfg(tmp_path, "bad-row", forget=str(AFTER), num_tasks=AFTER), nodes)
+    (refused,) = strategy.unlearning_log[0]["requests"]
+    assert refused["who"] == "client-2" and "row 99999 is beyond the site's" in refused["refused"]
+    before, after, _ = forget_grams[AFTER - 1]
+    assert torch.equal(before, after)
+
+
 # ------------------------------------------------------------------ exactness
 def test_a_withdrawn_site_leaves_the_secure_run_that_never_had_it_bit_for_bit(withdrawal) -> None:
     (full, weights, forget_grams, _), (never, never_weights, _, _), store = withdrawal
@@ -236,7 +248,7 @@ def test_a_withdrawn_site_leaves_the_secure_run_that_never_had_it_bit_for_bit(wi
     assert saved["unlearning"][0]["requests"][0]["secure"] is True
 
 
-def test_secure_uploads_are_kept_atomically_mode_0600(withdrawal) -> None:
+def test_secure_uploads_are_kept_atomically_mode_0600_and_their_sizes_reported(withdrawal, capsys) -> None:
     _, _, store = withdrawal
     for partition in range(CLIENTS):
         for task in secure_tasks(store, partition):
@@ -246,6 +258,10 @@ def test_secure_uploads_are_kept_atomically_mode_0600(withdrawal) -> None:
             assert upload.layout[0] == task and upload.counts.dtype == torch.float64
         assert stat.S_IMODE((store / f"partition-{partition}").stat().st_mode) == 0o700
         assert not list((store / f"partition-{partition}").glob(".*.tmp"))
+    assert store_main([str(store)]) == 0  # the site operator's report: bytes per stage
+    report = capsys.readouterr().out.splitlines()
+    size = secure_upload_path(store, LEAVER, 0).stat().st_size
+    assert f"  stage 1 (secure): {size} bytes" in report
 
 
 def _kept_sum(strategy, store: Path, bits: int) -> tuple[torch.Tensor, torch.Tensor, int]:
