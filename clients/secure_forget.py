@@ -21,8 +21,9 @@ one line and the round records the refusal. A site's own sample request (node co
 ``forget-samples``, clients/forget.py) is its consent for those samples. Each removal is written to
 the node's ledger under its own key (clients/ledger.py ``forget_ledger_key``: ``forget-site`` once
 per run; ``forget-samples-<digest>`` per request) before anything is revealed, so it is opened over
-one set of survivors only, like any input; applied sample requests are remembered
-(``forgotten.json``) and not applied twice.
+one set of survivors only, like any input; a whole-site removal is masked with one content per run
+(``forget-site.json``), and applied sample requests are remembered (``forgotten.json``) and not
+applied twice.
 
 What the site removes for a whole-site request: every kept secure upload of the stages so far whose
 sum this node revealed its shares for (its ledger lists it among that stage's survivors); an upload
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from logging import INFO
 from pathlib import Path
 
@@ -55,6 +57,7 @@ from clients.upload_store import (
     save_secure_upload,
     secure_tasks,
     store_folder,
+    write_private,
 )
 from fcl_flower.analytic import StatisticsAccumulator, packed_length
 from fcl_flower.privacy.secagg import decode_fixed_point, encode_fixed_point
@@ -217,6 +220,26 @@ def pending_requests(job: ClientJob, folder: Path | None) -> dict[int, tuple[set
     return requests
 
 
+def _once_per_run(job: ClientJob, folder: Path, digest: str) -> None:
+    """A site masks its whole-site removal once per run: the content of the first one is noted
+    (``partition-<p>/forget-site.json``, atomic, 0600) before anything is masked, and any other
+    content in the same run is refused. Otherwise a server could ask for the removal after stage 1,
+    then after stage 2 over the same set (which the ledger allows, as a retry), and read the site's
+    stage-2 statistics by difference."""
+    path = folder / f"partition-{int(job.partition)}" / "forget-site.json"
+    run = job.ins.header.run_id
+    try:
+        noted = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        noted = None
+    if not isinstance(noted, dict):
+        raise ForgetError(f"{path} is damaged: refusing to mask a removal")
+    if run in noted and noted[run] != digest:
+        raise ForgetError("this site already masked another whole-site removal in this run: refused")
+    noted[run] = digest
+    write_private(path, json.dumps(noted, sort_keys=True).encode())
+
+
 def _request_key(requests: dict[int, tuple[set[int], set[int]]]) -> str:
     text = ";".join(f"{t}:{sorted(r)}:{sorted(c)}" for t, (r, c) in sorted(requests.items()))
     return "samples-" + hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -253,9 +276,11 @@ def handle_secure_forget(job: ClientJob) -> StatsRes:
     arrays = ring.negated_floats()  # zeros for a site that removes nothing
     contributed: dict[str, str] = {}
     if key is not None:  # the removal is opened over one set of survivors only (clients/ledger.py)
-        signed = job.cfg.secagg_signed_keys
-        digest = input_digest(*(arrays[name].numpy().tobytes() for name in NAMES)) if signed else ""
-        contributed[key] = digest
+        digest = input_digest(*(arrays[name].numpy().tobytes() for name in NAMES))
+        if key == forget_ledger_key("site"):
+            assert folder is not None
+            _once_per_run(job, folder, digest)
+        contributed[key] = digest if job.cfg.secagg_signed_keys else ""
     masked, report = masked_upload(job, arrays, (), contributed)
     if folder is not None and kept:  # the site keeps the kept statistics from now on (module doc)
         done_rows, done_classes = _applied(folder, job.partition)

@@ -70,7 +70,7 @@ def save_upload(
 ) -> int:
     """Keep one upload (atomically, mode 0600); returns its size on disk in bytes."""
     meta = {"format": FORMAT, "run": run, "client": client, "task": str(int(task)), "num_samples": str(num_samples)}
-    return _write_private(upload_path(folder, partition, task), save(stats.arrays(), metadata=meta))
+    return write_private(upload_path(folder, partition, task), save(stats.arrays(), metadata=meta))
 
 
 def load_upload(folder: Path, partition: int, task: int) -> tuple[StsaStats, int, dict[str, str]]:
@@ -120,7 +120,7 @@ def secure_upload_path(folder: Path, partition: int, task: int) -> Path:
     return folder / f"partition-{int(partition)}" / f"secure-task-{int(task)}.safetensors"
 
 
-def _write_private(path: Path, blob: bytes) -> int:
+def write_private(path: Path, blob: bytes) -> int:
     """``blob`` to ``path`` atomically (temporary file, fsync, os.replace), mode 0600 in a 0700 folder."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path.parent, 0o700)
@@ -150,7 +150,7 @@ def save_secure_upload(folder: Path, partition: int, task: int, upload: SecureUp
         "num_samples": str(int(upload.num_samples)),
     }
     arrays = {k: v.detach().to(torch.float64).contiguous() for k, v in upload.arrays().items()}
-    return _write_private(secure_upload_path(folder, partition, task), save(arrays, metadata=meta))
+    return write_private(secure_upload_path(folder, partition, task), save(arrays, metadata=meta))
 
 
 def load_secure_upload(folder: Path, partition: int, task: int) -> SecureUpload:

@@ -69,7 +69,7 @@ def _drop(partition: int):
     return tamper
 
 
-def _run(cfg, node_configs: list[dict], tamper=None):
+def _run(cfg, node_configs: list[dict], tamper=None, patch=None):
     """Run ``cfg`` on nodes with these node configs; (the strategy, W after each stage's solve, the
     ridge G before and after each forget round, the headers of every secure step)."""
     server_identity()
@@ -98,6 +98,8 @@ def _run(cfg, node_configs: list[dict], tamper=None):
     strategy.end_stage = spy_end  # type: ignore[method-assign]
     strategy.between_stages = spy_between  # type: ignore[method-assign]
     strategy.header = spy_header  # type: ignore[method-assign]
+    if patch is not None:
+        patch(strategy)
 
     def hook(sent, replies):
         return tamper(sent_header(sent[0]).task, sent_header(sent[0]).phase, replies) if tamper else replies
@@ -217,6 +219,26 @@ def test_a_sites_own_request_that_cannot_be_applied_is_recorded_with_its_reason(
     assert refused["who"] == "client-2" and "row 99999 is beyond the site's" in refused["refused"]
     before, after, _ = forget_grams[AFTER - 1]
     assert torch.equal(before, after)
+
+
+def test_a_consenting_site_masks_one_whole_site_removal_per_run(tmp_path: Path) -> None:
+    """A server that keeps the consenting site after its removal and names it again after the next
+    stage (over the same set, which the ledger allows as a retry) would read its stage-2 statistics
+    by difference: the site refuses any second, different whole-site removal in the run."""
+
+    def keep_asking(strategy) -> None:
+        strategy.withdraw = lambda client: None  # the server "forgets" to withdraw the site
+
+    nodes = _nodes(tmp_path / "store", **{str(LEAVER): {"forget-consent": True}})
+    cfg = _cfg(tmp_path, "twice", forget=f"1:{LEAVER},2:{LEAVER}", num_tasks=2)
+    strategy, _, forget_grams, _ = _run(cfg, nodes, patch=keep_asking)
+    first, second = strategy.unlearning_log
+    assert first["requests"][0]["who"] == f"client-{LEAVER}" and first["requests"][0]["removed_samples"] > 0
+    (refused,) = second["requests"]
+    assert refused["who"] == f"client-{LEAVER}"
+    assert "already masked another whole-site removal in this run: refused" in refused["refused"]
+    before, after, _ = forget_grams[1]
+    assert torch.equal(before, after)  # the second round removed nothing
 
 
 # ------------------------------------------------------------------ exactness
