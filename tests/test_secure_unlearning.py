@@ -34,6 +34,8 @@ from fcl_flower.analytic.packing import unpack_upper
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.local_grid import LocalGrid
 from fcl_flower.privacy.secagg import SecureAggregationError, decode_fixed_point, encode_fixed_point
+from fcl_flower.protocol import MaskedReport, ProtocolError
+from fcl_flower.restore import RestoreError
 from tests.conftest import NODE_BASE, build, reply_partition, sent_header, server_identity, small_config
 
 LEAVER, TASKS, CLIENTS, AFTER = 1, 5, 3, 2
@@ -239,6 +241,38 @@ def test_a_consenting_site_masks_one_whole_site_removal_per_run(tmp_path: Path) 
     assert "already masked another whole-site removal in this run: refused" in refused["refused"]
     before, after, _ = forget_grams[1]
     assert torch.equal(before, after)  # the second round removed nothing
+
+
+def test_the_leaving_flag_is_typed_and_only_a_forget_round_takes_it() -> None:
+    plain = MaskedReport(b"sig", {})
+    assert "leaving" not in plain.entries()  # a stage round's masked report is as before
+    assert MaskedReport.from_entries(MaskedReport(b"sig", {}, leaving=True).entries()).leaving is True
+    with pytest.raises(ProtocolError, match="'leaving' must be a boolean"):
+        MaskedReport.from_entries({**plain.entries(), "leaving": 1})
+
+
+def test_a_stage_upload_that_claims_to_be_a_removal_is_rejected(tmp_path: Path) -> None:
+    def claim(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        for m in replies:
+            if phase == "stsa-stats" and task == 0 and not m.has_error() and reply_partition(m) == 2:
+                m.content.config_records["secagg"]["leaving"] = True
+        return replies
+
+    strategy, *_ = _run(_cfg(tmp_path, "claims", num_tasks=2), _nodes(tmp_path / "store"), tamper=claim)
+    left_out = strategy.recorder.stages[0].left_out
+    assert "says it is a removal: only a forget round takes one" in left_out["client-2"]
+
+
+def test_the_per_class_totals_a_removal_is_checked_against_survive_a_checkpoint(tmp_path: Path) -> None:
+    server_identity()
+    strategy = build(_cfg(tmp_path, "restore"))
+    state = strategy.state_dict()
+    classes = strategy.split.num_classes
+    state["secure_class_counts"] = torch.arange(classes, dtype=torch.float64)
+    strategy.load_state_dict(state)
+    assert torch.equal(strategy.secure_class_counts, torch.arange(classes, dtype=torch.float64))
+    with pytest.raises(RestoreError, match="secure_class_counts"):
+        strategy.load_state_dict({**state, "secure_class_counts": torch.zeros(classes + 1, dtype=torch.float64)})
 
 
 # ------------------------------------------------------------------ exactness
