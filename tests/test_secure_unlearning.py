@@ -36,6 +36,7 @@ from fcl_flower.local_grid import LocalGrid
 from fcl_flower.privacy.secagg import SecureAggregationError, decode_fixed_point, encode_fixed_point
 from fcl_flower.protocol import MaskedReport, ProtocolError
 from fcl_flower.restore import RestoreError
+from strategies.stsa import STSAStrategy
 from tests.conftest import NODE_BASE, build, reply_partition, sent_header, server_identity, small_config
 
 LEAVER, TASKS, CLIENTS, AFTER = 1, 5, 3, 2
@@ -266,6 +267,7 @@ def test_a_stage_upload_that_claims_to_be_a_removal_is_rejected(tmp_path: Path) 
 def test_the_per_class_totals_a_removal_is_checked_against_survive_a_checkpoint(tmp_path: Path) -> None:
     server_identity()
     strategy = build(_cfg(tmp_path, "restore"))
+    assert isinstance(strategy, STSAStrategy)
     state = strategy.state_dict()
     classes = strategy.split.num_classes
     state["secure_class_counts"] = torch.arange(classes, dtype=torch.float64)
