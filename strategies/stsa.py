@@ -1036,9 +1036,10 @@ class STSAStrategy(AnalyticStrategy):
             raise RestoreError("state/unlearning", "must be the list of the forget rounds' records")
         self.unlearning_log = list(log_entries)
         if self.secure is not None and "secure_class_counts" in state:
-            self.secure_class_counts = fields.tensor(
-                state["secure_class_counts"], "state/secure_class_counts", (self.split.num_classes,)
-            ).to(torch.float64)
+            totals = fields.tensor(state["secure_class_counts"], "state/secure_class_counts", (self.split.num_classes,))
+            if bool((totals < 0).any()) or not torch.equal(totals, totals.round()):
+                raise RestoreError("state/secure_class_counts", "must hold non-negative integer counts")
+            self.secure_class_counts = totals.clone()
         if self.unlearning_log:
             self.recorder.info["unlearning"] = self.unlearning_log
         barred = fields.mapping(state.get("secagg_barred", {}), "state/secagg_barred")

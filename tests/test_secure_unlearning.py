@@ -275,6 +275,8 @@ def test_the_per_class_totals_a_removal_is_checked_against_survive_a_checkpoint(
     assert torch.equal(strategy.secure_class_counts, torch.arange(classes, dtype=torch.float64))
     with pytest.raises(RestoreError, match="secure_class_counts"):
         strategy.load_state_dict({**state, "secure_class_counts": torch.zeros(classes + 1, dtype=torch.float64)})
+    with pytest.raises(RestoreError, match="must hold non-negative integer counts"):
+        strategy.load_state_dict({**state, "secure_class_counts": torch.full((classes,), -1.0, dtype=torch.float64)})
 
 
 # ------------------------------------------------------------------ exactness
