@@ -30,12 +30,14 @@ from clients.app import app as client_app
 from clients.ledger import Ledger, forget_ledger_key
 from clients.upload_store import load_secure_upload, secure_tasks, secure_upload_path
 from clients.upload_store import main as store_main
+from fcl_flower import interrupt
 from fcl_flower.analytic.packing import unpack_upper
 from fcl_flower.config import ConfigError, RunConfig
 from fcl_flower.local_grid import LocalGrid
 from fcl_flower.privacy.secagg import SecureAggregationError, decode_fixed_point, encode_fixed_point
 from fcl_flower.protocol import MaskedReport, ProtocolError
 from fcl_flower.restore import RestoreError
+from strategies import loop
 from strategies.stsa import STSAStrategy
 from tests.conftest import NODE_BASE, build, reply_partition, sent_header, server_identity, small_config
 
@@ -72,14 +74,14 @@ def _drop(partition: int):
     return tamper
 
 
-def _run(cfg, node_configs: list[dict], tamper=None, patch=None):
+def _run(cfg, node_configs: list[dict], tamper=None, patch=None, collect=None):
     """Run ``cfg`` on nodes with these node configs; (the strategy, W after each stage's solve, the
     ridge G before and after each forget round, the headers of every secure step)."""
     server_identity()
     strategy = build(cfg)
-    weights: list[torch.Tensor] = []
-    forget_grams: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    headers: list = []
+    weights: list[torch.Tensor] = [] if collect is None else collect[0]
+    forget_grams: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = [] if collect is None else collect[1]
+    headers: list = [] if collect is None else collect[2]
     end_stage, between, header = strategy.end_stage, strategy.between_stages, strategy.header
 
     def spy_end(task: int):
@@ -155,17 +157,41 @@ def test_a_site_named_without_its_consent_refuses_and_the_server_learns_and_remo
 
 @pytest.fixture(scope="module")
 def withdrawal(tmp_path_factory: pytest.TempPathFactory):
-    """Site 1 consents and is forgotten after stage 2; the secure run that never had site 1."""
+    """Site 1 consents and is forgotten after stage 2, the run stopped after stage 3 and resumed (so
+    every property below holds across a resume too); the secure run that never had site 1.
+    Returns ((the resumed strategy, W per stage, the forget rounds' (G before, G after, W after),
+    every header), (the same of the run that never had site 1), the store, the first strategy)."""
     out = tmp_path_factory.mktemp("secure-withdrawal")
     store = out / "store"
     nodes = _nodes(store, **{str(LEAVER): {"forget-consent": True}})
-    full = _run(_cfg(out, "withdraws", forget=f"{AFTER}:{LEAVER}"), nodes)
+    cfg = _cfg(out, "withdraws", forget=f"{AFTER}:{LEAVER}")
+    save = loop.save
+    first: list = []
+
+    def save_then_stop(strategy, task):
+        save(strategy, task)
+        if task == AFTER:  # stage 3 is checkpointed, after the forget round of stage 2
+            first.append(strategy)
+            interrupt.request_stop()
+
+    grams: list = []
+    weights: list = []
+    headers: list = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "save", save_then_stop)
+        try:
+            with pytest.raises(interrupt.RunInterrupted):
+                _run(cfg, nodes, collect=(weights, grams, headers))
+        finally:
+            interrupt.clear()
+    assert len(weights) == AFTER + 1
+    resumed, *_ = _run(cfg.replace(resume=True), nodes, collect=(weights, grams, headers))
     never = _run(_cfg(out, "never"), _nodes(out / "never-store"), _drop(LEAVER))
-    return full, never, store
+    return (resumed, weights, grams, headers), never, store, first[0]
 
 
 def test_the_leaving_sites_ledger_opens_its_removal_over_one_set_only(withdrawal) -> None:
-    (strategy, *_), _, store = withdrawal
+    _, _, store, strategy = withdrawal  # the forget round ran before the interruption
     entries = _ledger_entries(store, strategy.run_id, forget_ledger_key("site"))
     assert len(entries) == 1  # the leaving site alone recorded a removal; the others masked zeros
     path, survivors = entries[0]
@@ -179,7 +205,7 @@ def test_the_leaving_sites_ledger_opens_its_removal_over_one_set_only(withdrawal
 
 
 def test_the_forget_round_masks_under_its_own_round_context(withdrawal) -> None:
-    (_, _, _, headers), _, _ = withdrawal
+    (_, _, _, headers), _, _, _ = withdrawal
     contexts = {(h.run_id, h.task, h.stage, h.server_round, h.attempt) for h in headers if h.phase == "stsa-stats"}
     forget = [(h.run_id, h.task, h.stage, h.server_round, h.attempt) for h in headers if h.phase == "stsa-forget"]
     assert forget and not set(forget) & contexts  # never a stage round's context: no mask is reused
@@ -281,7 +307,7 @@ def test_the_per_class_totals_a_removal_is_checked_against_survive_a_checkpoint(
 
 # ------------------------------------------------------------------ exactness
 def test_a_withdrawn_site_leaves_the_secure_run_that_never_had_it_bit_for_bit(withdrawal) -> None:
-    (full, weights, forget_grams, _), (never, never_weights, _, _), store = withdrawal
+    (full, weights, forget_grams, _), (never, never_weights, _, _), store, _ = withdrawal
     record = full.unlearning_log[0]
     assert record["after_stage"] == AFTER
     (event,) = record["requests"]
@@ -309,7 +335,7 @@ def test_a_withdrawn_site_leaves_the_secure_run_that_never_had_it_bit_for_bit(wi
 
 
 def test_secure_uploads_are_kept_atomically_mode_0600_and_their_sizes_reported(withdrawal, capsys) -> None:
-    _, _, store = withdrawal
+    _, _, store, _ = withdrawal
     for partition in range(CLIENTS):
         for task in secure_tasks(store, partition):
             path = secure_upload_path(store, partition, task)
