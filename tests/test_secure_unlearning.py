@@ -40,6 +40,7 @@ from fcl_flower.restore import RestoreError
 from strategies import loop
 from strategies.stsa import STSAStrategy
 from tests.conftest import NODE_BASE, build, reply_partition, sent_header, server_identity, small_config
+from tests.test_trust_boundaries import write_signing_keys
 
 LEAVER, TASKS, CLIENTS, AFTER = 1, 5, 3, 2
 TOL = 1e-10
@@ -332,6 +333,33 @@ def test_a_withdrawn_site_leaves_the_secure_run_that_never_had_it_bit_for_bit(wi
     assert LEAVER in full.nodes.withdrawn and secure_tasks(store, LEAVER) == list(range(AFTER))
     saved = json.loads(full.recorder.path.read_text())
     assert saved["unlearning"][0]["requests"][0]["secure"] is True
+
+
+def test_with_signed_keys_the_removal_is_known_by_its_digest_and_stays_exact(tmp_path: Path) -> None:
+    """Signed-keys mode (a malicious server in scope, threshold above two thirds): the withdrawal
+    opens, the leaving site's ledger knows its removal by digest too (so no other run opens it over
+    another set), and the state equals the signed run that never had the site."""
+    keys = write_signing_keys(tmp_path / "keys", [NODE_BASE + k for k in range(CLIENTS)])
+    signing = {str(k): keys[NODE_BASE + k] for k in range(CLIENTS)}
+    store = tmp_path / "store"
+    consent = {**signing, str(LEAVER): {**signing[str(LEAVER)], "forget-consent": True}}
+    full, *_ = _run(
+        _cfg(tmp_path, "signed", forget=f"1:{LEAVER}", num_tasks=2, secagg_signed_keys=True), _nodes(store, **consent)
+    )
+    never, *_ = _run(
+        _cfg(tmp_path, "signed-never", num_tasks=2, secagg_signed_keys=True),
+        _nodes(tmp_path / "never-store", **signing),
+        _drop(LEAVER),
+    )
+    (event,) = full.unlearning_log[0]["requests"]
+    assert event["who"] == f"client-{LEAVER}" and event["removed_samples"] > 0
+    ((path, survivors),) = _ledger_entries(store, full.run_id, forget_ledger_key("site"))
+    saved = json.loads(path.read_text())
+    stages = [key for key in saved["runs"][full.run_id] if not key.startswith("forget-")]
+    assert stages == ["0"]  # the leaving site contributed stage 1 only, then withdrew
+    assert len(saved["inputs"]) == len(stages) + 1  # and its removal is known by a digest of its own
+    assert all(members == survivors for members in saved["inputs"].values())
+    assert torch.equal(full.ridge.gram, never.ridge.gram) and torch.equal(full.weights, never.weights)
 
 
 def test_secure_uploads_are_kept_atomically_mode_0600_and_their_sizes_reported(withdrawal, capsys) -> None:
