@@ -342,7 +342,7 @@ def test_with_signed_keys_the_removal_is_known_by_its_digest_and_stays_exact(tmp
     keys = write_signing_keys(tmp_path / "keys", [NODE_BASE + k for k in range(CLIENTS)])
     signing = {str(k): keys[NODE_BASE + k] for k in range(CLIENTS)}
     store = tmp_path / "store"
-    consent = {**signing, str(LEAVER): {**signing[str(LEAVER)], "forget-consent": True}}
+    consent: dict[str, dict] = {**signing, str(LEAVER): {**signing[str(LEAVER)], "forget-consent": True}}
     full, *_ = _run(
         _cfg(tmp_path, "signed", forget=f"1:{LEAVER}", num_tasks=2, secagg_signed_keys=True), _nodes(store, **consent)
     )
