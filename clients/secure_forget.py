@@ -153,7 +153,8 @@ def whole_site_removal(job: ClientJob, folder: Path, ring: Ring) -> int:
 def kept_upload(job: ClientJob, upload: SecureUpload, task: int, rows: set[int], drop: set[int]) -> SecureUpload:
     """``upload`` (stage ``task``'s own, carrying no owed stage) as the site would have masked it
     without the samples in ``rows`` nor those of the global classes in ``drop``: the same features,
-    the same min-class-count rule on the kept counts, G accumulated in float64."""
+    the same min-class-count rule on the kept counts, accumulated in float64 batch by batch as a
+    run that never had them would (clients/stsa.py ``stsa_statistics``)."""
     phi, labels = local_task_features(job, task)
     if rows and max(rows) >= int(labels.shape[0]):
         raise ForgetError(f"stage {task + 1}: row {max(rows)} is beyond the site's {int(labels.shape[0])} samples")
@@ -168,7 +169,9 @@ def kept_upload(job: ClientJob, upload: SecureUpload, task: int, rows: set[int],
     withheld = int(counts[~disclosed].sum())
     keep &= disclosed[labels]
     accumulator = StatisticsAccumulator(int(phi.shape[1]), classes)
-    accumulator.update(phi[keep], labels[keep])
+    kept_phi, kept_labels, size = phi[keep], labels[keep], job.cfg.batch_size
+    for start in range(0, int(kept_labels.shape[0]), size):  # in the batches a run without them adds
+        accumulator.update(kept_phi[start : start + size], kept_labels[start : start + size])
     gram = accumulator.packed_gram(torch.float64)
     stats = accumulator.result(with_gram=False)
     counts64 = torch.cat([stats.counts.to(torch.float64), torch.tensor([float(withheld)], dtype=torch.float64)])

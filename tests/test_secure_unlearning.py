@@ -44,6 +44,7 @@ from tests.test_trust_boundaries import write_signing_keys
 
 LEAVER, TASKS, CLIENTS, AFTER = 1, 5, 3, 2
 TOL = 1e-10
+BATCH = 16  # the sample tests' batch size: several batches per stage
 
 
 def _cfg(out_dir: Path, name: str, **changes):
@@ -404,12 +405,14 @@ def test_a_sites_own_sample_request_leaves_the_secure_run_that_never_had_those_s
     """Site 2 lists rows of its stage-1 and stage-2 data; the secure forget round after stage 2
     removes them (requested by the site: no consent knob needed). Afterwards, and after the later
     stages, the server's G, C and n are exactly the fixed-point sum of what every site keeps, and
-    equal, bit for bit, those of a secure run whose site 2 never had those rows."""
+    equal, bit for bit, those of a secure run whose site 2 never had those rows (small batches, so
+    the kept statistics are accumulated over several, as that run's are)."""
     store = tmp_path / "store"
     rows = tmp_path / "forget.txt"
     rows.write_text("1,0\n1,2\n2,1\n")
     strategy, weights, forget_grams, _ = _run(
-        _cfg(tmp_path, "samples", forget=str(AFTER)), _nodes(store, **{"2": {"forget-samples": str(rows)}})
+        _cfg(tmp_path, "samples", forget=str(AFTER), batch_size=BATCH),
+        _nodes(store, **{"2": {"forget-samples": str(rows)}}),
     )
     (event,) = strategy.unlearning_log[0]["requests"]
     assert (event["who"], event["what"], event["requested_by"], event["removed_samples"]) == (
@@ -438,7 +441,9 @@ def test_a_sites_own_sample_request_leaves_the_secure_run_that_never_had_those_s
         return data.subset(keep)
 
     monkeypatch.setattr(stsa_client, "task_data", without_rows)
-    never, never_weights, _, _ = _run(_cfg(tmp_path, "never-had-them"), _nodes(tmp_path / "never-store"))
+    never, never_weights, _, _ = _run(
+        _cfg(tmp_path, "never-had-them", batch_size=BATCH), _nodes(tmp_path / "never-store")
+    )
     assert torch.equal(strategy.ridge.gram, never.ridge.gram)
     assert torch.equal(strategy.ridge.class_sums, never.ridge.class_sums)
     assert strategy.ridge.num_samples == never.ridge.num_samples
