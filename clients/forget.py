@@ -10,7 +10,8 @@ the sample in the site's own data of that stage, in the order its data folder li
 the kept upload of each stage it forgets samples of, together with the statistics of the samples
 it keeps (computed with the same frozen backbone and random features), and keeps those from then
 on. Lines already applied are remembered in ``<store>/partition-<p>/forgotten.json`` and not
-applied twice. A site with nothing to forget answers with an empty reply.
+applied twice. A site with nothing to forget answers with an empty reply. Under secure
+aggregation the forget round is a secure round: clients/secure_forget.py answers it.
 
 Forgetting samples needs the stage's data (the kept samples' statistics are computed from it);
 forgetting the whole site needs only the kept uploads.
@@ -117,6 +118,10 @@ def kept_statistics(job: ClientJob, task: int, rows: set[int], drop: set[int]) -
 
 def handle_forget(job: ClientJob) -> StatsRes:
     assert isinstance(job.ins, StatsIns)
+    if job.ins.secagg is not None:  # the forget round is a secure round: its own handler
+        from clients.secure_forget import handle_secure_forget
+
+        return handle_secure_forget(job)
     config = job.context.node_config
     named = job.partition in job.ins.forget
     rows, classes = ({}, set()) if named else sample_requests(config)

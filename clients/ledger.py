@@ -12,8 +12,9 @@ stage.
 Two keys per entry:
 
 * **run**: (run id, task), or (run id, ``fedavg-round-<n>``) for a stage-1 FedAvg round under secure
-  aggregation (:func:`train_ledger_key`: a string, never equal to a task's key). Every run of a
-  federation has its own entries; two runs never collide.
+  aggregation (:func:`train_ledger_key`: a string, never equal to a task's key), or (run id,
+  ``forget-...``) for what a site removes in a secure forget round (:func:`forget_ledger_key`).
+  Every run of a federation has its own entries; two runs never collide.
 * **input** (signed-keys mode, where a malicious server is in scope): the SHA-256 of the statistics
   themselves. A server that claims a *new* run to ask for the same statistics over another set
   is refused too, whatever run id it names.
@@ -77,7 +78,20 @@ def train_ledger_key(server_round: int) -> str:
     return f"{TRAIN_PREFIX}{int(server_round)}"
 
 
+FORGET_PREFIX = "forget-"
+
+
+def forget_ledger_key(request: str) -> str:
+    """The ledger key of what a site removes in a secure forget round (docs/unlearning.md):
+    ``forget-site`` for its whole contribution, ``forget-samples-<digest>`` for one sample request.
+    A string, never equal to a stage's or a FedAvg round's key: the removal is opened over one set
+    of survivors only, like any input."""
+    return f"{FORGET_PREFIX}{request}"
+
+
 def _label(key: Key) -> str:
+    if isinstance(key, str) and key.startswith(FORGET_PREFIX):
+        return f"the removal '{key.removeprefix(FORGET_PREFIX)}'"
     if isinstance(key, str):
         return f"stage-1 FedAvg round {key.removeprefix(TRAIN_PREFIX)}"
     return f"stage {key + 1}"

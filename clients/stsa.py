@@ -28,7 +28,10 @@ server opens over ≥ t survivors carries at least σ² (fcl_flower/privacy/nois
 
 from __future__ import annotations
 
+from logging import INFO
+
 import torch
+from flwr.common.logger import log
 
 from clients.features import cache_for
 from clients.job import ClientJob
@@ -44,7 +47,7 @@ from clients.statistics import (
     task_data,
     upload_noise,
 )
-from clients.upload_store import as_received, keeping, store_folder
+from clients.upload_store import SecureUpload, as_received, keeping, save_secure_upload, store_folder
 from fcl_flower.analytic import StatisticsAccumulator, random_features
 from fcl_flower.analytic.factor import factor_is_smaller, rotated_factor
 from fcl_flower.privacy.disclosure import per_class_counts
@@ -166,11 +169,27 @@ def masked_stats(job: ClientJob, secagg: SecAggRound) -> StatsRes:
     mine = {job.task: current, **late}  # what this node itself puts in: its ledger must allow it over this view
     signed = job.cfg.secagg_signed_keys  # statistics are known by digest where a malicious server is in scope
     contributed = {task: _digest(stats) if signed else "" for task, stats in mine.items()}
-    ring, report = masked_upload(
-        job, {"gram-packed": gram, "class-sums": all_sums, "counts": all_counts}, included, contributed
-    )
+    arrays = {"gram-packed": gram, "class-sums": all_sums, "counts": all_counts}
+    ring, report = masked_upload(job, arrays, included, contributed)
+    keep_secure_upload(job, arrays, (job.task, *included), sum(stats.num_samples for stats in mine.values()))
     payload = MaskedStsaStats(ring["gram-packed"], ring["class-sums"], ring["counts"])
     return job.stats_reply(0, arrays=payload.to_record(), secagg=report)
+
+
+def keep_secure_upload(job: ClientJob, arrays: dict[str, torch.Tensor], layout: tuple[int, ...], samples: int) -> None:
+    """With node config ``upload-store`` (clients/upload_store.py), keep what this site just masked
+    (the float64 arrays before the deterministic fixed-point encoding), so that a secure forget
+    round can later take out exactly the ring elements it added (clients/secure_forget.py). Never
+    with noise (the configuration refuses ``forget`` with noise; a noised upload is not kept)."""
+    folder = store_folder(job.context.node_config)
+    if folder is None or job.cfg.upload_noise:
+        return
+    assert isinstance(job.ins, StatsIns)
+    upload = SecureUpload(
+        arrays["gram-packed"], arrays["class-sums"], arrays["counts"], layout, job.ins.header.run_id, samples
+    )
+    size = save_secure_upload(folder, job.partition, job.task, upload, client=f"client-{job.partition}")
+    log(INFO, "client-%d keeps its secure upload of stage %d: %d bytes on disk", job.partition, job.task + 1, size)
 
 
 def _digest(stats: Statistics) -> str:

@@ -12,6 +12,11 @@ gone. Writes are atomic (a temporary file in the same folder, fsync, os.replace)
 are created mode 0600 in a folder of mode 0700: they are the site's statistics, as sensitive as
 the upload itself. :func:`store_sizes` reports the bytes on disk per stage.
 
+In a secure statistics round (``secure-aggregation``) the site keeps instead what it masked, before
+the fixed-point encoding (:class:`SecureUpload`, ``<folder>/partition-<p>/secure-task-<t>.safetensors``,
+same atomic 0600 writes): the encoding is deterministic, so a secure forget round
+(clients/secure_forget.py) re-encodes it to remove exactly the ring elements the site added.
+
 Without ``upload-store`` nothing is written (the default).
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from logging import INFO
 from pathlib import Path
 from typing import Any
@@ -88,23 +94,8 @@ def save_arrays(
     client: str,
 ) -> int:
     """Keep one upload's arrays, any method's (atomically, mode 0600); returns its size in bytes."""
-    path = upload_path(folder, partition, task)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path.parent, 0o700)
     meta = {"format": FORMAT, "run": run, "client": client, "task": str(int(task)), "num_samples": str(num_samples)}
-    blob = save(dict(arrays), metadata=meta)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(blob)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    return path.stat().st_size
+    return write_private(upload_path(folder, partition, task), save(dict(arrays), metadata=meta))
 
 
 def keep_upload(job: ClientJob, folder: Path, task: int, arrays: Mapping[str, torch.Tensor], num_samples: int) -> None:
@@ -160,6 +151,98 @@ def keeping(
     return kept
 
 
+# ---------------------------------------------------------------- secure uploads
+SECURE_FORMAT = "fcl-flower-secure-upload-store/1"
+SECURE_KEYS = ("gram-packed", "class-sums", "counts")
+
+
+@dataclass(frozen=True)
+class SecureUpload:
+    """What a site masked in one secure statistics round, before the fixed-point encoding: the
+    float64 arrays it passed to the masking (packed G; the class sums and counts of ``layout``'s
+    tasks, column block after block; the withheld count last). The encoding is deterministic
+    (round(x · 2^f), fcl_flower/privacy/secagg.py), so re-encoding them gives the very ring
+    elements the site added. ``layout``: the round's own task first, then the owed tasks whose
+    columns rode in it; ``run``: the run id of the round (its ledger entry)."""
+
+    gram_packed: torch.Tensor
+    class_sums: torch.Tensor
+    counts: torch.Tensor
+    layout: tuple[int, ...]
+    run: str
+    num_samples: int
+
+    def arrays(self) -> dict[str, torch.Tensor]:
+        return {"gram-packed": self.gram_packed, "class-sums": self.class_sums, "counts": self.counts}
+
+
+def secure_upload_path(folder: Path, partition: int, task: int) -> Path:
+    return folder / f"partition-{int(partition)}" / f"secure-task-{int(task)}.safetensors"
+
+
+def write_private(path: Path, blob: bytes) -> int:
+    """``blob`` to ``path`` atomically (temporary file, fsync, os.replace), mode 0600 in a 0700 folder."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(blob)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def save_secure_upload(folder: Path, partition: int, task: int, upload: SecureUpload, *, client: str) -> int:
+    """Keep what the site masked in the secure round of ``task`` (atomically, mode 0600); returns
+    its size on disk in bytes."""
+    meta = {
+        "format": SECURE_FORMAT,
+        "run": upload.run,
+        "client": client,
+        "task": str(int(task)),
+        "layout": ",".join(str(t) for t in upload.layout),
+        "num_samples": str(int(upload.num_samples)),
+    }
+    arrays = {k: v.detach().to(torch.float64).contiguous() for k, v in upload.arrays().items()}
+    return write_private(secure_upload_path(folder, partition, task), save(arrays, metadata=meta))
+
+
+def load_secure_upload(folder: Path, partition: int, task: int) -> SecureUpload:
+    """The secure upload kept for ``task`` (StoreError: none, or not one)."""
+    path = secure_upload_path(folder, partition, task)
+    if not path.is_file():
+        raise StoreError(f"{path}: no kept secure upload of stage {task + 1}")
+    blob = path.read_bytes()
+    try:
+        arrays = load(blob)
+        header_size = int.from_bytes(blob[:8], "little")
+        meta = json.loads(blob[8 : 8 + header_size]).get("__metadata__", {})
+        layout = tuple(int(t) for t in meta["layout"].split(","))
+        samples = int(meta["num_samples"])
+    except Exception as err:
+        raise StoreError(f"{path}: not a kept secure upload ({type(err).__name__})") from None
+    if meta.get("format") != SECURE_FORMAT or set(arrays) != set(SECURE_KEYS) or not layout or layout[0] != task:
+        raise StoreError(f"{path}: not a kept secure upload of this format ({SECURE_FORMAT})")
+    if any(arrays[k].dtype != torch.float64 for k in SECURE_KEYS):
+        raise StoreError(f"{path}: a kept secure upload holds float64 arrays")
+    return SecureUpload(
+        arrays["gram-packed"], arrays["class-sums"], arrays["counts"], layout, str(meta["run"]), samples
+    )
+
+
+def secure_tasks(folder: Path, partition: int) -> list[int]:
+    """The stages (task indices) whose secure upload is kept for ``partition``."""
+    base = folder / f"partition-{int(partition)}"
+    found = base.glob("secure-task-*.safetensors") if base.is_dir() else []
+    return sorted(int(path.stem.removeprefix("secure-task-")) for path in found)
+
+
 def store_sizes(folder: Path, partition: int) -> dict[int, int]:
     """Bytes on disk per stage (task index) kept for ``partition``."""
     base = folder / f"partition-{int(partition)}"
@@ -187,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"partition {partition}: {len(sizes)} stage(s), {total} bytes")
         for task, size in sizes.items():
             print(f"  stage {task + 1}: {size} bytes")
+        for task in secure_tasks(folder, partition):
+            print(f"  stage {task + 1} (secure): {secure_upload_path(folder, partition, task).stat().st_size} bytes")
     return 0
 
 

@@ -296,7 +296,9 @@ class RunConfig:
         "wholly after "
         "stage S (the server operator's request; the site re-sends the uploads it kept under node config "
         "upload-store and takes no part in later stages), 'S' runs a forget round after stage S in which each "
-        "site applies its own request (node config forget-samples; STSA only). Empty: none.",
+        "site applies its own request (node config forget-samples; STSA only). Under secure-aggregation (STSA) the "
+        "removal is its own secure round and a named site takes part only with node config forget-consent=true. "
+        "Empty: none.",
     )
     stage1_exclude: str = _knob(
         "",
@@ -391,18 +393,18 @@ class RunConfig:
 
     def check_forget(self) -> None:
         """``forget`` where the method has a forget round (the registry's ``forget``) and the server
-        can check a removal against what it accepted: plain uploads (no secure-aggregation, no noise),
-        STSA's in Gram form; a site's own requests (a bare stage 'S') only where the method forgets
+        can check a removal against what it accepted: uploads without noise, STSA's in Gram form (under
+        secure-aggregation, STSA only, the removal is its own secure round); a site's own requests (a bare stage 'S') only where the method forgets
         samples (docs/unlearning.md). ConfigError with the reason otherwise."""
         if not self.forget_requests():
             return
         able = methods.with_capability("forget")
         if self.strategy not in able:
             raise ConfigError(f"forget: strategy {self.strategy} has no forget round (it works with {', '.join(able)})")
-        if self.secure_aggregation or self.upload_noise or self.stats_form != "gram":
+        if self.upload_noise or self.stats_form != "gram":
             raise ConfigError(
-                "forget works with plain uploads in Gram form (no secure-aggregation, no noise, stats-form gram): "
-                "the server checks a removal against what it accepted"
+                "forget works with uploads in Gram form without noise (stats-form gram, no noise): a removal must "
+                "take out exactly what was added, and the server checks it"
             )
         bare = [item.strip() for item in self.forget.split(",") if item.strip() and ":" not in item]
         if bare and self.method.forget != "samples":

@@ -89,6 +89,7 @@ from strategies.forgetting import ForgetRounds, SiteForgetFold, site_of
 from strategies.loop import RunFailed
 from strategies.secure import MAX_ATTEMPTS, RestartSecureRound, SecureRounds
 from strategies.secure_fedavg import MaskedFedAvg
+from strategies.secure_unlearning import SecureForgetFold, read_masked_removal
 from strategies.spool import UploadSpool
 from strategies.stream import InOrder
 from strategies.unlearning import ForgetRefused, as_upload, verified_removal
@@ -322,6 +323,8 @@ class STSAStrategy(ForgetRounds):
         self._in_ridge: set[int] = set()  # tasks whose own stage's statistics went into the ridge state
         self._resumed_opening: dict[str, Any] | None = None  # a secure sum opened before an interruption
         self._round_args: tuple[Grid, float] | None = None  # the grid and timeout of the round in progress
+        # per class, the samples the opened secure sums added (what a secure removal may take out at most)
+        self.secure_class_counts = torch.zeros(split.num_classes, dtype=torch.float64)
         # every factor upload's rows, for the N x N kernel solve while N <= M / 2 (None: G solves)
         self.stack = (
             FactorStack.empty(self.rf_dim, split.num_classes, self.rf_dim // 2) if cfg.stats_form == "factor" else None
@@ -341,7 +344,7 @@ class STSAStrategy(ForgetRounds):
         self._resumed_opening = self.saved_opening(plan)
         if self._resumed_opening is not None:
             return []  # the sum was opened before the interruption: nobody is asked again
-        if self.secure is not None and plan.phase in (self.stats_phase, FEDAVG_PHASE):
+        if self.secure is not None and plan.phase in (self.stats_phase, FEDAVG_PHASE, FORGET_PHASE):
             return InOrder(self.secure.run(self, grid, plan, timeout))
         return super().run_round(grid, plan, timeout)
 
@@ -472,6 +475,10 @@ class STSAStrategy(ForgetRounds):
         return StsaStats.read(record, **shapes, noisy_counts=self.counts_noised)
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
+        if plan.phase == FORGET_PHASE and self.masked():  # a secure forget round (strategies/secure_unlearning.py)
+            return read_masked_removal(self, plan, reply)
+        if reply.secagg is not None and reply.secagg.leaving:
+            raise UploadError("a statistics upload that says it is a removal: only a forget round takes one")
         if plan.phase == FORGET_PHASE:
             done = {t: len(self.split.tasks[t]) for t in range(plan.task + 1)}
             return ForgetStats.read(reply.arrays, packed=packed_length(self.rf_dim), dim=self.rf_dim, classes_of=done)
@@ -502,7 +509,7 @@ class STSAStrategy(ForgetRounds):
     def stats_fold(self, plan: RoundPlan) -> RoundFold:
         """Each accepted upload is added to running sums at once and dropped (client order)."""
         if plan.phase == FORGET_PHASE:
-            return ForgetFold(self, plan)
+            return SecureForgetFold(self, plan) if self.secure is not None else ForgetFold(self, plan)
         secure = self.secure is not None and plan.phase == self.stats_phase  # as run_round decides
         return MaskedFold(self, plan) if secure or self.masked() else PlainFold(self, plan)
 
@@ -778,6 +785,8 @@ class STSAStrategy(ForgetRounds):
             self.ridge.add_packed(
                 self.split.tasks[task], gram if position == 0 else None, sums_c[:, block], samples, bound
             )
+            if not noisy:  # what a secure removal may take out of each class at most
+                self.secure_class_counts[self.split.tasks[task].start : self.split.tasks[task].stop] += counts[block]
             self.note_sums_noise(self.split.tasks[task], factor * factor)
             column += width
         if withheld:
@@ -817,7 +826,7 @@ class STSAStrategy(ForgetRounds):
         stages: the next solve (:meth:`resolve`) re-certifies G. ForgetRefused (why) where the
         upload is not the one committed to, or the removed part is no dataset's statistics."""
         if self.secure is not None:
-            raise ForgetRefused("under secure aggregation a removal is a secure round, which is not implemented")
+            raise ForgetRefused("under secure aggregation a removal is its own secure round (SecureForgetFold)")
         if self.noise is not None:
             raise ForgetRefused("noised uploads: the removal check needs exact counts")
         if self._round_sums:
@@ -924,6 +933,7 @@ class STSAStrategy(ForgetRounds):
             "missing": self.backfill.state_dict(),
             "secagg_barred": barred,
             **self.forgetting_state(),
+            **({"secure_class_counts": self.secure_class_counts} if self.secure is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -933,6 +943,11 @@ class STSAStrategy(ForgetRounds):
             self.stack = None  # the checkpoint holds G, not the factors: solve from G from now on
         self.backfill.load_state_dict(state.get("missing", {}))
         self.load_forgetting_state(state)
+        if self.secure is not None and "secure_class_counts" in state:
+            totals = fields.tensor(state["secure_class_counts"], "state/secure_class_counts", (self.split.num_classes,))
+            if bool((totals < 0).any()) or not torch.equal(totals, totals.round()):
+                raise RestoreError("state/secure_class_counts", "must hold non-negative integer counts")
+            self.secure_class_counts = totals.clone()
         barred = fields.mapping(state.get("secagg_barred", {}), "state/secagg_barred")
         for client, why in barred.items():
             if not client.isdigit() or int(client) >= self.cfg.num_clients or not isinstance(why, str):

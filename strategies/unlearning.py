@@ -12,8 +12,8 @@ or forget for another client. After the swap the commitment names the kept part,
 removal of the same samples is refused too.
 
 Under secure aggregation the server never sees one client's upload, so there is nothing here to
-commit to: a removal there would have to run as its own secure round (not implemented, see
-docs/unlearning.md).
+commit to: a removal there runs as its own secure round (strategies/secure_unlearning.py,
+docs/unlearning.md "Secure aggregation").
 """
 
 from __future__ import annotations

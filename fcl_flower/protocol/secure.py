@@ -184,18 +184,24 @@ class MaskedReport:
 
     view_signature: bytes = b""
     accused: Mapping[int, str] = field(default_factory=dict)  # dealer -> reason
+    # a secure forget round (docs/unlearning.md): this site masks a removal (the negation of what it
+    # takes out), not zeros; sent only where true, so every other masked upload is as before
+    leaving: bool = False
 
     def entries(self) -> dict[str, Any]:
         nodes = sorted(self.accused)
-        return {
+        out: dict[str, Any] = {
             "view-signature": self.view_signature,
             "accused": nodes,
             "accused-reasons": [self.accused[n] for n in nodes],
         }
+        if self.leaving:
+            out["leaving"] = True
+        return out
 
     @classmethod
     def from_entries(cls, record: Mapping[str, Any]) -> MaskedReport:
-        only(record, {"view-signature", "accused", "accused-reasons"}, "secagg entries")
+        only(record, {"view-signature", "accused", "accused-reasons", "leaving"}, "secagg entries")
         signature = entry(record, "view-signature", SECAGG)
         if not isinstance(signature, bytes):
             raise ProtocolError("masked upload: the view signature must be bytes")
@@ -203,7 +209,10 @@ class MaskedReport:
         if len(set(nodes)) != len(nodes):
             raise ProtocolError(f"'{SECAGG}' entry 'accused' lists a node twice")
         reasons = read_list(record, "accused-reasons", SECAGG, str, len(nodes))
-        return cls(signature, {n: _printable(r) for n, r in zip(nodes, reasons, strict=True)})
+        leaving = record.get("leaving", False)
+        if leaving is not True and leaving is not False:
+            raise ProtocolError(f"'{SECAGG}' entry 'leaving' must be a boolean")
+        return cls(signature, {n: _printable(r) for n, r in zip(nodes, reasons, strict=True)}, leaving)
 
 
 def _printable(text: str, limit: int = 300) -> str:
