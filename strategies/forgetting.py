@@ -114,8 +114,9 @@ class ForgetRounds(AnalyticStrategy):
             self.forgotten.append({"refused": f"the forget round after stage {task + 1} failed: {err}"})
         finally:
             self._forget_sites = ()
+        told = {event.get("who") for event in self.forgotten if "refused" in event}  # the fold said why already
         for who, why in sorted(self.accounting.rejected.items()):  # a site's error or a rejected reply
-            if rejected.get(who) != why:
+            if rejected.get(who) != why and who not in told:
                 self.forgotten.append({"who": who, "refused": f"its forget reply was rejected: {why}"})
         if self.forgotten:
             record = self.resolve(task)

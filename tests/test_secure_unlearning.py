@@ -457,8 +457,8 @@ def test_a_sites_own_sample_request_leaves_the_secure_run_that_never_had_those_s
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"noise_q": 1.0, "noise_s": 0.1}, "forget works with STSA uploads in Gram form without noise"),
-        ({"stats_form": "factor"}, "forget works with STSA uploads in Gram form without noise"),
+        ({"noise_q": 1.0, "noise_s": 0.1}, "forget works with uploads in Gram form without noise"),
+        ({"stats_form": "factor"}, "forget works with uploads in Gram form without noise"),
     ],
 )
 def test_forget_under_secure_aggregation_refuses_noise_and_the_factor_form(
