@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from abc import abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -53,6 +53,7 @@ from fcl_flower.protocol import (
     StatsIns,
     StatsRes,
     TrainIns,
+    TrainRes,
     UploadError,
     message_bytes,
     parse_reply,
@@ -84,6 +85,18 @@ class RoundPlan:
     index: int = 0  # round within the stage, 0-based
     total: int = 1  # rounds in the stage
     lr: float = 0.0  # learning rate for this round (train rounds)
+
+
+def train_time(seconds: Sequence[float]) -> dict[str, float]:
+    """A round's metrics from its clients' ``train-seconds``: the max (the round waits for the
+    slowest client), the mean and how many reported; empty when none did."""
+    if not seconds:
+        return {}
+    return {
+        "train-seconds-max": max(seconds),
+        "train-seconds-mean": sum(seconds) / len(seconds),
+        "train-seconds-reported": float(len(seconds)),
+    }
 
 
 class StageFailed(RuntimeError):
@@ -457,6 +470,7 @@ class StagedStrategy(Strategy):
         kept: list[Accepted[Any]] = []
         clients: list[str] = []
         examples = 0
+        train_seconds: list[float] = []  # the clients' own local-training times (a metric only)
         timed = self.accounting.timed
         for message in replies:
             self.accounting.replies += 1
@@ -466,6 +480,7 @@ class StagedStrategy(Strategy):
             except UploadError as err:
                 self.reject(message, err, server_round)
                 continue
+            self.note_train_seconds(item, server_round, train_seconds)
             with timed("bytes"):
                 sizes = payload_bytes(message.content), message_bytes(message.content)
             self.accounting.accept(item.client, *sizes)
@@ -490,8 +505,19 @@ class StagedStrategy(Strategy):
             else:
                 kept.sort(key=lambda a: client_order(a.client))
                 self.aggregate_round(plan, kept)
-        metrics = MetricRecord({"num-clients": len(clients), "num-examples": examples})
+        metrics = MetricRecord({"num-clients": len(clients), "num-examples": examples, **train_time(train_seconds)})
         return self.global_arrays(), metrics
+
+    def note_train_seconds(self, item: Accepted[Any], server_round: int, into: list[float]) -> None:
+        """An accepted train reply's ``train-seconds`` into ``into``; one that the parser ignored
+        (negative, not finite, not a number) is named in the log, and the reply counts as ever."""
+        reply = item.reply
+        if not isinstance(reply, TrainRes):
+            return
+        if reply.train_seconds is not None:
+            into.append(reply.train_seconds)
+        elif reply.train_seconds_ignored:
+            log(WARNING, "%s in round %d: %s, ignored", item.client, server_round, reply.train_seconds_ignored)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
