@@ -125,3 +125,22 @@ def test_messages_per_run_from_a_supernode_log() -> None:
 def test_each_mode_writes_its_own_file(warm: bool, secure: bool, evaluation: str, name: str) -> None:
     args = argparse.Namespace(warm_worker=warm, secure=secure, evaluation=evaluation)
     assert default_out(args) == RESULTS_DIR / name
+
+
+def test_the_walkthrough_splits_its_wall_time_by_the_launchers_lines(tmp_path) -> None:
+    from experiments.bench_walkthrough import parse_run_config, split_times, walkthrough_run_config
+
+    stamps = {"federation_up": 30.0, "submitting": 31.0, "submitted": 33.0}
+    assert split_times(stamps, 10.0, 150.0, 140.0) == {
+        "total_seconds": 140.0,
+        "startup_seconds": 20.0,
+        "run_seconds": 109.0,
+        "stop_seconds": 10.0,
+    }
+    failed = split_times({}, 0.0, 5.0, None)  # the federation never came up
+    assert failed["total_seconds"] == 5.0 and failed["startup_seconds"] is failed["run_seconds"] is None
+    text = walkthrough_run_config(3, 5, 0, " stage1-rounds=1 ", tmp_path / "out dir")
+    assert text == f'num-clients=3 num-tasks=5 seed=0 secure-aggregation=true stage1-rounds=1 out="{tmp_path}/out dir"'
+    cfg = parse_run_config(text)  # what the ServerApp sees: the launcher adds signed keys to a secure run
+    assert cfg.secure_aggregation and cfg.secagg_signed_keys and cfg.num_tasks == 5 and cfg.stage1_rounds == 1
+    assert cfg.output_dir.parent == (tmp_path / "out dir").resolve()
