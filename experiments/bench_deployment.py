@@ -49,8 +49,9 @@ sign with their SuperNode keys, as in the walkthrough); a secure FedAvg round's 
 ``train-seconds`` (it would hint at the hidden sample count), so there the FedAvg target has no
 verdict. ``--evaluation`` sets the run config's ``evaluation``. Each mode writes its own JSON:
 bench_deployment[-warm-worker][-secure][-federated|-both].json. ``messages_to_node_0_per_run``
-counts, per project run and message type, what SuperNode 0 received (its log); results.json does
-not record exchanges per stage. experiments/bench_walkthrough.py times deploy/README.md's
+counts, per project run and message type, what SuperNode 0 received (its log), and
+``exchanges_per_statistics_stage`` derives from them the exchanges of a stage's statistics round
+(results.json does not record exchanges per stage). experiments/bench_walkthrough.py times deploy/README.md's
 one-command walkthrough end to end.
 
 Paper-size uploads (issue 16 item 3): ``--wire-dtype float32 float64`` runs the federation once
@@ -446,7 +447,7 @@ def project_run(federation: Any, cfg: RunConfig, timeout: float) -> dict[str, An
         "messages_to_node_0": (
             messages_received(Path(node_log).read_text(errors="replace"), run_id)
             if node_log and Path(node_log).is_file()
-            else None
+            else []
         ),
     }
 
@@ -460,24 +461,49 @@ SIGNED_KEYS_NOTE = (
     "node config (deploy/local_federation.py secagg_node_config), so the run sets secagg-signed-keys=true"
 )
 EXCHANGES_NOTE = (
-    "results.json does not record exchanges per stage; messages_to_node_0_per_run counts, by message type, the "
-    "messages SuperNode 0 received for each project run (its log's 'Receiving: <type> message' lines)"
+    "results.json does not record exchanges per stage; from SuperNode 0's log ('Receiving: <type> message' lines): "
+    "messages_to_node_0_per_run counts its messages by type per project run, project_runs[i].messages_to_node_0 "
+    "lists them in order, and exchanges_per_statistics_stage (per run) is the messages after its last train "
+    "message, less query.info and the last stage's own evaluate, over num-tasks (the last stage adds that "
+    "evaluate under federated evaluation)"
 )
 
 
-def messages_received(log_text: str, run_id: int) -> dict[str, int]:
-    """How many messages of each type a SuperNode received for run ``run_id``, from its log: Flower
-    1.41 logs ``[RUN <id>]`` or ``[RUN <id>, ROUND <group>]`` and then ``Receiving: <type> message``."""
-    counts: dict[str, int] = {}
+def messages_received(log_text: str, run_id: int) -> list[str]:
+    """The types of the messages a SuperNode received for run ``run_id``, in order, from its log:
+    Flower 1.41 logs ``[RUN <id>]`` (or ``[RUN <id>, ROUND <group>]``), then ``Receiving: <type> message``."""
+    kinds: list[str] = []
     current: int | None = None
     for line in log_text.splitlines():
         if "[RUN " in line:
             head = line.split("[RUN ", 1)[1].split("]", 1)[0].split(",", 1)[0].strip()
             current = int(head) if head.isdigit() else None
         elif "Receiving: " in line and current == run_id:
-            kind = line.split("Receiving: ", 1)[1].split(" message", 1)[0].strip()
-            counts[kind] = counts.get(kind, 0) + 1
-    return dict(sorted(counts.items()))
+            kinds.append(line.split("Receiving: ", 1)[1].split(" message", 1)[0].strip())
+    return kinds
+
+
+def message_counts(kinds: list[str]) -> dict[str, int]:
+    return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
+
+
+def exchanges_per_statistics_stage(kinds: list[str], num_tasks: int) -> float | None:
+    """Exchanges per stage's statistics round, from the messages one node received in order: those
+    after its last ``train`` (stage 1's FedAvg rounds; under secure aggregation after that round's
+    ``query.unmask``), less ``query.info`` (first contact) and the
+    last stage's own ``evaluate`` at the end, over ``num_tasks`` statistics rounds (stage 1 has one
+    too). Plain uploads with federated evaluation give 1 (the evaluation rides along), a secure stage
+    4 (keys, shares, statistics, unmask); None when the node received nothing."""
+    if not kinds or num_tasks < 1:
+        return None
+    after = [i for i, kind in enumerate(kinds) if kind == "train"]
+    tail = kinds[after[-1] + 1 if after else 0 :]
+    if after and tail[:1] == ["query.unmask"]:  # a secure FedAvg round ends with its own unmask
+        tail = tail[1:]
+    tail = [kind for kind in tail if kind != "query.info"]
+    if tail and tail[-1] == "evaluate":
+        tail = tail[:-1]
+    return len(tail) / num_tasks
 
 
 def minus_training(rounds: list[dict[str, Any]], stage1_rounds: int) -> tuple[list[float], list[float]]:
@@ -669,9 +695,11 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "stage1_statistics_round_seconds": summary["stage1_statistics_round_seconds"],
         "analytic_stage_seconds": summary["analytic_stage_seconds"],
         "analytic_round_seconds": summary["analytic_round_seconds"],
-        "exchanges_per_stage": None,
+        "exchanges_per_statistics_stage": [
+            exchanges_per_statistics_stage(run["messages_to_node_0"], cfg.num_tasks) for run in projects
+        ],
         "exchanges_note": EXCHANGES_NOTE,
-        "messages_to_node_0_per_run": [run.get("messages_to_node_0") for run in projects],
+        "messages_to_node_0_per_run": [message_counts(run["messages_to_node_0"]) for run in projects],
         "stage_seconds": [s["seconds"] for s in stages],
         "rounds": rounds,
         "accuracy": [s["accuracy"] for s in stages],

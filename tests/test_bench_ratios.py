@@ -15,6 +15,8 @@ import pytest
 from experiments.bench_deployment import (
     RESULTS_DIR,
     default_out,
+    exchanges_per_statistics_stage,
+    message_counts,
     messages_received,
     minus_training,
     summarise,
@@ -109,8 +111,32 @@ def test_messages_per_run_from_a_supernode_log() -> None:
             "INFO :      Receiving: evaluate message (ID: e)",
         ]
     )
-    assert messages_received(log, 9) == {"query.stats": 2, "train": 1}
-    assert messages_received(log, 7) == {"query": 1} and messages_received(log, 8) == {}
+    assert messages_received(log, 9) == ["train", "query.stats", "query.stats"]
+    assert messages_received(log, 7) == ["query"] and messages_received(log, 8) == []
+    assert message_counts(messages_received(log, 9)) == {"query.stats": 2, "train": 1}
+
+
+SECURE_ROUND = ["query.keys", "query.shares", "query.stats", "query.unmask"]
+
+
+@pytest.mark.parametrize(
+    ("kinds", "num_tasks", "exchanges"),
+    [
+        # plain, federated evaluation: stage 1's evaluation rides with stage 2's statistics, the last alone
+        (["train", "train", "query.stats", "query.stats", "query.stats", "evaluate"], 3, 1.0),
+        # plain, central evaluation, a first contact of its own and no FedAvg round
+        (["query.info", "query.stats", "query.stats"], 2, 1.0),
+        # secure: two secure FedAvg rounds (keys, shares, train, unmask), then 2 secure statistics stages
+        (["query.info", *(["query.keys", "query.shares", "train", "query.unmask"] * 2), *SECURE_ROUND * 2], 2, 4.0),
+        # every evaluation an exchange of its own: (1 + 2) / 2, the last stage's evaluate counted apart
+        (["train", "query.stats", "evaluate", "query.stats", "evaluate"], 2, 1.5),
+        ([], 2, None),
+    ],
+)
+def test_exchanges_per_statistics_stage_from_the_order_of_a_nodes_messages(
+    kinds: list[str], num_tasks: int, exchanges: float | None
+) -> None:
+    assert exchanges_per_statistics_stage(kinds, num_tasks) == exchanges
 
 
 @pytest.mark.parametrize(
