@@ -964,6 +964,10 @@ def main(argv: list[str] | None = None) -> int:
         f"whole run {result['run_wall_seconds']:.1f} s; load average before {result['load_average_before'][0]:.2f}, "
         f"after {result['load_average_after'][0]:.2f} (1 min)"
     )
+    print(
+        f"exchanges per statistics stage (SuperNode 0, per run): {result['exchanges_per_statistics_stage']}; "
+        f"messages: {result['messages_to_node_0_per_run'][-1]} (last run)"
+    )
     for name, check in result["targets"].items():
         shown = "n/a" if check["ratio"] is None else f"{check['ratio']:.2f}x"
         met = {True: "met", False: "NOT met", None: "no verdict"}[check["met"]]
