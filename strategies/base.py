@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -158,6 +159,7 @@ class StagedStrategy(Strategy):
         self.server_round = 0
         self._plan: RoundPlan | None = None
         self._sent: dict[int, Header] = {}  # node -> header of the message it got in this round
+        self._round_began = float("-inf")  # begin_round's clock (perf_counter); -inf: no bound yet
         self._round_expected: set[str] = set()
         # client -> held-out samples per class, fixed at its first evaluation (strategies/evaluation.py)
         self.held_out_sizes: dict[str, list[int]] = {}
@@ -514,10 +516,15 @@ class StagedStrategy(Strategy):
         reply = item.reply
         if not isinstance(reply, TrainRes):
             return
+        why = reply.train_seconds_ignored
         if reply.train_seconds is not None:
-            into.append(reply.train_seconds)
-        elif reply.train_seconds_ignored:
-            log(WARNING, "%s in round %d: %s, ignored", item.client, server_round, reply.train_seconds_ignored)
+            so_far = time.perf_counter() - self._round_began
+            if reply.train_seconds <= so_far:  # it trained after the round began and before this reply
+                into.append(reply.train_seconds)
+                return
+            why = f"metric 'train-seconds' is {reply.train_seconds:.6g}, longer than the round so far ({so_far:.3g} s)"
+        if why:
+            log(WARNING, "%s in round %d: %s, ignored", item.client, server_round, why)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -616,6 +623,7 @@ class StagedStrategy(Strategy):
         self.server_round += 1
         self._plan = plan
         self._sent = {}
+        self._round_began = time.perf_counter()  # a client's train-seconds cannot exceed the round so far
 
     def run_round(self, grid: Grid, plan: RoundPlan, timeout: float) -> Iterable[Message]:
         """The round's replies as a stream (strategies/stream.py): pulled as they arrive, in client

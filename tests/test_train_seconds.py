@@ -75,13 +75,19 @@ def test_a_rounds_train_time_is_the_slowest_client_and_the_mean() -> None:
     }
 
 
-LIES = {1: -5.0, 2: float("nan")}  # stage-1 round -> what client 0 claims in it
+# stage-1 round -> what client 0 claims in it: garbage the parser ignores, then a number it reads but
+# the server does not believe (longer than the round it came back in)
+LIES = {1: -5.0, 2: 1e9}
+WHY = {
+    1: "metric 'train-seconds' is -5.0, not a non-negative finite number",
+    2: "metric 'train-seconds' is 1e+09, longer than the round so far",
+}
 
 
 def test_results_json_records_the_honest_clients_and_names_the_liar(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Two FedAvg rounds; client 0 lies in both. Each round records the max and mean of the other
+    """Two FedAvg rounds; client 0 lies in both (each lie named once, with its reason). Each round records the max and mean of the other
     two clients' own times, one warning names the liar per round, and W and every accuracy equal
     those of the same run without the lie (the timing is a metric only)."""
     settings = dict(num_tasks=2, num_clients=3, rf_dim=60, seed=0, stage1_rounds=2)
@@ -115,6 +121,8 @@ def test_results_json_records_the_honest_clients_and_names_the_liar(
         assert entry["train_seconds_max"] == max(times)
         assert math.isclose(entry["train_seconds_mean"], sum(times) / 2)
         said = [r.getMessage() for r in caplog.records if "train-seconds" in r.getMessage()]
-        assert any(line.startswith(f"client-0 in round {server_round}: ") for line in said)
+        named = [line for line in said if line.startswith(f"client-0 in round {server_round}: ")]
+        assert len(named) == 1 and named[0].startswith(f"client-0 in round {server_round}: {WHY[server_round]}")
+        assert named[0].endswith(", ignored")
     assert all("train_seconds_max" not in r for r in rounds[settings["stage1_rounds"] :])  # statistics rounds
     assert all("train_seconds_max" in r for r in json.loads(clean.recorder.path.read_text())["rounds"][:2])
