@@ -512,7 +512,9 @@ class StagedStrategy(Strategy):
 
     def note_train_seconds(self, item: Accepted[Any], server_round: int, into: list[float]) -> None:
         """An accepted train reply's ``train-seconds`` into ``into``; one that the parser ignored
-        (negative, not finite, not a number) is named in the log, and the reply counts as ever."""
+        (negative, not finite, not a number) or longer than the round so far (the client trained
+        after the round began and before its reply came) is named in the log and left out; the
+        reply itself counts as ever."""
         reply = item.reply
         if not isinstance(reply, TrainRes):
             return
