@@ -21,7 +21,7 @@ as the ServerApp sees it (send the instructions, every ClientApp process starts,
 its data, works and replies, the server checks and aggregates the replies); ``stages[t].seconds``
 is a whole stage (its rounds, the solve, the evaluation). A *FedAvg round* is one of stage 1's
 training rounds; an *analytic stage* is a later stage (one statistics round, the ridge solve and
-the evaluation). The JSON (experiments/results/bench_deployment.json) holds every round and
+the evaluation). The JSON (experiments/results/bench_deployment*.json) holds every round and
 stage, the machine and the load average before and after; the table prints medians and maxima.
 Targets (issue 16, 3 SuperNodes, 2 cores): analytic stage <= 3 s, FedAvg round <= 3 s.
 
@@ -33,6 +33,26 @@ as many rounds as the project's run, alternating with it -- floor, project, floo
 the project's medians to the floor's median round (``ratios_to_floor``) and the load average
 before and after every run. The run is watched through the Control API from this process
 (deploy/local_federation.py ``wait_run``), never by a ``flwr`` CLI process while rounds are timed.
+
+Issue 32's targets (``targets`` in the JSON, each with its ratio, target and verdict): a FedAvg
+round less its local training <= 1.3 floors (``fedavg_round_minus_training``: each client times its
+local epochs alone, inside the warm worker where there is one, and returns ``train-seconds`` in its
+train reply; results.json ``rounds`` keeps the slowest client's, ``train_seconds_max``, which is
+subtracted from the round), and an analytic stage <= 1.3 floors with plain uploads, <= 2.5 under
+secure aggregation with federated evaluation::
+
+    python experiments/bench_deployment.py --warm-worker --cold-repeats 0
+    python experiments/bench_deployment.py --warm-worker --cold-repeats 0 --secure --evaluation federated
+
+``--secure`` sets ``secure-aggregation=true secagg-signed-keys=true`` (the federation's SuperNodes
+sign with their SuperNode keys, as in the walkthrough); a secure FedAvg round's replies carry no
+``train-seconds`` (it would hint at the hidden sample count), so there the FedAvg target has no
+verdict. ``--evaluation`` sets the run config's ``evaluation``. Each mode writes its own JSON:
+bench_deployment[-warm-worker][-secure][-federated|-both].json. ``messages_to_node_0_per_run``
+counts, per project run and message type, what SuperNode 0 received (its log), and
+``exchanges_per_statistics_stage`` derives from them the exchanges of a stage's statistics round
+(results.json does not record exchanges per stage). experiments/bench_walkthrough.py times deploy/README.md's
+one-command walkthrough end to end.
 
 Paper-size uploads (issue 16 item 3): ``--wire-dtype float32 float64`` runs the federation once
 per wire dtype (each a fresh SuperLink and SuperNodes), e.g.::
@@ -63,6 +83,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -81,6 +102,12 @@ from fcl_flower.runtime import federated_split
 ROOT = Path(__file__).resolve().parents[1]
 
 TARGET_SECONDS = {"fedavg_round": 3.0, "analytic_stage": 3.0}
+
+# Issue 32's targets, as ratios to Flower's floor round (the median round of the minimal app): a
+# FedAvg round less its local training (the slowest client's ``train-seconds``, measured inside the
+# worker) <= 1.3 floors; an analytic stage <= 1.3 floors with plain uploads, <= 2.5 under secure
+# aggregation with federated evaluation (a secure stage under central evaluation has no target).
+TARGET_RATIOS = {"fedavg_round_minus_training": 1.3, "analytic_stage": 1.3, "analytic_stage_secure": 2.5}
 
 # One message in a fresh interpreter, as a SuperNode's flwr-clientapp process handles it: Flower's
 # own ClientApp runtime, then this app's module, then the handler; wall and CPU seconds of each.
@@ -276,6 +303,11 @@ def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
         ridge=args.ridge,
         **({"wire_dtype": args.wire} if getattr(args, "wire", None) else {}),
         stats_form=getattr(args, "stats_form", "gram"),
+        secure_aggregation=bool(getattr(args, "secure", False)),
+        # every SuperNode of the bench's federation signs with its SuperNode key (deploy/local_federation.py
+        # secagg_node_config), so a secure run asks for signed keys, as the deployment walkthrough does
+        secagg_signed_keys=bool(getattr(args, "secure", False)),
+        evaluation=getattr(args, "evaluation", "central"),
         check_tolerance=getattr(args, "check_tolerance", "float32"),
         device="cpu",
         out=str(out),
@@ -401,19 +433,171 @@ def project_run(federation: Any, cfg: RunConfig, timeout: float) -> dict[str, An
     print(f"  run {run_id} submitted; waiting for it ...", flush=True)
     status = federation.wait_run(run_id, timeout=timeout)
     run_seconds = time.monotonic() - began
+    load_after = os.getloadavg()  # before anything below reads a log
     if status != "finished:completed":
         raise SystemExit(f"error: run {run_id} {status}:\n{federation.run_log(run_id)[-3000:]}")
+    node_log = federation.logs.get("supernode-0")
     return {
         "results": json.loads((cfg.output_dir / "results.json").read_text()),
+        "run_id": run_id,
         "submit_seconds": submit_seconds,
         "run_wall_seconds": run_seconds,
         "load_average_before": list(load_before),
-        "load_average_after": list(os.getloadavg()),
+        "load_average_after": list(load_after),
+        "messages_to_node_0": (
+            messages_received(Path(node_log).read_text(errors="replace"), run_id)
+            if node_log and Path(node_log).is_file()
+            else []
+        ),
     }
 
 
 def ratio(value: float, floor: float) -> float:
     return value / floor if floor > 0 else float("nan")
+
+
+SIGNED_KEYS_NOTE = (
+    "signed: every SuperNode of the bench's federation has secagg-signing-key and secagg-trusted-keys in its "
+    "node config (deploy/local_federation.py secagg_node_config), so the run sets secagg-signed-keys=true"
+)
+EXCHANGES_NOTE = (
+    "results.json does not record exchanges per stage; from SuperNode 0's log ('Receiving: <type> message' lines): "
+    "messages_to_node_0_per_run counts its messages by type per project run, project_runs[i].messages_to_node_0 "
+    "lists them in order, and exchanges_per_statistics_stage (per run) is the messages after its last train "
+    "message, less query.info and the last stage's own evaluate, over num-tasks (the last stage adds that "
+    "evaluate under federated evaluation)"
+)
+
+
+def messages_received(log_text: str, run_id: int) -> list[str]:
+    """The types of the messages a SuperNode received for run ``run_id``, in order, from its log:
+    Flower 1.41 logs ``[RUN <id>]`` (or ``[RUN <id>, ROUND <group>]``), then ``Receiving: <type> message``."""
+    kinds: list[str] = []
+    current: int | None = None
+    for line in log_text.splitlines():
+        if "[RUN " in line:
+            head = line.split("[RUN ", 1)[1].split("]", 1)[0].split(",", 1)[0].strip()
+            current = int(head) if head.isdigit() else None
+        elif "Receiving: " in line and current == run_id:
+            kinds.append(line.split("Receiving: ", 1)[1].split(" message", 1)[0].strip())
+    return kinds
+
+
+def message_counts(kinds: list[str]) -> dict[str, int]:
+    return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
+
+
+def exchanges_per_statistics_stage(kinds: list[str], num_tasks: int) -> float | None:
+    """Exchanges per stage's statistics round, from the messages one node received in order: those
+    after its last ``train`` (stage 1's FedAvg rounds; under secure aggregation after that round's
+    ``query.unmask``), less ``query.info`` (first contact) and the
+    last stage's own ``evaluate`` at the end, over ``num_tasks`` statistics rounds (stage 1 has one
+    too). Plain uploads with federated evaluation give 1 (the evaluation rides along), a secure stage
+    4 (keys, shares, statistics, unmask); None when the node received nothing."""
+    if not kinds or num_tasks < 1:
+        return None
+    after = [i for i, kind in enumerate(kinds) if kind == "train"]
+    tail = kinds[after[-1] + 1 if after else 0 :]
+    if after and tail[:1] == ["query.unmask"]:  # a secure FedAvg round ends with its own unmask
+        tail = tail[1:]
+    tail = [kind for kind in tail if kind != "query.info"]
+    if tail and tail[-1] == "evaluate":
+        tail = tail[:-1]
+    return len(tail) / num_tasks
+
+
+def minus_training(rounds: list[dict[str, Any]], stage1_rounds: int) -> tuple[list[float], list[float]]:
+    """A run's FedAvg rounds (its first ``stage1_rounds`` rounds in results.json): each round's
+    seconds less its slowest client's local training (``train_seconds_max``, the clients' own
+    ``train-seconds``), and those training seconds. A round without them (a secure round, whose
+    replies carry no timing, or an older results.json) is left out of both."""
+    less, training = [], []
+    for entry in rounds[:stage1_rounds]:
+        slowest = entry.get("train_seconds_max")
+        if isinstance(slowest, (int, float)) and math.isfinite(slowest):
+            less.append(float(entry["seconds"]) - float(slowest))
+            training.append(float(slowest))
+    return less, training
+
+
+def target_check(value: float | None, target: float | None, what: str) -> dict[str, Any]:
+    """``{"ratio", "target", "met", "what"}``; ``met`` None where either is missing (or not a number)."""
+    met = None
+    if value is not None and target is not None and math.isfinite(value):
+        met = value <= target
+    return {"ratio": value, "target": target, "met": met, "what": what}
+
+
+def summarise(
+    results: list[dict[str, Any]], floor_rounds: list[float], stage1_rounds: int, *, secure: bool, evaluation: str
+) -> dict[str, Any]:
+    """The project's runs (their results.json) against Flower's floor rounds: medians over every
+    round of every run, their ratios to the floor's median round, and issue 32's target checks.
+
+    * FedAvg round: stage 1's training rounds; ``fedavg_round_minus_training``: each less its
+      slowest client's local training, the ratio the target (<= 1.3 floors) is about;
+    * analytic stage: every stage after the first (its rounds, the solve, the evaluation); target
+      <= 1.3 floors with plain uploads, <= 2.5 under secure aggregation with federated evaluation
+      (none for a secure run under central evaluation)."""
+    fedavg: list[float] = []
+    less: list[float] = []
+    training: list[float] = []
+    stats_round_1: list[float] = []
+    analytic: list[float] = []
+    analytic_rounds: list[float] = []
+    per_run = []
+    for res in results:
+        rounds, stages = res["rounds"], res["stages"]
+        fedavg += [r["seconds"] for r in rounds[:stage1_rounds]]
+        run_less, run_training = minus_training(rounds, stage1_rounds)
+        less += run_less
+        training += run_training
+        stats_round_1.append(rounds[stage1_rounds]["seconds"])
+        analytic += [s["seconds"] for s in stages[1:]]
+        analytic_rounds += [r["seconds"] for r in rounds[stage1_rounds + 1 :]]
+        per_run.append(
+            {
+                "fedavg_round_minus_training_seconds": run_less,
+                "fedavg_round_minus_training_median": median(run_less) if run_less else None,
+                "fedavg_training_seconds_max": run_training,
+            }
+        )
+    floor = median(floor_rounds) if floor_rounds else float("nan")
+    ratios = {
+        "fedavg_round": ratio(median(fedavg), floor) if fedavg else None,
+        "fedavg_round_minus_training": ratio(median(less), floor) if less else None,
+        "analytic_stage": ratio(median(analytic), floor) if analytic else None,
+        "analytic_round": ratio(median(analytic_rounds), floor) if analytic_rounds else None,
+    }
+    federated = evaluation != "central"
+    if not secure:
+        stage_target, stage_what = TARGET_RATIOS["analytic_stage"], "plain analytic stage <= 1.3 floors"
+    elif federated:
+        stage_target = TARGET_RATIOS["analytic_stage_secure"]
+        stage_what = "secure analytic stage with federated evaluation <= 2.5 floors"
+    else:
+        stage_target, stage_what = None, "secure analytic stage under central evaluation: no target"
+    return {
+        "floor_round_seconds": list(floor_rounds),
+        "floor_median_round_seconds": floor,
+        "ratios_to_floor": ratios,
+        "targets": {
+            "fedavg_round_minus_training": target_check(
+                ratios["fedavg_round_minus_training"],
+                TARGET_RATIOS["fedavg_round_minus_training"],
+                "FedAvg round less the slowest client's local training <= 1.3 floors"
+                + ("" if less else " (no round reported train-seconds: a secure run's replies carry none)"),
+            ),
+            "analytic_stage": target_check(ratios["analytic_stage"], stage_target, stage_what),
+        },
+        "fedavg_round_seconds": fedavg,
+        "fedavg_training_seconds_max": training,
+        "fedavg_round_minus_training_seconds": less,
+        "stage1_statistics_round_seconds": stats_round_1,
+        "analytic_stage_seconds": analytic,
+        "analytic_round_seconds": analytic_rounds,
+        "per_run": per_run,
+    }
 
 
 def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -460,20 +644,15 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     if survivors:
         raise SystemExit(f"error: processes survived the stop: {survivors}")
     load_after = os.getloadavg()
-    train_rounds: list[float] = []
-    stats_round_1: list[float] = []
-    analytic: list[float] = []
-    analytic_rounds: list[float] = []
-    for run in projects:
-        rounds, stages = run["results"]["rounds"], run["results"]["stages"]
-        train_rounds += [r["seconds"] for r in rounds[: cfg.stage1_rounds]]
-        stats_round_1.append(rounds[cfg.stage1_rounds]["seconds"])
-        analytic += [s["seconds"] for s in stages[1:]]
-        analytic_rounds += [r["seconds"] for r in rounds[cfg.stage1_rounds + 1 :]]
+    summary = summarise(
+        [run["results"] for run in projects],
+        [t for run in floors for t in run["round_seconds"]],
+        cfg.stage1_rounds,
+        secure=cfg.secure_aggregation,
+        evaluation=cfg.evaluation,
+    )
     last = projects[-1]["results"]
     rounds, stages = last["rounds"], last["stages"]
-    floor_rounds = [t for run in floors for t in run["round_seconds"]]
-    floor = median(floor_rounds) if floor_rounds else float("nan")
     extra = {
         "peak_memory": sampler.report() if sampler is not None else None,
         "server_reply_seconds": [s["extra"].get("server_reply_seconds") for s in stages],
@@ -489,28 +668,46 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "config": {k: v for k, v in cfg.to_mapping().items() if k not in ("out",)},
         "num_nodes": args.num_nodes,
         "warm_worker": bool(args.warm_worker),
+        "settings": {
+            "secure_aggregation": cfg.secure_aggregation,
+            "secagg_signed_keys": cfg.secagg_signed_keys,
+            "signed_keys_note": SIGNED_KEYS_NOTE if cfg.secure_aggregation else None,
+            "evaluation": cfg.evaluation,
+            "warm_worker": bool(args.warm_worker),
+            "stage1_rounds": cfg.stage1_rounds,
+            "local_epochs": cfg.local_epochs,
+            "num_tasks": cfg.num_tasks,
+            "rf_dim": cfg.rf_dim,
+        },
         "repeats": args.repeats,
         "order": "floor, this app, alternating (A B A B)" if args.floor else "this app only",
         "floor": {
             "app": "a ClientApp that imports only flwr and replies at once; one query message per node per round",
-            "round_seconds": floor_rounds,
-            "median_round_seconds": floor,
+            "round_seconds": summary["floor_round_seconds"],
+            "median_round_seconds": summary["floor_median_round_seconds"],
             "runs": floors,
         },
-        "ratios_to_floor": {
-            "fedavg_round": ratio(median(train_rounds), floor) if train_rounds else None,
-            "analytic_stage": ratio(median(analytic), floor),
-            "analytic_round": ratio(median(analytic_rounds), floor),
-        },
-        "fedavg_round_seconds": train_rounds,
-        "stage1_statistics_round_seconds": stats_round_1,
-        "analytic_stage_seconds": analytic,
-        "analytic_round_seconds": analytic_rounds,
+        "ratios_to_floor": summary["ratios_to_floor"],
+        "targets": summary["targets"],
+        "fedavg_round_seconds": summary["fedavg_round_seconds"],
+        "fedavg_training_seconds_max": summary["fedavg_training_seconds_max"],
+        "fedavg_round_minus_training_seconds": summary["fedavg_round_minus_training_seconds"],
+        "stage1_statistics_round_seconds": summary["stage1_statistics_round_seconds"],
+        "analytic_stage_seconds": summary["analytic_stage_seconds"],
+        "analytic_round_seconds": summary["analytic_round_seconds"],
+        "exchanges_per_statistics_stage": [
+            exchanges_per_statistics_stage(run["messages_to_node_0"], cfg.num_tasks) for run in projects
+        ],
+        "exchanges_note": EXCHANGES_NOTE,
+        "messages_to_node_0_per_run": [message_counts(run["messages_to_node_0"]) for run in projects],
         "stage_seconds": [s["seconds"] for s in stages],
         "rounds": rounds,
         "accuracy": [s["accuracy"] for s in stages],
         "accuracy_per_repeat": [[s["accuracy"] for s in run["results"]["stages"]] for run in projects],
-        "project_runs": [{k: v for k, v in run.items() if k != "results"} for run in projects],
+        "project_runs": [
+            {**{k: v for k, v in run.items() if k != "results"}, **per_run}
+            for run, per_run in zip(projects, summary["per_run"], strict=True)
+        ],
         "export_seconds": export_seconds,
         "federation_startup_seconds": startup_seconds,
         "submit_seconds": median([run["submit_seconds"] for run in projects]),
@@ -519,6 +716,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "load_average_before": list(load_before),
         "load_average_after": list(load_after),
         "targets_seconds": TARGET_SECONDS,
+        "target_ratios": TARGET_RATIOS,
     }
 
 
@@ -537,7 +735,8 @@ def run_all(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         }
     result = bench(args, workdir)
     if args.cold_repeats > 0:
-        cfg = run_config(args, workdir / "out")
+        # plain messages (an in-process run here has no SuperNode keys to sign a secure round with)
+        cfg = run_config(args, workdir / "out").replace(secure_aggregation=False, secagg_signed_keys=False)
         result["cold_clientapp_process"] = cold_processes(cfg, workdir / "data", workdir, args.cold_repeats)
     return result
 
@@ -666,10 +865,28 @@ def main(argv: list[str] | None = None) -> int:
         help="every SuperNode hands its messages to a warm worker (node config warm-worker=true, clients/worker.py)",
     )
     parser.add_argument(
+        "--secure",
+        action="store_true",
+        help="secure aggregation (run config secure-aggregation=true secagg-signed-keys=true: the bench's "
+        "SuperNodes sign with their SuperNode keys)",
+    )
+    parser.add_argument(
+        "--evaluation",
+        choices=("central", "federated", "both"),
+        default="central",
+        help="who scores each stage (run config evaluation; default central); issue 32's secure target is "
+        "with federated evaluation",
+    )
+    parser.add_argument(
         "--cold-repeats", type=int, default=3, help="fresh ClientApp processes per message type (0: skip)"
     )
     parser.add_argument("--keep", default=None, help="work folder to keep (default: a temporary one, removed)")
-    parser.add_argument("--out", default=None, help="JSON output (default experiments/results/bench_deployment.json)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="JSON output (default experiments/results/bench_deployment[-warm-worker][-secure][-federated].json, "
+        "one name per mode)",
+    )
     args = parser.parse_args(argv)
     if args.wire_dtype:  # the upload runs measure bytes, memory and the server's work: one run each, no floor
         args.repeats, args.floor = 1, False
@@ -704,6 +921,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, values in (
         ("Flower's floor round (minimal app)", result["floor"]["round_seconds"]),
         ("FedAvg round (stage 1)", result["fedavg_round_seconds"]),
+        ("  less its local training", result["fedavg_round_minus_training_seconds"]),
+        ("  its local training (slowest client)", result["fedavg_training_seconds_max"]),
         ("analytic stage (stages 2..)", result["analytic_stage_seconds"]),
         ("  its statistics round", result["analytic_round_seconds"]),
     ):
@@ -745,8 +964,26 @@ def main(argv: list[str] | None = None) -> int:
         f"whole run {result['run_wall_seconds']:.1f} s; load average before {result['load_average_before'][0]:.2f}, "
         f"after {result['load_average_after'][0]:.2f} (1 min)"
     )
-    print(f"wrote {write_json('bench_deployment', result, args.out)}")
+    print(
+        f"exchanges per statistics stage (SuperNode 0, per run): {result['exchanges_per_statistics_stage']}; "
+        f"messages: {result['messages_to_node_0_per_run'][-1]} (last run)"
+    )
+    for name, check in result["targets"].items():
+        shown = "n/a" if check["ratio"] is None else f"{check['ratio']:.2f}x"
+        met = {True: "met", False: "NOT met", None: "no verdict"}[check["met"]]
+        print(f"target {name}: {shown} of the floor ({check['what']}): {met}")
+    print(f"wrote {write_json('bench_deployment', result, args.out or default_out(args))}")
     return 0
+
+
+def default_out(args: argparse.Namespace) -> Path:
+    """experiments/results/bench_deployment[-warm-worker][-secure][-federated|-both].json: each mode
+    its own file, so a secure or federated-evaluation run never overwrites the plain figures."""
+    name = "bench_deployment"
+    name += "-warm-worker" if args.warm_worker else ""
+    name += "-secure" if args.secure else ""
+    name += "" if args.evaluation == "central" else f"-{args.evaluation}"
+    return RESULTS_DIR / f"{name}.json"
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import time
 from abc import abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -53,6 +54,7 @@ from fcl_flower.protocol import (
     StatsIns,
     StatsRes,
     TrainIns,
+    TrainRes,
     UploadError,
     message_bytes,
     parse_reply,
@@ -84,6 +86,18 @@ class RoundPlan:
     index: int = 0  # round within the stage, 0-based
     total: int = 1  # rounds in the stage
     lr: float = 0.0  # learning rate for this round (train rounds)
+
+
+def train_time(seconds: Sequence[float]) -> dict[str, float]:
+    """A round's metrics from its clients' ``train-seconds``: the max (the round waits for the
+    slowest client), the mean and how many reported; empty when none did."""
+    if not seconds:
+        return {}
+    return {
+        "train-seconds-max": max(seconds),
+        "train-seconds-mean": sum(seconds) / len(seconds),
+        "train-seconds-reported": float(len(seconds)),
+    }
 
 
 class StageFailed(RuntimeError):
@@ -145,6 +159,7 @@ class StagedStrategy(Strategy):
         self.server_round = 0
         self._plan: RoundPlan | None = None
         self._sent: dict[int, Header] = {}  # node -> header of the message it got in this round
+        self._round_began = float("-inf")  # begin_round's clock (perf_counter); -inf: no bound yet
         self._round_expected: set[str] = set()
         # client -> held-out samples per class, fixed at its first evaluation (strategies/evaluation.py)
         self.held_out_sizes: dict[str, list[int]] = {}
@@ -457,6 +472,7 @@ class StagedStrategy(Strategy):
         kept: list[Accepted[Any]] = []
         clients: list[str] = []
         examples = 0
+        train_seconds: list[float] = []  # the clients' own local-training times (a metric only)
         timed = self.accounting.timed
         for message in replies:
             self.accounting.replies += 1
@@ -466,6 +482,7 @@ class StagedStrategy(Strategy):
             except UploadError as err:
                 self.reject(message, err, server_round)
                 continue
+            self.note_train_seconds(item, server_round, train_seconds)
             with timed("bytes"):
                 sizes = payload_bytes(message.content), message_bytes(message.content)
             self.accounting.accept(item.client, *sizes)
@@ -490,8 +507,26 @@ class StagedStrategy(Strategy):
             else:
                 kept.sort(key=lambda a: client_order(a.client))
                 self.aggregate_round(plan, kept)
-        metrics = MetricRecord({"num-clients": len(clients), "num-examples": examples})
+        metrics = MetricRecord({"num-clients": len(clients), "num-examples": examples, **train_time(train_seconds)})
         return self.global_arrays(), metrics
+
+    def note_train_seconds(self, item: Accepted[Any], server_round: int, into: list[float]) -> None:
+        """An accepted train reply's ``train-seconds`` into ``into``; one that the parser ignored
+        (negative, not finite, not a number) or longer than the round so far (the client trained
+        after the round began and before its reply came) is named in the log and left out; the
+        reply itself counts as ever."""
+        reply = item.reply
+        if not isinstance(reply, TrainRes):
+            return
+        why = reply.train_seconds_ignored
+        if reply.train_seconds is not None:
+            so_far = time.perf_counter() - self._round_began
+            if reply.train_seconds <= so_far:  # it trained after the round began and before this reply
+                into.append(reply.train_seconds)
+                return
+            why = f"metric 'train-seconds' is {reply.train_seconds:.6g}, longer than the round so far ({so_far:.3g} s)"
+        if why:
+            log(WARNING, "%s in round %d: %s, ignored", item.client, server_round, why)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -590,6 +625,7 @@ class StagedStrategy(Strategy):
         self.server_round += 1
         self._plan = plan
         self._sent = {}
+        self._round_began = time.perf_counter()  # a client's train-seconds cannot exceed the round so far
 
     def run_round(self, grid: Grid, plan: RoundPlan, timeout: float) -> Iterable[Message]:
         """The round's replies as a stream (strategies/stream.py): pulled as they arrive, in client

@@ -154,12 +154,30 @@ def run_one_round(strategy: StagedStrategy, grid: Grid, plan: Any, timeout: floa
             "replies": float(metrics["num-clients"]) if metrics is not None else 0.0,  # type: ignore[arg-type]  # ints we put there
             "rejected": float(len(strategy.accounting.rejected) - rejected),
             "upload_bytes": float(sum(strategy.accounting.upload.values()) - uploaded),
+            **train_seconds(metrics),
         },
     )
     if metrics is not None:
         result.train_metrics_clientapp[strategy.server_round] = metrics
     if arrays is not None:
         result.arrays = arrays
+
+
+#: a round's metric (strategies/base.py train_time) -> its name in results.json's ``rounds``
+TRAIN_SECONDS_FIELDS = {
+    "train-seconds-max": "train_seconds_max",
+    "train-seconds-mean": "train_seconds_mean",
+    "train-seconds-reported": "train_seconds_reported",
+}
+
+
+def train_seconds(metrics: Any) -> dict[str, float]:
+    """The clients' local-training seconds of a round, for its entry in results.json ``rounds``:
+    ``train_seconds_max`` (what the round waited for), ``train_seconds_mean`` and how many clients
+    reported one; nothing for a round without them (statistics, secure or unreported training)."""
+    if metrics is None:
+        return {}
+    return {name: float(metrics[key]) for key, name in TRAIN_SECONDS_FIELDS.items() if key in metrics}
 
 
 def stage_record(

@@ -95,6 +95,7 @@ def test_the_server_never_holds_one_clients_stage1_upload(secure) -> None:
         assert {a.numpy().dtype for a in arrays.values()} == {np.dtype(np.uint64)}
         metrics = message.content.metric_records["metrics"]
         assert metrics["num-examples"] == 0 and metrics["train-loss"] == 0.0  # nothing per client in clear
+        assert "train-seconds" not in metrics  # nor the training time, which grows with the sample count
     for payload in reads:  # what the strategy reads of one reply: ring elements, never a model state
         assert set(payload) == {"weights", "count"}
         assert all(isinstance(v, np.ndarray) and v.dtype == np.uint64 for v in payload.values())

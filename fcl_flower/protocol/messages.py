@@ -34,6 +34,7 @@ messages of a secure statistics round are in :mod:`fcl_flower.protocol.secure`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -361,9 +362,15 @@ class TrainRes(Reply):
     lga: LGAReport | None = None
     stamp: StampReport | None = None
     secagg: MaskedReport | None = None  # a masked upload's view signature and accusations (stage 1, secure)
+    # wall seconds of the local epochs alone, by the client's own clock (a benchmark's figure, never
+    # used in aggregation); None: not reported, or reported as something else (``train_seconds_ignored``)
+    train_seconds: float | None = None
+    train_seconds_ignored: str = ""  # why a reported ``train-seconds`` was ignored (the server says so)
 
     def metrics(self) -> dict[str, MetricRecordValues]:
         out: dict[str, MetricRecordValues] = {**super().metrics(), "train-loss": self.loss}
+        if self.train_seconds is not None:
+            out[TRAIN_SECONDS] = float(self.train_seconds)
         if self.lga is not None:
             r = self.lga
             out.update(
@@ -449,6 +456,7 @@ class EvaluateRes(Reply):
         content[COUNTS] = self.counts
 
 
+TRAIN_SECONDS = "train-seconds"  # a train reply's local-training wall time (TrainRes.train_seconds)
 _LGA_METRICS = {"lga-cb", "lga-sd", "lga-detected", "lga-new-task", "lga-memory", "lga-proto-classes"}
 _STAMP_METRICS = {"stamp-proto", "stamp-old-tasks", "stamp-coreset"}
 _FEDRAN_METRICS = {"num-labelled", "pseudo-unlabelled", "pseudo-accepted", "pseudo-correct"}
@@ -498,7 +506,11 @@ def _parse_train(content: RecordDict, metrics: MetricRecord, base: ReplyBase) ->
     only(content.config_records, {HEADER, SECAGG}, "config records")
     report = content.config_records.get(SECAGG)
     only(content.array_records, {MODEL, LGA_PROTO}, "array records")
-    only(metrics, {"partition-id", "num-examples", "train-loss"} | _LGA_METRICS | _STAMP_METRICS, "metrics")
+    only(
+        metrics,
+        {"partition-id", "num-examples", "train-loss", TRAIN_SECONDS} | _LGA_METRICS | _STAMP_METRICS,
+        "metrics",
+    )
     if MODEL not in content.array_records:
         raise ProtocolError(f"reply has no '{MODEL}' record")
     lga = stamp = None
@@ -527,7 +539,20 @@ def _parse_train(content: RecordDict, metrics: MetricRecord, base: ReplyBase) ->
         lga=lga,
         stamp=stamp,
         secagg=None if report is None else MaskedReport.from_entries(report),
+        **_train_seconds(metrics),
     )
+
+
+def _train_seconds(metrics: MetricRecord) -> dict[str, Any]:
+    """``train-seconds`` as TrainRes's fields: a non-negative finite number is kept; anything else
+    is ignored with the reason (a timing is only a benchmark's figure: it never rejects a reply)."""
+    if TRAIN_SECONDS not in metrics:
+        return {}
+    value = metrics[TRAIN_SECONDS]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return {"train_seconds": float(value)}
+    shown = f"a list of {len(value)}" if isinstance(value, list) else repr(value)[:40]
+    return {"train_seconds_ignored": f"metric '{TRAIN_SECONDS}' is {shown}, not a non-negative finite number"}
 
 
 def _parse_stats(content: RecordDict, metrics: MetricRecord, base: ReplyBase) -> StatsRes:
