@@ -249,10 +249,21 @@ class LocalFederation:
         while time.monotonic() < deadline:
             if self.processes[-1].poll() is not None:
                 raise FederationError(f"flower-superlink exited:\n{self.log_tail('superlink')}")
-            if self.flwr("supernode", "ls", CONNECTION, "--format", "json", check=False, timeout=30).returncode == 0:
+            if self.reachable():
                 return
             time.sleep(0.5)
         raise FederationError(f"SuperLink not reachable at {self.address} after {timeout:.0f} s")
+
+    def reachable(self) -> bool:
+        """Whether the SuperLink answers the CLI: ``flwr supernode ls`` may exit 0 with
+        ``"success": false`` while the SuperLink is still starting."""
+        result = self.flwr("supernode", "ls", CONNECTION, "--format", "json", check=False, timeout=30)
+        if result.returncode != 0 or "{" not in result.stdout:
+            return False
+        try:
+            return json.loads(result.stdout[result.stdout.index("{") :]).get("success", True) is not False
+        except ValueError:
+            return False
 
     def register(self, public_key: Path) -> int:
         """Admit a SuperNode's public key; returns its node id."""
