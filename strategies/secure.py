@@ -1,12 +1,22 @@
 """Secure rounds as a component: keys, shares, masked upload, unmasking -- one attempt.
 
 With ``secure-aggregation`` the statistics round of a stage, and every stage-1 FedAvg round, is
-four exchanges (fcl_flower/privacy/secagg.py has the math, fcl_flower/protocol/secure.py the
+four steps (fcl_flower/privacy/secagg.py has the math, fcl_flower/protocol/secure.py the
 messages; in a FedAvg round step 3 is the ``train`` message and the masked upload is the
-fixed-point vector of (n_k · w_k, n_k), fcl_flower/privacy/secure_fedavg.py):
+fixed-point vector of (n_k · w_k, n_k), fcl_flower/privacy/secure_fedavg.py), three exchanges
+after the run's first secure round (step 1 rides with the previous round's step 4, *keys ahead*):
 
 1. ``query.keys``: every node makes two fresh key pairs and answers with the public halves
-   (signed with its SuperNode key in signed-keys mode). U1: the nodes that answered.
+   (signed with its SuperNode key in signed-keys mode). U1: the nodes that answered. Keys ahead:
+   the previous secure round's ``query.unmask`` instruction named this round's key step (its
+   header: run, task, stage, round, attempt 0; the host names the next secure round,
+   :meth:`SecureHost.next_secure_round`) and each survivor sent these keys, made exactly so,
+   inside its unmask reply (:class:`Prepared`); U1: the target nodes that did. They stand in for
+   the exchange only for the very key step they were made for and only where every target node
+   was asked; a restarted attempt, a node not asked (dropped before that unmask step, joined,
+   sampled), fewer than ``secagg-min-clients`` keys ahead, and a resumed run (keys ahead are
+   never in the checkpoint) exchange the step, and the fresh keys replace those made ahead
+   before anything is dealt over them.
 2. ``query.shares``: U1's keys to every node of U1; each answers with Shamir shares of its
    self-mask seed and mask key, one encrypted bundle per participant. U2: the nodes that did.
 3. ``query.stats`` to U2, each node with the bundles addressed to it: every client uploads its
@@ -16,7 +26,8 @@ fixed-point vector of (n_k · w_k, n_k), fcl_flower/privacy/secure_fedavg.py):
    a dropout.
 4. ``query.unmask`` to U3: survivors reveal their shares of U3's self-mask seeds and of the
    mask keys of U2 \\ U3. With ≥ t shares the server rebuilds them and opens Σ_{U3} x_k (the
-   method does, from :attr:`SecureRounds.opening`).
+   method does, from :attr:`SecureRounds.opening`). Where a secure round follows, the
+   instruction also names its key step and each reply carries the survivor's keys for it.
 
 Dropouts and rejected uploads are recovered inside the attempt: there is never a second attempt
 over the same inputs, and nothing is opened unless at least ``threshold`` (a majority, and at
