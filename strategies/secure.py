@@ -443,8 +443,9 @@ class SecureRounds:
         0: a restarted attempt always exchanges fresh keys) and every target node was asked for
         them (a node that joined, was sampled, or dropped out of the last round before its unmask
         step gets the key step itself); then a node asked that sent none (a dropout) is simply
-        not in U1. Fewer than ``secagg-min-clients`` of them: the key step is exchanged instead
-        (nothing was dealt over them, so fresh keys replace them on the nodes)."""
+        not in U1. Fewer than ``secagg-min-clients`` of them, or one missing under
+        ``require-all-clients``: the key step is exchanged instead (nothing was dealt over them,
+        so fresh keys replace them on the nodes)."""
         if prepared is None or prepared.header != keys_header or not targets:
             return None
         if not targets <= prepared.asked:
@@ -452,9 +453,10 @@ class SecureRounds:
             return None
         barred = self._barred_nodes(host)
         offered = {n: k for n, k in prepared.keys.items() if n in targets and n not in barred}
-        if len(offered) < self.cfg.secagg_min_clients:
-            return None
-        for node in sorted(targets - set(prepared.keys) - barred):
+        missing = targets - set(prepared.keys) - barred
+        if len(offered) < self.cfg.secagg_min_clients or (missing and self.cfg.require_all_clients):
+            return None  # a round that would fail for want of keys: its nodes are asked again
+        for node in sorted(missing):
             host.accounting.reject(self._name(host, node), "sent no keys for this round with its last unmask reply")
         return offered
 

@@ -308,3 +308,18 @@ def test_an_unmask_reply_carries_the_next_keys_whole_or_not_at_all() -> None:
     message.content.config_records["secagg"]["next-signature"] = "text"
     with pytest.raises(ProtocolError, match=r"^unmask reply: the next round's keys and signature must be bytes$"):
         parse_reply(message, HEADER, Kind.UNMASK)
+
+
+def test_under_require_all_clients_a_missing_key_ahead_asks_every_node_again(tmp_path) -> None:
+    """With ``require-all-clients`` a round without one client's keys would fail: its key step is
+    exchanged instead, and every client is in."""
+
+    def lose_unmask(task, phase, replies):
+        if task == 0 and phase == "secagg-unmask":
+            return [m for m in replies if m.has_error() or reply_partition(m) != 2]
+        return replies
+
+    cfg = small_config(tmp_path, **SETTINGS, num_tasks=2, require_all_clients=True)
+    strategy, grid, _ = run(cfg, tamper=lose_unmask)
+    assert per_node(grid)[2][NODE_BASE + 2] == ["query.keys", *SECURE_ROUND]
+    assert strategy.recorder.stages[1].clients == [f"client-{c}" for c in range(5)]
