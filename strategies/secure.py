@@ -135,7 +135,9 @@ class SecureHost(Protocol):
 
     def in_client_order(self, nodes: list[int]) -> list[int]: ...
 
-    def next_secure_round(self, plan: Any) -> Header | None: ...
+    def next_secure_round(self, plan: Any) -> Header | None:
+        """The header of the secure round after ``plan``'s, where known (keys ahead); else None."""
+        ...
 
 
 @dataclass(frozen=True)
