@@ -323,3 +323,27 @@ def test_under_require_all_clients_a_missing_key_ahead_asks_every_node_again(tmp
     strategy, grid, _ = run(cfg, tamper=lose_unmask)
     assert per_node(grid)[2][NODE_BASE + 2] == ["query.keys", *SECURE_ROUND]
     assert strategy.recorder.stages[1].clients == [f"client-{c}" for c in range(5)]
+
+
+@pytest.mark.parametrize(
+    ("changes", "task", "after"),
+    [
+        ({}, 0, 1),  # the next stage's statistics round, one server round later
+        ({"evaluation": "federated"}, 0, 1),  # stage 1's evaluation rides with it
+        ({"evaluation": "both"}, 0, 2),  # stage 1 is scored in an exchange of its own first
+        ({"forget": "1"}, 0, None),  # a forget round comes between: no guess
+        ({}, 2, None),  # the last stage
+    ],
+)
+def test_the_next_secure_round_is_named_by_its_key_step_header(tmp_path, changes, task, after) -> None:
+    from strategies.secure import following_secure_round
+
+    cfg = small_config(tmp_path, rf_dim=60, num_tasks=3, first_task_classes=4, **changes)
+    strategy = build(cfg)
+    strategy.server_round = 7
+    plan = strategy.plan_stage(task)[-1]
+    header = following_secure_round(strategy, plan, (strategy.stats_phase,))
+    if after is None:
+        assert header is None
+        return
+    assert header == Header(strategy.run_id, strategy.stats_phase, task + 1, task + 2, 7 + after, 0)
