@@ -7,7 +7,11 @@ The node's secrets of one round live only in its Flower ``context.state`` (recor
 * after the shares round: also the self-mask seed b;
 * after the masked upload: the private keys and the seed are deleted; only the shares that
   other participants sent this node (decrypted) remain, with what the unmask check needs;
-* after the unmask round: nothing.
+* after the unmask round: nothing of the round. Where the unmask instruction names the next secure
+  round's key step (keys ahead, ``UnmaskIns.prepare``), the node then makes that round's two fresh
+  key pairs exactly as its key round would (:func:`handle_keys`: bound to that round's run, task,
+  stage, round and attempt 0, signed the same way in signed-keys mode) and sends the public halves
+  with its unmask reply; the next round starts at its shares step.
 
 Before it reveals anything a client checks the request (fcl_flower/privacy/secagg.py
 ``check_unmask_request``): never both secrets of one participant, survivors and dropped nodes
@@ -146,17 +150,24 @@ def signed_mode(context: Context, cfg: RunConfig) -> bool:
 
 def handle_keys(ins: KeysIns, context: Context) -> KeysRes:
     """Make and keep two fresh key pairs; answer with the public halves (signed, in signed mode)."""
+    keys = _fresh_keys(context, ins.config, ins.header)
+    return KeysRes(ins.header, node_partition(context.node_config, ins.config), 0, keys=keys)
+
+
+def _fresh_keys(context: Context, cfg: RunConfig, header: Header) -> PublicKeys:
+    """Two fresh key pairs for the secure round of ``header`` (its key step, or an unmask
+    instruction's ``prepare``): the private halves kept in this node's state for that round only,
+    the public ones returned (signed over that round's context, in signed-keys mode)."""
     c_private, c_public = generate_keypair()
     s_private, s_public = generate_keypair()
     signer = signature = b""
-    if signed_mode(context, ins.config):
+    if signed_mode(context, cfg):
         key = load_signing_key(_node_path(context, SIGNING_KEY))
-        signer, signature = sign_keys(key, c_public, s_public, _key_context(ins.header))
+        signer, signature = sign_keys(key, c_public, s_public, _key_context(header))
     context.state.config_records[STATE_RECORD] = ConfigRecord(
-        {"round": _round_id(ins.header), "c-private": c_private, "s-private": s_private}
+        {"round": _round_id(header), "c-private": c_private, "s-private": s_private}
     )
-    partition = node_partition(context.node_config, ins.config)
-    return KeysRes(ins.header, partition, 0, keys=PublicKeys(c_public, s_public, signer, signature))
+    return PublicKeys(c_public, s_public, signer, signature)
 
 
 def _check_peers(
@@ -413,6 +424,8 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
     # the set the sum is opened over is the survivors': each input is opened over one such set only
     node_ledger(context, signed).record(ins.header.run_id, tasks, ins.survivors, digests)
     del context.state.config_records[STATE_RECORD]  # nothing of the round stays on the node
+    # keys ahead: the next round's fresh keys, as its key step would make them (after the ledger)
+    next_keys = None if ins.prepare is None else _fresh_keys(context, ins.config, ins.prepare)
     partition = node_partition(context.node_config, ins.config)
     return UnmaskRes(
         ins.header,
@@ -420,4 +433,5 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
         0,
         seed_shares={n: seed_share[n] for n in ins.survivors if n in seed_share},
         key_shares={n: key_share[n] for n in ins.dropped if n in key_share},
+        next_keys=next_keys,
     )

@@ -1,12 +1,22 @@
 """Secure rounds as a component: keys, shares, masked upload, unmasking -- one attempt.
 
 With ``secure-aggregation`` the statistics round of a stage, and every stage-1 FedAvg round, is
-four exchanges (fcl_flower/privacy/secagg.py has the math, fcl_flower/protocol/secure.py the
+four steps (fcl_flower/privacy/secagg.py has the math, fcl_flower/protocol/secure.py the
 messages; in a FedAvg round step 3 is the ``train`` message and the masked upload is the
-fixed-point vector of (n_k · w_k, n_k), fcl_flower/privacy/secure_fedavg.py):
+fixed-point vector of (n_k · w_k, n_k), fcl_flower/privacy/secure_fedavg.py), three exchanges
+after the run's first secure round (step 1 rides with the previous round's step 4, *keys ahead*):
 
 1. ``query.keys``: every node makes two fresh key pairs and answers with the public halves
-   (signed with its SuperNode key in signed-keys mode). U1: the nodes that answered.
+   (signed with its SuperNode key in signed-keys mode). U1: the nodes that answered. Keys ahead:
+   the previous secure round's ``query.unmask`` instruction named this round's key step (its
+   header: run, task, stage, round, attempt 0; the host names the next secure round,
+   :meth:`SecureHost.next_secure_round`) and each survivor sent these keys, made exactly so,
+   inside its unmask reply (:class:`Prepared`); U1: the target nodes that did. They stand in for
+   the exchange only for the very key step they were made for and only where every target node
+   was asked; a restarted attempt, a node not asked (dropped before that unmask step, joined,
+   sampled), fewer than ``secagg-min-clients`` keys ahead, and a resumed run (keys ahead are
+   never in the checkpoint) exchange the step, and the fresh keys replace those made ahead
+   before anything is dealt over them.
 2. ``query.shares``: U1's keys to every node of U1; each answers with Shamir shares of its
    self-mask seed and mask key, one encrypted bundle per participant. U2: the nodes that did.
 3. ``query.stats`` to U2, each node with the bundles addressed to it: every client uploads its
@@ -16,7 +26,8 @@ fixed-point vector of (n_k · w_k, n_k), fcl_flower/privacy/secure_fedavg.py):
    a dropout.
 4. ``query.unmask`` to U3: survivors reveal their shares of U3's self-mask seeds and of the
    mask keys of U2 \\ U3. With ≥ t shares the server rebuilds them and opens Σ_{U3} x_k (the
-   method does, from :attr:`SecureRounds.opening`).
+   method does, from :attr:`SecureRounds.opening`). Where a secure round follows, the
+   instruction also names its key step and each reply carries the survivor's keys for it.
 
 Dropouts and rejected uploads are recovered inside the attempt: there is never a second attempt
 over the same inputs, and nothing is opened unless at least ``threshold`` (a majority, and at
@@ -39,9 +50,9 @@ instructions, identifies nodes and screens replies.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any, Protocol
 
 from flwr.app import Message
@@ -86,7 +97,7 @@ from fcl_flower.protocol import (
 )
 from fcl_flower.protocol.base import SECAGG
 from strategies.accounting import StageAccounting
-from strategies.base import StageFailed
+from strategies.base import RoundPlan, StagedStrategy, StageFailed
 from strategies.nodes import NodeDirectory
 from strategies.stream import ReplyStream, exchange
 
@@ -123,6 +134,19 @@ class SecureHost(Protocol):
     def identify(self, node: int, reply: Reply) -> str: ...
 
     def in_client_order(self, nodes: list[int]) -> list[int]: ...
+
+    def next_secure_round(self, plan: Any) -> Header | None:
+        """The header of the secure round after ``plan``'s, where known (keys ahead); else None."""
+        ...
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Keys ahead: the next secure round's public keys, sent with this round's unmask replies."""
+
+    header: Header  # the key step they are for (phase KEYS_PHASE, attempt 0): what their signatures bind
+    asked: frozenset[int]  # the nodes asked to prepare them
+    keys: Mapping[int, PublicKeys]  # node -> its public keys (unchecked: checked as a key reply is, at use)
 
 
 @dataclass(frozen=True)
@@ -165,6 +189,7 @@ class SecureRounds:
         self._accusers: dict[int, set[int]] = {}  # accused dealer -> the nodes that accused it
         self.revealed: set[str] = set()  # clients asked to reveal their shares in this round: opened once
         self.blame: dict[str, list[str]] = {}  # this round's evidence: client -> what it was named for
+        self.prepared: Prepared | None = None  # keys ahead for the next round (never in a checkpoint)
 
     def bar(self, host: SecureHost, node: int, why: str) -> None:
         """Name ``node``'s client with the evidence and keep it out of later secure rounds."""
@@ -193,7 +218,8 @@ class SecureRounds:
         if attempt == 0:
             self.blame = {}
         header = host.header(plan, attempt)
-        keys = self._collect_keys(host, grid, plan, header, timeout)
+        prepared, self.prepared = self.prepared, None  # used in this round's first attempt, or never
+        keys = self._collect_keys(host, grid, plan, header, timeout, prepared)
         if len(keys) < self.cfg.secagg_min_clients:
             raise StageFailed(
                 f"secure aggregation needs at least {self.cfg.secagg_min_clients} participants, {len(keys)} sent keys"
@@ -344,20 +370,11 @@ class SecureRounds:
 
     # ---------------------------------------------------------------- the steps
     def _exchange(
-        self,
-        host: SecureHost,
-        grid: Grid,
-        plan: Any,
-        build: Callable[[int], Instruction],
-        only: set[int] | None,
-        timeout: float,
-        kind: Kind,
-        header: Header,
-        exclude: set[int] | None = None,
+        self, host: SecureHost, grid: Grid, sent: list[Message], timeout: float, kind: Kind, header: Header
     ) -> dict[int, Reply]:
-        """Send one step, parse and identify every reply; bad ones are logged and left out."""
+        """Send one step's messages (:meth:`_step`), parse and identify every reply; bad ones are
+        logged and left out."""
         answers: dict[int, Reply] = {}
-        sent = host.messages(grid, plan, 0, exclude or set(), build=build, only=only, side=True)
         replies = exchange(grid, sent, timeout)
         for message in replies:
             node = message.metadata.src_node_id
@@ -380,35 +397,70 @@ class SecureRounds:
         return answers
 
     @staticmethod
+    def _step(host: SecureHost, grid: Grid, plan: Any, instruction: Instruction, only: set[int]) -> list[Message]:
+        """One step's messages: ``instruction`` to each node of ``only`` that the round targets."""
+        return host.messages(grid, plan, 0, set(), build=lambda node: instruction, only=only, side=True)
+
+    @staticmethod
     def _name(host: SecureHost, node: int) -> str:
         client = host.nodes.client_of.get(node)
         return f"node-{node}" if client is None else f"client-{client}"
 
     def _collect_keys(
-        self, host: SecureHost, grid: Grid, plan: Any, header: Header, timeout: float
+        self, host: SecureHost, grid: Grid, plan: Any, header: Header, timeout: float, prepared: Prepared | None
     ) -> dict[int, PublicKeys]:
+        """U1: the key step's answers, checked. Keys ahead (:meth:`_take_prepared`) stand in for
+        the key exchange where they were made for this very step; else the step is an exchange."""
         keys_header = dataclasses.replace(header, phase=KEYS_PHASE)
         instruction = KeysIns(keys_header, self.cfg)
-        answers = self._exchange(
-            host, grid, plan, lambda node: instruction, None, timeout, Kind.KEYS, keys_header, self._barred_nodes(host)
-        )
+        # the key step's messages, one per target node (not barred): sent unless keys ahead serve
+        sent = host.messages(grid, plan, 0, self._barred_nodes(host), build=lambda node: instruction, side=True)
+        offered = self._take_prepared(host, keys_header, prepared, {m.metadata.dst_node_id for m in sent})
+        if offered is None:
+            answers = self._exchange(host, grid, sent, timeout, Kind.KEYS, keys_header)
+            offered = {node: reply.keys for node, reply in answers.items() if isinstance(reply, KeysRes)}
         for client, why in sorted(self.barred.items()):
             host.accounting.reject(f"client-{client}", f"barred from secure aggregation: {why}")
         keys: dict[int, PublicKeys] = {}
-        for node, reply in answers.items():
-            assert isinstance(reply, KeysRes)
-            if len(reply.keys.c) != KEY_BYTES or len(reply.keys.s) != KEY_BYTES:
+        for node, public in offered.items():
+            if len(public.c) != KEY_BYTES or len(public.s) != KEY_BYTES:
                 log(WARNING, "node %d sent keys that are not %d-byte X25519 keys; it is left out", node, KEY_BYTES)
                 host.accounting.reject(self._name(host, node), f"secure key round: no {KEY_BYTES}-byte public keys")
                 continue
             try:  # a low-order point would make every peer's key agreement fail: the round would stall
                 probe = generate_keypair()[0]
-                agree(probe, reply.keys.c), agree(probe, reply.keys.s)
+                agree(probe, public.c), agree(probe, public.s)
             except SecureAggregationError as err:
                 self.bar(host, node, f"its public keys are unusable: {err}")
                 continue
-            keys[node] = reply.keys
+            keys[node] = public
         return keys
+
+    def _take_prepared(
+        self, host: SecureHost, keys_header: Header, prepared: Prepared | None, targets: set[int]
+    ) -> dict[int, PublicKeys] | None:
+        """The keys ahead that serve as this key step's answers, or None: the step is an exchange.
+
+        They serve only where they were made for this very step (run, task, stage, round, attempt
+        0: a restarted attempt always exchanges fresh keys) and every target node was asked for
+        them (a node that joined, was sampled, or dropped out of the last round before its unmask
+        step gets the key step itself); then a node asked that sent none (a dropout) is simply
+        not in U1. Fewer than ``secagg-min-clients`` of them, or one missing under
+        ``require-all-clients``: the key step is exchanged instead (nothing was dealt over them,
+        so fresh keys replace them on the nodes)."""
+        if prepared is None or prepared.header != keys_header or not targets:
+            return None
+        if not targets <= prepared.asked:
+            log(INFO, "round %d: node(s) not asked for keys ahead; the key step is an exchange", host.server_round)
+            return None
+        barred = self._barred_nodes(host)
+        offered = {n: k for n, k in prepared.keys.items() if n in targets and n not in barred}
+        missing = targets - set(prepared.keys) - barred
+        if len(offered) < self.cfg.secagg_min_clients or (missing and self.cfg.require_all_clients):
+            return None  # a round that would fail for want of keys: its nodes are asked again
+        for node in sorted(missing):
+            host.accounting.reject(self._name(host, node), "sent no keys for this round with its last unmask reply")
+        return offered
 
     def _collect_shares(
         self,
@@ -423,9 +475,8 @@ class SecureRounds:
     ) -> dict[int, Mapping[int, bytes]]:
         shares_header = dataclasses.replace(header, phase=SHARES_PHASE)
         instruction = SharesIns(shares_header, self.cfg, keys=keys, clients=clients, threshold=threshold)
-        answers = self._exchange(
-            host, grid, plan, lambda node: instruction, set(keys), timeout, Kind.SHARES, shares_header
-        )
+        sent = self._step(host, grid, plan, instruction, set(keys))
+        answers = self._exchange(host, grid, sent, timeout, Kind.SHARES, shares_header)
         bundles = {}
         for node, reply in answers.items():
             assert isinstance(reply, SharesRes)
@@ -459,19 +510,31 @@ class SecureRounds:
         timeout: float,
     ) -> tuple[dict[int, bytes], dict[int, bytes]]:
         unmask_header = dataclasses.replace(header, phase=UNMASK_PHASE)
+        ahead = host.next_secure_round(plan)  # keys ahead: the next secure round's key step rides here
+        prepare = None if ahead is None else dataclasses.replace(ahead, phase=KEYS_PHASE, attempt=0)
         instruction = UnmaskIns(
-            unmask_header, self.cfg, survivors=tuple(survivors), dropped=tuple(dropped), signatures=signatures
+            unmask_header,
+            self.cfg,
+            survivors=tuple(survivors),
+            dropped=tuple(dropped),
+            signatures=signatures,
+            prepare=prepare,
         )
-        answers = self._exchange(
-            host, grid, plan, lambda node: instruction, set(survivors), timeout, Kind.UNMASK, unmask_header
-        )
+        sent = self._step(host, grid, plan, instruction, set(survivors))
+        answers = self._exchange(host, grid, sent, timeout, Kind.UNMASK, unmask_header)
         seed_shares: dict[int, dict[int, bytes]] = {node: {} for node in survivors}
         key_shares: dict[int, dict[int, bytes]] = {node: {} for node in dropped}
+        next_keys: dict[int, PublicKeys] = {}
         for node, reply in answers.items():
             assert isinstance(reply, UnmaskRes)
             if not set(reply.seed_shares) <= set(survivors) or not set(reply.key_shares) <= set(dropped):
                 host.accounting.reject(self._name(host, node), "secure unmask round: shares that were not asked for")
                 continue
+            if reply.next_keys is not None and prepare is None:
+                host.accounting.reject(self._name(host, node), "secure unmask round: keys that were not asked for")
+                continue
+            if reply.next_keys is not None:  # checked as a key reply is, when the next round takes them
+                next_keys[node] = reply.next_keys
             for target, share in reply.seed_shares.items():
                 seed_shares[target][node] = share
             for target, share in reply.key_shares.items():
@@ -489,6 +552,8 @@ class SecureRounds:
                 for liar in result.liars:
                     self.bar(host, liar, f"revealed a share of node {dealer}'s secret that is not the one dealt")
                 rebuilt[what][dealer] = result.secret
+        if prepare is not None:  # kept once every secret is rebuilt (a barred node's are dropped at use)
+            self.prepared = Prepared(prepare, frozenset(m.metadata.dst_node_id for m in sent), next_keys)
         return rebuilt[SEED], rebuilt[MASK_KEY]
 
     def _blame_opening(self, host: SecureHost, dealer: int, err: SecretNotRebuilt) -> None:
@@ -500,3 +565,31 @@ class SecureRounds:
             self.bar(host, liar, f"revealed a share of node {dealer}'s secret that is not the one dealt")
         if err.dealer_at_fault:
             self.bar(host, dealer, str(err))
+
+
+def following_secure_round(host: StagedStrategy, plan: RoundPlan, phases: Collection[str]) -> Header | None:
+    """Keys ahead: the header of the secure round that directly follows ``plan``'s, as its key step
+    will carry it, where it is known during ``plan``'s unmask step; None where it is not.
+
+    The next round of the stage, else the first of the next stage, when its phase is one of
+    ``phases`` (the host's secure rounds), one server round later, or two where the stage is
+    scored in an ``evaluate`` exchange of its own; None after the last stage and where a forget
+    round comes between the stages. A guess that turns out wrong costs nothing but the key
+    exchange the next round then makes (its header differs from the keys', which are dropped)."""
+    plans = host.plan_stage(plan.task)
+    position = next((i for i, p in enumerate(plans) if p == plan), None)
+    if position is None:
+        return None
+    if position + 1 < len(plans):
+        following, rounds = plans[position + 1], 1
+    else:
+        task, cfg = plan.task + 1, host.cfg
+        if task >= host.num_tasks or task in cfg.forget_requests():
+            return None
+        following = host.plan_stage(task)[0]
+        scored_alone = cfg.evaluation != "central" and not host.evaluation_rides(plan.task)
+        rounds = 2 if scored_alone else 1
+    if following.phase not in phases:
+        return None
+    header = host.header(following, 0)
+    return dataclasses.replace(header, server_round=host.server_round + rounds)

@@ -68,7 +68,7 @@ from fcl_flower.data import FederationLayout
 from fcl_flower.privacy.noise import secure_share
 from fcl_flower.privacy.secagg import add_ring, unmask_sum
 from fcl_flower.privacy.secure_fedavg import OpenedSumRejected
-from fcl_flower.protocol import Instruction, Reply, StatsIns, StatsRes, UploadError
+from fcl_flower.protocol import Header, Instruction, Reply, StatsIns, StatsRes, UploadError
 from fcl_flower.protocol.payloads import ForgetStats, MaskedStsaStats, StsaFactorStats, StsaStats
 from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
@@ -87,7 +87,7 @@ from strategies.backfill import Backfill
 from strategies.base import Accepted, RoundFailed, RoundFold, RoundPlan, StageFailed
 from strategies.forgetting import ForgetRounds, SiteForgetFold, site_of
 from strategies.loop import RunFailed
-from strategies.secure import MAX_ATTEMPTS, RestartSecureRound, SecureRounds
+from strategies.secure import MAX_ATTEMPTS, RestartSecureRound, SecureRounds, following_secure_round
 from strategies.secure_fedavg import MaskedFedAvg
 from strategies.secure_unlearning import SecureForgetFold, read_masked_removal
 from strategies.spool import UploadSpool
@@ -420,6 +420,10 @@ class STSAStrategy(ForgetRounds):
     def masked(self) -> bool:
         """Whether the replies being read are masked (a secure statistics round is under way)."""
         return self.secure is not None and self.secure.current is not None
+
+    def next_secure_round(self, plan: RoundPlan) -> Header | None:
+        """Keys ahead (strategies/secure.py): the secure round after ``plan``'s, as its key step's header."""
+        return following_secure_round(self, plan, (self.stats_phase, FEDAVG_PHASE))
 
     def secure_columns(self, task: int) -> list[int]:
         """The tasks whose classes a masked upload carries: this one, then the included owed ones."""

@@ -297,15 +297,17 @@ def test_playing_the_server_a_rejected_upload_stays_hidden(tmp_path) -> None:
     cfg = strategy.cfg
     victim_node = NODE_BASE + 1
     stage = [(p, m) for t, p, m in received if t == BAD_TASK]
-    keys = {m.metadata.src_node_id: m for p, m in stage if p == "secagg-keys"}
+    # the round's keys came ahead, with the survivors' unmask replies of the stage before (strategies/secure.py)
+    ahead = [m for t, p, m in received if t == BAD_TASK - 1 and p == "secagg-unmask"]
+    s_public = {m.metadata.src_node_id: m.content.config_records["secagg"]["next-s"] for m in ahead}
+    assert not [m for p, m in stage if p == "secagg-keys"]
     unmask = [m for p, m in stage if p == "secagg-unmask"]
     upload = next(m for p, m in stage if p == "stsa-stats" and m.metadata.src_node_id == victim_node)
     seed_shares = [m.content.config_records["secagg"] for m in unmask]
     assert all(victim_node not in record["seed-nodes"] for record in seed_shares)  # b never revealed
     key_shares = [record["key-shares"][record["key-nodes"].index(victim_node)] for record in seed_shares]
     victim_key = reconstruct(key_shares, 3)  # the server can rebuild the dropped node's mask key ...
-    nodes = sorted(keys)
-    s_public = {n: keys[n].content.config_records["secagg"]["s"] for n in nodes}
+    nodes = sorted(s_public)
     header = sent_header(upload)
     context = round_context(header.run_id, header.task, header.stage, header.server_round, header.attempt, nodes)
     masked = upload.content.array_records["arrays"]["gram-packed"].numpy().reshape(-1)

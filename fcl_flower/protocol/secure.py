@@ -11,8 +11,16 @@ server -> client        Flower type      client -> server
 :class:`~fcl_flower.protocol.TrainIns`   ``train`` with :class:`SecAggRound` (stage-1 FedAvg): the
                                          masked (n_k · w_k, n_k)
 :class:`UnmaskIns`      ``query.unmask`` :class:`UnmaskRes`: shares of the survivors' b and of the
-                                         dropped participants' s, never both for one node
+                                         dropped participants' s, never both for one node; and,
+                                         where :attr:`UnmaskIns.prepare` names the next secure
+                                         round, that round's fresh public keys (as a
+                                         :class:`KeysRes` would carry them)
 ======================  ===============  =====================================================
+
+Keys ahead: the unmask instruction of a secure round may name the key round of the next one
+(:attr:`UnmaskIns.prepare`, a full header: run, task, stage, round, attempt 0); the node answers as
+it would a ``query.keys`` for that header, inside its unmask reply (:attr:`UnmaskRes.next_keys`),
+and the next round starts at its shares step (strategies/secure.py).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from fcl_flower.methods import Kind
 from fcl_flower.protocol.base import (
     ROUND,
     SECAGG,
+    Header,
     Instruction,
     Reply,
     ReplyBase,
@@ -38,6 +47,12 @@ from fcl_flower.protocol.base import (
     read_list,
 )
 from fcl_flower.protocol.errors import ProtocolError
+
+#: the entries of an unmask instruction's ``round`` record that name the next round's key step (its header's)
+PREPARE = "prepare-"
+PREPARE_ENTRIES = tuple(PREPARE + name for name in ("run-id", "phase", "task", "stage", "round", "attempt"))
+#: the entries of an unmask reply's ``secagg`` record that carry the next round's public keys
+NEXT_KEYS = ("next-c", "next-s", "next-signer", "next-signature")
 
 
 @dataclass(frozen=True)
@@ -158,19 +173,24 @@ class UnmaskIns(Instruction):
     """The last step: reveal your shares of the survivors' b and of the dropped nodes' s.
 
     ``signatures``: every survivor's signature over the view it masked over, relayed from its
-    masked upload (signed-keys mode): the consistency check, with no extra exchange."""
+    masked upload (signed-keys mode): the consistency check, with no extra exchange.
+    ``prepare``: the header of the next secure round's key step (keys ahead, see the module doc):
+    make that round's fresh key pairs now and send the public halves with the reply; None: none."""
 
     kind: ClassVar[Kind] = Kind.UNMASK
     survivors: tuple[int, ...] = ()
     dropped: tuple[int, ...] = ()
     signatures: Mapping[int, bytes] = field(default_factory=dict)  # survivor -> its signature over its view
+    prepare: Header | None = None
 
     def _fill(self, content: RecordDict) -> None:
+        prepare = {} if self.prepare is None else {PREPARE + k: v for k, v in self.prepare.to_record().items()}
         content[ROUND] = ConfigRecord(
             {
                 "survivors": list(self.survivors),
                 "dropped": list(self.dropped),
                 **node_map_entries(self.signatures, "signature-nodes", "signatures"),
+                **prepare,
             }
         )
 
@@ -252,12 +272,15 @@ class UnmaskRes(Reply):
     kind: ClassVar[Kind] = Kind.UNMASK
     seed_shares: Mapping[int, bytes] = field(default_factory=dict)  # survivor node -> share of its b
     key_shares: Mapping[int, bytes] = field(default_factory=dict)  # dropped node -> share of its s
+    next_keys: PublicKeys | None = None  # the next secure round's public keys, where they were asked for
 
     def _fill(self, content: RecordDict) -> None:
+        k = self.next_keys
         content[SECAGG] = ConfigRecord(
             {
                 **node_map_entries(self.seed_shares, "seed-nodes", "seed-shares"),
                 **node_map_entries(self.key_shares, "key-nodes", "key-shares"),
+                **({} if k is None else dict(zip(NEXT_KEYS, (k.c, k.s, k.signer, k.signature), strict=True))),
             }
         )
 
@@ -276,7 +299,32 @@ def parse_secure_instruction(kind: Kind, base: Instruction, round_: Mapping[str,
     survivors = tuple(read_list(round_, "survivors", ROUND, int))
     dropped = tuple(read_list(round_, "dropped", ROUND, int))
     signatures = node_map(round_, "signature-nodes", "signatures", ROUND, bytes)
-    return UnmaskIns(base.header, base.config, survivors=survivors, dropped=dropped, signatures=signatures)
+    only(round_, {"survivors", "dropped", "signature-nodes", "signatures", *PREPARE_ENTRIES}, "round entries")
+    prepare = _read_prepare(round_, base.header)
+    return UnmaskIns(
+        base.header, base.config, survivors=survivors, dropped=dropped, signatures=signatures, prepare=prepare
+    )
+
+
+def _read_prepare(record: Mapping[str, Any], header: Header) -> Header | None:
+    """The next secure round's key step an unmask instruction names (None: none): of this run,
+    a later round, a task not before this one, a first attempt; else a one-line ProtocolError."""
+    present = [name for name in PREPARE_ENTRIES if name in record]
+    if not present:
+        return None
+    if len(present) != len(PREPARE_ENTRIES):
+        raise ProtocolError("unmask instruction: the next round's key step is named only in part")
+    prepare = Header.from_record(ConfigRecord({name.removeprefix(PREPARE): record[name] for name in present}))
+    if prepare.run_id != header.run_id:
+        raise ProtocolError(f"unmask instruction: keys asked for run {prepare.run_id!r}, this is {header.run_id!r}")
+    if prepare.server_round <= header.server_round or prepare.task < header.task:
+        raise ProtocolError(
+            f"unmask instruction: keys asked for round {prepare.server_round} of stage {prepare.stage}, "
+            f"not after this round {header.server_round} of stage {header.stage}"
+        )
+    if prepare.attempt != 0 or prepare.stage != prepare.task + 1:
+        raise ProtocolError("unmask instruction: keys asked for a retry or a stage that is not its task's")
+    return prepare
 
 
 def parse_secure_reply(kind: Kind, content: RecordDict, base: ReplyBase) -> Reply:
@@ -302,9 +350,16 @@ def parse_secure_reply(kind: Kind, content: RecordDict, base: ReplyBase) -> Repl
             commitments=node_map(record, "commit-nodes", "commits", SECAGG, bytes),
             secrets=secrets,
         )
-    only(record, {"seed-nodes", "seed-shares", "key-nodes", "key-shares"}, "secagg entries")
+    only(record, {"seed-nodes", "seed-shares", "key-nodes", "key-shares", *NEXT_KEYS}, "secagg entries")
+    present = [name for name in NEXT_KEYS if name in record]
+    if present and len(present) != len(NEXT_KEYS):
+        raise ProtocolError("unmask reply: the next round's keys only in part")
+    values = [entry(record, name, SECAGG) for name in present]
+    if not all(isinstance(v, bytes) for v in values):
+        raise ProtocolError("unmask reply: the next round's keys and signature must be bytes")
     return UnmaskRes(
         *base,
         seed_shares=node_map(record, "seed-nodes", "seed-shares", SECAGG, bytes),
         key_shares=node_map(record, "key-nodes", "key-shares", SECAGG, bytes),
+        next_keys=PublicKeys(*values) if values else None,
     )
