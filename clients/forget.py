@@ -91,10 +91,11 @@ def _note_applied(folder: Path, partition: int, rows: dict[int, set[int]], class
     os.replace(temporary, path)
 
 
-def kept_statistics(job: ClientJob, task: int, rows: set[int], drop: set[int]) -> tuple[StsaStats, int]:
-    """The upload of ``task`` the site would have sent without the samples in ``rows`` nor those of
-    the global classes in ``drop`` (the same features, the same min-class-count rule on the kept
-    counts), as the server reads it."""
+def kept_accumulator(job: ClientJob, task: int, rows: set[int], drop: set[int]) -> tuple[StatisticsAccumulator, int]:
+    """The statistics of ``task`` the site would have computed without the samples in ``rows`` nor
+    those of the global classes in ``drop``: the same features, the same min-class-count rule on
+    the kept counts, accumulated in float64 batch by batch as a run that never had them would
+    (clients/stsa.py ``stsa_statistics``); and the samples withheld by that rule."""
     phi, labels = local_task_features(job, task)
     if rows and max(rows) >= int(labels.shape[0]):
         raise ForgetError(f"stage {task + 1}: row {max(rows)} is beyond the site's {int(labels.shape[0])} samples")
@@ -106,9 +107,19 @@ def kept_statistics(job: ClientJob, task: int, rows: set[int], drop: set[int]) -
     classes = len(job.split.tasks[task])
     counts = torch.bincount(labels[keep], minlength=classes)
     disclosed = counts >= job.cfg.min_class_count
+    withheld = int(counts[~disclosed].sum())
     keep &= disclosed[labels]
     accumulator = StatisticsAccumulator(int(phi.shape[1]), classes)
-    accumulator.update(phi[keep], labels[keep])
+    kept_phi, kept_labels, size = phi[keep], labels[keep], job.cfg.batch_size
+    for first in range(0, int(kept_labels.shape[0]), size):  # in the batches a run without them adds
+        accumulator.update(kept_phi[first : first + size], kept_labels[first : first + size])
+    return accumulator, withheld
+
+
+def kept_statistics(job: ClientJob, task: int, rows: set[int], drop: set[int]) -> tuple[StsaStats, int]:
+    """The upload of ``task`` the site would have sent without the samples in ``rows`` nor those of
+    the global classes in ``drop`` (:func:`kept_accumulator`), as the server reads it."""
+    accumulator, _ = kept_accumulator(job, task, rows, drop)
     stats = accumulator.result(with_gram=False)
     upload = StsaStats(
         accumulator.packed_gram(WIRE_DTYPES[job.cfg.wire_dtype]), stats.class_sums, stats.counts.to(torch.float64)

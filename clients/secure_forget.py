@@ -45,11 +45,11 @@ import numpy as np
 import torch
 from flwr.common.logger import log
 
-from clients.forget import ForgetError, _applied, _note_applied, sample_requests
+from clients.forget import ForgetError, _applied, _note_applied, kept_accumulator, sample_requests
 from clients.job import ClientJob
 from clients.ledger import forget_ledger_key, input_digest
 from clients.secure import masked_upload, node_ledger, signed_mode
-from clients.statistics import effective_rf_dim, local_task_features
+from clients.statistics import effective_rf_dim
 from clients.upload_store import (
     SecureUpload,
     StoreError,
@@ -59,7 +59,7 @@ from clients.upload_store import (
     store_folder,
     write_private,
 )
-from fcl_flower.analytic import StatisticsAccumulator, packed_length
+from fcl_flower.analytic import packed_length
 from fcl_flower.privacy.secagg import decode_fixed_point, encode_fixed_point
 from fcl_flower.protocol import StatsIns, StatsRes
 from fcl_flower.protocol.payloads import MaskedStsaStats
@@ -152,26 +152,9 @@ def whole_site_removal(job: ClientJob, folder: Path, ring: Ring) -> int:
 
 def kept_upload(job: ClientJob, upload: SecureUpload, task: int, rows: set[int], drop: set[int]) -> SecureUpload:
     """``upload`` (stage ``task``'s own, carrying no owed stage) as the site would have masked it
-    without the samples in ``rows`` nor those of the global classes in ``drop``: the same features,
-    the same min-class-count rule on the kept counts, accumulated in float64 batch by batch as a
-    run that never had them would (clients/stsa.py ``stsa_statistics``)."""
-    phi, labels = local_task_features(job, task)
-    if rows and max(rows) >= int(labels.shape[0]):
-        raise ForgetError(f"stage {task + 1}: row {max(rows)} is beyond the site's {int(labels.shape[0])} samples")
-    keep = torch.ones(int(labels.shape[0]), dtype=torch.bool)
-    keep[sorted(rows)] = False
-    start = job.split.tasks[task].start
-    for cls in drop:
-        keep &= labels != cls - start
-    classes = len(job.split.tasks[task])
-    counts = torch.bincount(labels[keep], minlength=classes)
-    disclosed = counts >= job.cfg.min_class_count
-    withheld = int(counts[~disclosed].sum())
-    keep &= disclosed[labels]
-    accumulator = StatisticsAccumulator(int(phi.shape[1]), classes)
-    kept_phi, kept_labels, size = phi[keep], labels[keep], job.cfg.batch_size
-    for start in range(0, int(kept_labels.shape[0]), size):  # in the batches a run without them adds
-        accumulator.update(kept_phi[start : start + size], kept_labels[start : start + size])
+    without the samples in ``rows`` nor those of the global classes in ``drop``
+    (clients/forget.py ``kept_accumulator``)."""
+    accumulator, withheld = kept_accumulator(job, task, rows, drop)
     gram = accumulator.packed_gram(torch.float64)
     stats = accumulator.result(with_gram=False)
     counts64 = torch.cat([stats.counts.to(torch.float64), torch.tensor([float(withheld)], dtype=torch.float64)])

@@ -125,6 +125,20 @@ def build(cfg: RunConfig) -> StagedStrategy:
     return build_strategy(cfg, server_split(cfg), recorder)
 
 
+def record_stage_weights(strategy: StagedStrategy) -> list[torch.Tensor]:
+    """Spy on ``strategy.end_stage``: the returned list gets a copy of W after each stage's solve."""
+    weights: list[torch.Tensor] = []
+    end_stage = strategy.end_stage
+
+    def recording(task: int):
+        extra = end_stage(task)
+        weights.append(strategy.weights.clone())  # type: ignore[attr-defined]
+        return extra
+
+    strategy.end_stage = recording  # type: ignore[method-assign]
+    return weights
+
+
 def run_in_process(cfg: RunConfig, tamper: Tamper | None = None) -> StagedStrategy:
     """Run every stage of ``cfg`` through the strategy's own loop; returns the strategy.
 

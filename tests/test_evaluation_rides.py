@@ -19,7 +19,15 @@ from fcl_flower.protocol.base import COUNTS
 from fcl_flower.results import StageRecord
 from strategies import loop
 from strategies.evaluation import Riding
-from tests.conftest import build, in_process_grid, reply_partition, sent_header, server_identity, small_config
+from tests.conftest import (
+    build,
+    in_process_grid,
+    record_stage_weights,
+    reply_partition,
+    sent_header,
+    server_identity,
+    small_config,
+)
 
 STATS = "stsa-stats"
 
@@ -37,15 +45,7 @@ def run(cfg, *, rides: bool = True, tamper=None):
     if not rides:
         strategy.evaluation_rides = lambda task: False  # type: ignore[method-assign]
         strategy.first_contact_rides = lambda plan: False  # type: ignore[method-assign]
-    weights = []
-    end_stage = strategy.end_stage
-
-    def recording(task: int):
-        extra = end_stage(task)
-        weights.append(strategy.weights.clone())
-        return extra
-
-    strategy.end_stage = recording  # type: ignore[method-assign]
+    weights = record_stage_weights(strategy)
     grid = in_process_grid(cfg.num_clients, tamper)
     strategy.start(grid)
     return strategy, grid, weights

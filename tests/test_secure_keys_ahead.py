@@ -21,7 +21,15 @@ from fcl_flower.methods import Kind
 from fcl_flower.privacy.secagg import SecureAggregationError, load_trusted_keys, round_context, verify_keys
 from fcl_flower.protocol import Header, ProtocolError, PublicKeys, UnmaskIns, UnmaskRes, parse_instruction, parse_reply
 from strategies import loop
-from tests.conftest import NODE_BASE, build, reply_partition, sent_header, server_identity, small_config
+from tests.conftest import (
+    NODE_BASE,
+    build,
+    record_stage_weights,
+    reply_partition,
+    sent_header,
+    server_identity,
+    small_config,
+)
 from tests.test_protocol import CFG, _deliver
 from tests.test_trust_boundaries import write_signing_keys
 
@@ -35,15 +43,7 @@ def run(cfg, grid: LocalGrid | None = None, *, ahead: bool = True, tamper=None):
     strategy = build(cfg)
     if not ahead:
         strategy.next_secure_round = lambda plan: None  # type: ignore[method-assign]
-    weights = []
-    end_stage = strategy.end_stage
-
-    def recording(task: int):
-        extra = end_stage(task)
-        weights.append(strategy.weights.clone())
-        return extra
-
-    strategy.end_stage = recording  # type: ignore[method-assign]
+    weights = record_stage_weights(strategy)
     if grid is None:
         grid = LocalGrid(client_app, cfg.num_clients, first_node_id=NODE_BASE)
     if tamper is not None:
