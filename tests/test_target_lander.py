@@ -384,10 +384,12 @@ def test_a_clients_distillation_loss_decreases_over_its_epochs(runs, method) -> 
 
 
 def _numbers(results: dict) -> dict:
-    """results.json without wall times and the server's timing extras (the only things two runs of
+    """results.json without wall times (rounds, stages, local training) and the server's timing extras (the only things two runs of
     one seed may differ in)."""
     text = json.dumps(results, sort_keys=True)
-    numbers = json.loads(re.sub(r'"(seconds|total_seconds)": [0-9.eE+-]+', r'"\1": 0', text))
+    numbers = json.loads(
+        re.sub(r'"(seconds|total_seconds|train_seconds_max|train_seconds_mean)": [0-9.eE+-]+', r'"\1": 0', text)
+    )
     for stage in numbers.get("stages", []):
         for key in TIMING_EXTRAS:
             stage.get("extra", {}).pop(key, None)
