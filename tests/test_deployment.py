@@ -319,6 +319,7 @@ def test_superlink_speaks_only_tls_with_our_certificate(federation) -> None:
         assert not answer.startswith(b"HTTP/")  # plain HTTP gets no HTTP answer
 
 
+@pytest.mark.slow  # ~2.5-3 min of real SuperNodes (secure rounds at Flower's ~7 s floor per exchange)
 def test_deployed_run_equals_simulation(federation, tmp_path) -> None:
     # the deployment signs its secure rounds with the SuperNode keys (every node insists on it);
     # the simulation has no keys to sign with, and signing changes no number
