@@ -438,3 +438,43 @@ def test_a_forget_reply_is_read_typed_and_every_malformed_one_refused() -> None:
         UploadError
     ):  # task 1's class sums need PER_TASK columns: these fit, the shape of 'packed' does not
         ForgetStats.read(wrong, packed=packed_length(DIM) + 1, dim=DIM, classes_of={0: PER_TASK, 1: PER_TASK})
+
+
+def test_stsa_e_and_fedran_orders_of_requests_delete_both_ways_then_add_again() -> None:
+    """Removals commute and a site that joins again is as if it never left: STSA-E's Eq. 9 inputs
+    after removing clients 1 then 2, or 2 then 1, are those of a stage of clients {0, 3}; adding
+    both back gives the estimate of all four. FedRAN re-merges the kept summaries, so removing 1
+    then 2 is removing {1, 2}, and with both back the merge is the original one, bit for bit."""
+    data = make_data(12)
+    task = 1
+    uploads = {c: stsa_e_uploads(data, c, task) for c in range(CLIENTS)}
+
+    def estimator(clients) -> GramEstimator:
+        est = GramEstimator(DIM, PER_TASK)
+        for client in clients:
+            est.add(*uploads[client])
+        return est
+
+    everyone, kept = estimator(range(CLIENTS)).result(), estimator((0, 3)).result()
+    for order in ((1, 2), (2, 1)):
+        est = estimator(range(CLIENTS))
+        for client in order:
+            remove_from_estimator(est, *uploads[client])
+        assert relative(est.result(), kept) <= TOL
+        for client in order:  # both join again
+            est.add(*uploads[client])
+        assert relative(est.result(), everyone) <= TOL
+
+    rank = 6
+    summaries = [[(c, client_summary(data[(c, t)][0], rank)) for c in range(CLIENTS)] for t in range(TASKS)]
+    original: LowRankSummary | None = None
+    for t in range(TASKS):
+        original = merge_two_level([s for _, s in summaries[t]], original, rank)
+    both = remerge_without(summaries, {1, 2}, [rank] * TASKS)
+    after_one = [[(c, s) for c, s in stage if c != 1] for stage in summaries]
+    one_then_other = remerge_without(after_one, {2}, [rank] * TASKS)
+    back = remerge_without(summaries, set(), [rank] * TASKS)
+    assert original is not None and both is not None and one_then_other is not None and back is not None
+    assert torch.equal(both.basis, one_then_other.basis)
+    assert torch.equal(both.singular_values, one_then_other.singular_values)
+    assert torch.equal(back.basis, original.basis) and torch.equal(back.singular_values, original.singular_values)
