@@ -3,31 +3,43 @@
 With ``secure-aggregation`` the statistics round of a stage, and every stage-1 FedAvg round, is
 four steps (fcl_flower/privacy/secagg.py has the math, fcl_flower/protocol/secure.py the
 messages; in a FedAvg round step 3 is the ``train`` message and the masked upload is the
-fixed-point vector of (n_k · w_k, n_k), fcl_flower/privacy/secure_fedavg.py), three exchanges
-after the run's first secure round (step 1 rides with the previous round's step 4, *keys ahead*):
+fixed-point vector of (n_k · w_k, n_k), fcl_flower/privacy/secure_fedavg.py), two exchanges
+after the run's first secure round (step 1 rides with the previous round's step 3, step 2 with
+its step 4: *shares ahead*; :attr:`SecureRounds.shares_ahead` off, step 1 alone rides with step 4:
+*keys ahead*, three exchanges):
 
 1. ``query.keys``: every node makes two fresh key pairs and answers with the public halves
-   (signed with its SuperNode key in signed-keys mode). U1: the nodes that answered. Keys ahead:
-   the previous secure round's ``query.unmask`` instruction named this round's key step (its
-   header: run, task, stage, round, attempt 0; the host names the next secure round,
-   :meth:`SecureHost.next_secure_round`) and each survivor sent these keys, made exactly so,
-   inside its unmask reply (:class:`Prepared`); U1: the target nodes that did. They stand in for
-   the exchange only for the very key step they were made for and only where every target node
-   was asked; a restarted attempt, a node not asked (dropped before that unmask step, joined,
-   sampled), fewer than ``secagg-min-clients`` keys ahead, and a resumed run (keys ahead are
-   never in the checkpoint) exchange the step, and the fresh keys replace those made ahead
-   before anything is dealt over them.
+   (signed with its SuperNode key in signed-keys mode). U1: the nodes that answered. Ahead: the
+   previous secure round's masked upload (shares ahead) or ``query.unmask`` instruction (keys
+   ahead) named this round's key step (its header: run, task, stage, round, attempt 0; the host
+   names the next secure round, :meth:`SecureHost.next_secure_round`) and each node sent these
+   keys, made exactly so, inside that reply (:class:`Prepared`). Keys ahead stand in for the
+   exchange only for the very key step they were made for and only where every target node was
+   asked; a restarted attempt, a node not asked (dropped before that unmask step, joined,
+   sampled), fewer than ``secagg-min-clients`` keys ahead, and a resumed run (nothing ahead is
+   ever in the checkpoint) exchange the step, and the fresh keys replace those made ahead before
+   anything is dealt over them.
 2. ``query.shares``: U1's keys to every node of U1; each answers with Shamir shares of its
    self-mask seed and mask key, one encrypted bundle per participant. U2: the nodes that did.
+   Shares ahead: the previous round's unmask instruction carried this step (U1: the survivors
+   whose masked uploads carried usable keys, at least ``secagg-min-clients`` of them, else it
+   asks keys ahead instead) and each survivor dealt in its unmask reply (:class:`DealtAhead`,
+   checked as a shares reply is). They serve only for the very round they were dealt for, where
+   every target was asked, U1 is among the targets with no barred node, at least ``threshold``
+   dealt and, under ``require-all-clients``, every target did (:meth:`SecureRounds._take_dealt`);
+   otherwise the round exchanges a full key step (never a shares step over keys already dealt
+   over: a node refuses to deal over one set of keys twice).
 3. ``query.stats`` to U2, each node with the bundles addressed to it: every client uploads its
    statistics masked. Every reply is screened (parsed, identified, shapes checked) as it
    arrives and handed on to be summed in the ring and dropped (:meth:`SecureRounds.run` is a
    stream, strategies/stream.py); U3: the ones that passed. A reply that fails is treated like
-   a dropout.
+   a dropout. Shares ahead: the instruction also names the next secure round's key step and
+   each reply carries the node's fresh keys for it.
 4. ``query.unmask`` to U3: survivors reveal their shares of U3's self-mask seeds and of the
    mask keys of U2 \\ U3. With ≥ t shares the server rebuilds them and opens Σ_{U3} x_k (the
    method does, from :attr:`SecureRounds.opening`). Where a secure round follows, the
-   instruction also names its key step and each reply carries the survivor's keys for it.
+   instruction also carries its shares step (shares ahead) or names its key step (keys ahead),
+   and each reply carries the survivor's bundles or keys for it.
 
 Dropouts and rejected uploads are recovered inside the attempt: there is never a second attempt
 over the same inputs, and nothing is opened unless at least ``threshold`` (a majority, and at
