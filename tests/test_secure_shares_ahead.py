@@ -31,7 +31,7 @@ from fcl_flower.protocol import (
     parse_instruction,
     parse_reply,
 )
-from tests.conftest import NODE_BASE, reply_partition, small_config
+from tests.conftest import NODE_BASE, reply_partition, sent_header, small_config
 from tests.test_protocol import CFG, _deliver
 from tests.test_secure_keys_ahead import KEYS_AHEAD_ROUND, SECURE_ROUND, SETTINGS, per_node, run
 
@@ -67,6 +67,31 @@ def test_fewer_keys_than_secagg_min_clients_with_the_uploads_fall_back_to_keys_a
         assert per_node(grid)[3][node] == SECURE_ROUND
     assert all("failed" not in s.extra for s in strategy.recorder.stages)
     assert strategy.recorder.stages[1].clients == [f"client-{c}" for c in range(5)]
+
+
+def test_a_dealer_barred_at_the_unmask_step_makes_the_next_round_exchange_its_key_step(tmp_path) -> None:
+    """Client 4 reveals zeroed shares in stage 1's unmask step, the one that also carried stage 2's
+    shares step: it is barred there, after it was in stage 2's U1 and dealt for it. What was dealt
+    ahead then does not serve (a barred node in U1): stage 2 exchanges fresh keys and shares without
+    client 4, and stage 3 is two exchanges again."""
+
+    def zeroed(task, phase, replies):
+        if phase == "secagg-unmask" and task == 0:
+            for m in replies:
+                if not m.has_error() and reply_partition(m) == 4:
+                    record = m.content.config_records["secagg"]
+                    record["seed-shares"] = [bytes(len(s)) for s in record["seed-shares"]]
+        return replies
+
+    strategy, grid, _ = run(small_config(tmp_path, **SETTINGS, num_tasks=3), tamper=zeroed)
+    first, second, third = strategy.recorder.stages
+    stage1_unmask = [parse_instruction(m) for m in grid.sent if sent_header(m).task == 0]
+    assert any(isinstance(ins, UnmaskIns) and ins.ahead and NODE_BASE + 4 in ins.ahead.keys for ins in stage1_unmask)
+    assert "failed" not in first.extra and "barred" in second.left_out["client-4"]
+    assert per_node(grid)[2][NODE_BASE] == ["query.keys", *KEYS_AHEAD_ROUND]
+    assert NODE_BASE + 4 not in per_node(grid)[2]
+    assert per_node(grid)[3][NODE_BASE] == SECURE_ROUND
+    assert second.clients == third.clients == ["client-0", "client-1", "client-2", "client-3"]
 
 
 def test_keys_nobody_asked_for_reject_the_masked_upload(tmp_path) -> None:
