@@ -470,8 +470,9 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
     del context.state.config_records[STATE_RECORD]  # nothing of the round stays on the node
     kept = context.state.config_records.pop(NEXT_RECORD, None)  # keys made ahead: used here or dropped
     next_keys, next_shares = None, None
-    if ins.ahead is not None and ins.prepare is not None and kept is not None:
+    if ins.ahead is not None:
         # shares ahead: the next round's shares over the keys sent with the masked upload (after the ledger)
+        assert ins.prepare is not None and kept is not None  # _check_dealing read them above
         context.state.config_records[STATE_RECORD] = kept
         next_shares = _deal(context, ins.ahead.keys, ins.prepare, ins.ahead.threshold)
     elif ins.prepare is not None:
