@@ -9,12 +9,16 @@ server -> client        Flower type      client -> server
                                          encrypted bundle per participant
 :class:`~fcl_flower.protocol.StatsIns`   ``query.stats`` with :class:`SecAggRound`: the masked upload
 :class:`~fcl_flower.protocol.TrainIns`   ``train`` with :class:`SecAggRound` (stage-1 FedAvg): the
-                                         masked (n_k · w_k, n_k)
+                                         masked (n_k · w_k, n_k); beside either, where
+                                         :attr:`SecAggRound.prepare` names the next secure round,
+                                         its fresh public keys (:attr:`MaskedReport.next_keys`)
 :class:`UnmaskIns`      ``query.unmask`` :class:`UnmaskRes`: shares of the survivors' b and of the
                                          dropped participants' s, never both for one node; and,
                                          where :attr:`UnmaskIns.prepare` names the next secure
                                          round, that round's fresh public keys (as a
-                                         :class:`KeysRes` would carry them)
+                                         :class:`KeysRes` would carry them), or where
+                                         :attr:`UnmaskIns.ahead` carries its shares step, the
+                                         node's share bundles for it (:attr:`UnmaskRes.next_shares`)
 ======================  ===============  =====================================================
 
 Keys ahead: the unmask instruction of a secure round may name the key round of the next one
