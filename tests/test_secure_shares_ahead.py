@@ -136,6 +136,42 @@ def test_a_masked_upload_over_another_key_round_than_the_shares_dealt_ahead_is_r
     assert "failed" in strategy.recorder.stages[1].extra  # nothing opened
 
 
+class WrongThresholdGrid(LocalGrid):
+    """A server whose stage-1 unmask instruction asks the next round's shares for a threshold
+    other than the one due for its U1."""
+
+    def deliver(self, messages):
+        out = []
+        for m in messages:
+            ins = parse_instruction(m) if m.metadata.message_type == "query.unmask" else None
+            if isinstance(ins, UnmaskIns) and ins.header.task == 0 and ins.ahead is not None:
+                ahead = dataclasses.replace(ins.ahead, threshold=ins.ahead.threshold + 1)
+                m = dataclasses.replace(ins, ahead=ahead).to_message(m.metadata.dst_node_id)
+            out.append(m)
+        return super().deliver(out)
+
+
+def test_a_bad_shares_step_ahead_is_refused_before_anything_is_revealed(tmp_path) -> None:
+    """The shares step that rides with an unmask step is checked as a ``query.shares`` would be,
+    before the node writes its ledger or reveals a share: every node refuses the whole unmask step,
+    the server holds no share of stage 1 (it fails, nothing opened) and no ledger records it; stage
+    2 then exchanges its key step and opens."""
+    from clients.secure import node_ledger
+
+    grid = WrongThresholdGrid(client_app, 5, first_node_id=NODE_BASE)
+    strategy, grid, _ = run(small_config(tmp_path, **SETTINGS, num_tasks=2), grid)
+    refusals = errors(grid, "query.unmask")
+    assert len(refusals) == 5 and all(re.search(r"the server asks for threshold \d+; \d+ is due", e) for e in refusals)
+    stage1 = [r for r in grid.replies if r.metadata.message_type == "query.unmask" and not r.has_error()]
+    assert not [r for r in stage1 if Header.from_record(r.content.config_records["header"]).task == 0]
+    first, second = strategy.recorder.stages
+    assert "failed" in first.extra and "failed" not in second.extra
+    for context in grid.contexts.values():
+        ledger = node_ledger(context, False)
+        assert ledger.contributed(strategy.run_id, 0) is None and ledger.contributed(strategy.run_id, 1) is not None
+    assert per_node(grid)[2][NODE_BASE] == ["query.keys", *KEYS_AHEAD_ROUND]
+
+
 class ReaskGrid(LocalGrid):
     """A server that, before stage 2's masked upload, asks every node again for stage 2's shares
     (dealt ahead with stage 1's unmask reply), over U1 without one other node."""
