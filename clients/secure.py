@@ -440,8 +440,11 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
         raise SecureAggregationError("this node's secure-aggregation state has no signed flag")
     if signed:  # as at the masked upload: the unmask request cannot switch it off
         _check_view(ins, state, participants)
-    if ins.ahead is not None:  # shares ahead: checked as a shares step is, before anything is revealed
-        assert ins.prepare is not None  # parse_secure_instruction: no shares step without its key step
+    # shares ahead, where this node is in the next round's U1 (else it deals nothing and its keys
+    # made ahead are dropped): checked as a shares step is, before anything is revealed
+    deal_ahead = ins.ahead is not None and int(context.node_id) in ins.ahead.keys
+    if deal_ahead:
+        assert ins.ahead is not None and ins.prepare is not None  # parse: no shares step without its key step
         _check_dealing(context, ins.config, ins.ahead.keys, ins.prepare, ins.ahead.threshold, NEXT_RECORD)
     clients = dict(zip(_list(state, "client-nodes", int), _list(state, "clients", int), strict=True))
     alive = {clients[node] for node in ins.survivors}
@@ -470,12 +473,12 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
     del context.state.config_records[STATE_RECORD]  # nothing of the round stays on the node
     kept = context.state.config_records.pop(NEXT_RECORD, None)  # keys made ahead: used here or dropped
     next_keys, next_shares = None, None
-    if ins.ahead is not None:
+    if deal_ahead:
         # shares ahead: the next round's shares over the keys sent with the masked upload (after the ledger)
-        assert ins.prepare is not None and kept is not None  # _check_dealing read them above
+        assert ins.ahead is not None and ins.prepare is not None and kept is not None  # _check_dealing read them
         context.state.config_records[STATE_RECORD] = kept
         next_shares = _deal(context, ins.ahead.keys, ins.prepare, ins.ahead.threshold)
-    elif ins.prepare is not None:
+    elif ins.ahead is None and ins.prepare is not None:
         # keys ahead: the next round's fresh keys, as its key step would make them (after the ledger)
         next_keys = _fresh_keys(context, ins.config, ins.prepare)
     partition = node_partition(context.node_config, ins.config)

@@ -84,6 +84,7 @@ from fcl_flower.privacy.secagg import (
     rebuild_secret,
     round_context,
     threshold_for,
+    verify_keys,
     verify_view,
     view_context,
 )
@@ -503,6 +504,29 @@ class SecureRounds:
             return str(err)
         return None
 
+    @staticmethod
+    def _self_signed(host: SecureHost, header: Header, keys: Mapping[int, PublicKeys]) -> dict[int, PublicKeys]:
+        """Signed-keys mode, shares ahead: the keys whose signature verifies under the signer they
+        name, over the round they are for, each signer named once. Every node checks them against
+        the operator's list before it deals (and refuses the whole unmask step otherwise), so keys
+        that fail even this are left out of U1 here: one client's bad keys never stop the round
+        being unmasked. (The server holds no list; a key signed by an unlisted signer still makes
+        the nodes refuse, as it makes them refuse a shares step.)"""
+        context = round_context(header.run_id, header.task, header.stage, header.server_round, header.attempt, ())
+        signers = [k.signer for k in keys.values()]
+        out: dict[int, PublicKeys] = {}
+        for node, k in keys.items():
+            try:
+                if signers.count(k.signer) > 1:
+                    raise SecureAggregationError("another node's keys name the same signer")
+                verify_keys([k.signer], k.signer, k.signature, k.c, k.s, context)
+            except Exception as err:  # untrusted keys: any failure (a malformed signer too) leaves them out
+                why = (str(err).splitlines() or [type(err).__name__])[0]
+                log(WARNING, "round %d: node %d's keys ahead are left out: %s", host.server_round, node, why)
+                continue
+            out[node] = k
+        return out
+
     def _take_dealt(
         self, host: SecureHost, keys_header: Header, prepared: Prepared | None, targets: set[int]
     ) -> DealtAhead | None:
@@ -626,6 +650,8 @@ class SecureRounds:
             round_keys = {
                 n: k for n, k in sorted(upload_keys.items()) if n in survivors and self._unusable(host, n, k) is None
             }
+            if self.cfg.secagg_signed_keys:
+                round_keys = self._self_signed(host, prepare, round_keys)
             if len(round_keys) >= self.cfg.secagg_min_clients:
                 due = threshold_for(len(round_keys), self.cfg.secagg_min_clients, self.cfg.secagg_signed_keys)
                 ahead = SharesAhead(round_keys, {n: host.nodes.client_of[n] for n in round_keys}, due)

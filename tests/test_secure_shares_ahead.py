@@ -33,7 +33,7 @@ from fcl_flower.protocol import (
 )
 from tests.conftest import NODE_BASE, reply_partition, sent_header, small_config
 from tests.test_protocol import CFG, _deliver
-from tests.test_secure_keys_ahead import KEYS_AHEAD_ROUND, SECURE_ROUND, SETTINGS, per_node, run
+from tests.test_secure_keys_ahead import KEYS_AHEAD_ROUND, SECURE_ROUND, SETTINGS, per_node, run, signed_grid
 
 NEXT_ENTRIES = ("next-c", "next-s", "next-signer", "next-signature")
 
@@ -92,6 +92,37 @@ def test_a_dealer_barred_at_the_unmask_step_makes_the_next_round_exchange_its_ke
     assert NODE_BASE + 4 not in per_node(grid)[2]
     assert per_node(grid)[3][NODE_BASE] == SECURE_ROUND
     assert second.clients == third.clients == ["client-0", "client-1", "client-2", "client-3"]
+
+
+def test_signed_keys_ahead_that_do_not_verify_are_left_out_and_the_round_still_opens(tmp_path) -> None:
+    """Signed-keys mode: client 2's keys ahead (with its stage-1 masked upload) carry a bad
+    signature. Every node would refuse to deal over them, and so to answer the unmask step; the
+    server checks the signature against the signer named and leaves client 2 out of stage 2's U1:
+    stage 1 opens with client 2, stage 2 is two exchanges without it (asked, no shares)."""
+
+    def bad_signature(task, phase, replies):
+        if task == 0 and not phase.startswith("secagg-"):
+            for m in replies:
+                if not m.has_error() and reply_partition(m) == 2 and "secagg" in m.content.config_records:
+                    m.content.config_records["secagg"]["next-signature"] = b"not a signature"
+        return replies
+
+    cfg = small_config(tmp_path, **SETTINGS, num_tasks=2, secagg_signed_keys=True)
+    strategy, grid, _ = run(cfg, signed_grid(tmp_path), tamper=bad_signature)
+    first, second = strategy.recorder.stages
+    assert not errors(grid, "query.unmask")
+    assert "failed" not in first.extra and "client-2" in first.clients
+    aheads = [parse_instruction(m).ahead for m in grid.sent if m.metadata.message_type == "query.unmask"]
+    asked = [ahead for ahead in aheads if ahead is not None]
+    assert len(asked) == 5 and all(ahead == asked[0] for ahead in asked)  # one U1 for every survivor
+    assert sorted(asked[0].keys) == [NODE_BASE + n for n in (0, 1, 3, 4)]
+    (left,) = [
+        r for r in grid.replies if r.metadata.message_type == "query.unmask" and r.metadata.src_node_id == NODE_BASE + 2
+    ]
+    parsed = parse_reply(left, Header.from_record(left.content.config_records["header"]), Kind.UNMASK)
+    assert parsed.seed_shares and parsed.next_shares is None and parsed.next_keys is None  # reveals, deals nothing
+    assert per_node(grid)[2][NODE_BASE] == SECURE_ROUND and NODE_BASE + 2 not in per_node(grid)[2]
+    assert "failed" not in second.extra and "client-2" not in second.clients
 
 
 def test_keys_nobody_asked_for_reject_the_masked_upload(tmp_path) -> None:
