@@ -21,6 +21,7 @@ round's shares step (``UnmaskIns.ahead``), the node checks it exactly as a ``que
 keys, every peer's signature, ``secagg-min-clients``, the threshold due) before it writes its ledger
 or reveals anything, and after revealing deals its shares over those keys (:func:`_deal`, as
 :func:`handle_shares`), returned in its unmask reply; the next round starts at its masked upload.
+A node the shares step leaves out of U1 deals nothing (and drops the keys it made ahead).
 A node deals the shares of one set of keys once: a second shares step for them (the server
 re-asking over another U1) is refused, and the masked upload checks U1 against the one it dealt
 over. Keys kept ahead that the unmask step does not use are dropped there.
