@@ -13,6 +13,19 @@ The node's secrets of one round live only in its Flower ``context.state`` (recor
   stage, round and attempt 0, signed the same way in signed-keys mode) and sends the public halves
   with its unmask reply; the next round starts at its shares step.
 
+Shares ahead, one step further: where a masked upload's instruction names the next secure round's
+key step (``SecAggRound.prepare``), the node makes that round's fresh key pairs as above but keeps
+them apart (record :data:`NEXT_RECORD`: the current round's secrets stay until it is unmasked) and
+sends the public halves with its masked upload. Where the unmask instruction then carries that
+round's shares step (``UnmaskIns.ahead``), the node checks it exactly as a ``query.shares`` (its own
+keys, every peer's signature, ``secagg-min-clients``, the threshold due) before it writes its ledger
+or reveals anything, and after revealing deals its shares over those keys (:func:`_deal`, as
+:func:`handle_shares`), returned in its unmask reply; the next round starts at its masked upload.
+A node the shares step leaves out of U1 deals nothing (and drops the keys it made ahead).
+A node deals the shares of one set of keys once: a second shares step for them (the server
+re-asking over another U1) is refused, and the masked upload checks U1 against the one it dealt
+over. Keys kept ahead that the unmask step does not use are dropped there.
+
 Before it reveals anything a client checks the request (fcl_flower/privacy/secagg.py
 ``check_unmask_request``): never both secrets of one participant, survivors and dropped nodes
 partitioning exactly the participants it masked over, at least the threshold of survivors, and for
@@ -63,6 +76,7 @@ from fcl_flower.privacy.secagg import (
     view_context,
 )
 from fcl_flower.protocol import (
+    DealtShares,
     Header,
     KeysIns,
     KeysRes,
@@ -83,6 +97,7 @@ if TYPE_CHECKING:  # the masked upload's side (a model, torch); keys, shares and
     from clients.job import ClientJob
 
 STATE_RECORD = "secagg"  # context.state record of this node's secrets of the current secure round
+NEXT_RECORD = "secagg-next"  # its private keys of the next secure round (shares ahead), until they are dealt over
 SIGNING_KEY, TRUSTED_KEYS = "secagg-signing-key", "secagg-trusted-keys"  # node-config keys (signed-keys mode)
 
 
@@ -90,8 +105,8 @@ def _round_id(header: Header) -> str:
     return f"{header.run_id}|{header.task}|{header.stage}|{header.server_round}"
 
 
-def _state(context: Context, header: Header) -> ConfigRecord:
-    state = context.state.config_records.get(STATE_RECORD)
+def _state(context: Context, header: Header, record: str = STATE_RECORD) -> ConfigRecord:
+    state = context.state.config_records.get(record)
     if state is None or state.get("round") != _round_id(header):
         raise SecureAggregationError(
             "no secure-aggregation keys for this round on this node "
@@ -150,11 +165,12 @@ def signed_mode(context: Context, cfg: RunConfig) -> bool:
 
 def handle_keys(ins: KeysIns, context: Context) -> KeysRes:
     """Make and keep two fresh key pairs; answer with the public halves (signed, in signed mode)."""
+    context.state.config_records.pop(NEXT_RECORD, None)  # a key step: nothing kept ahead stays
     keys = _fresh_keys(context, ins.config, ins.header)
     return KeysRes(ins.header, node_partition(context.node_config, ins.config), 0, keys=keys)
 
 
-def _fresh_keys(context: Context, cfg: RunConfig, header: Header) -> PublicKeys:
+def _fresh_keys(context: Context, cfg: RunConfig, header: Header, record: str = STATE_RECORD) -> PublicKeys:
     """Two fresh key pairs for the secure round of ``header`` (its key step, or an unmask
     instruction's ``prepare``): the private halves kept in this node's state for that round only,
     the public ones returned (signed over that round's context, in signed-keys mode)."""
@@ -164,24 +180,24 @@ def _fresh_keys(context: Context, cfg: RunConfig, header: Header) -> PublicKeys:
     if signed_mode(context, cfg):
         key = load_signing_key(_node_path(context, SIGNING_KEY))
         signer, signature = sign_keys(key, c_public, s_public, _key_context(header))
-    context.state.config_records[STATE_RECORD] = ConfigRecord(
+    context.state.config_records[record] = ConfigRecord(
         {"round": _round_id(header), "c-private": c_private, "s-private": s_private}
     )
     return PublicKeys(c_public, s_public, signer, signature)
 
 
 def _check_peers(
-    context: Context, ins: SharesIns | StatsIns | TrainIns, keys: Mapping[int, PublicKeys], header: Header
+    context: Context, cfg: RunConfig, keys: Mapping[int, PublicKeys], header: Header, record: str = STATE_RECORD
 ) -> None:
     """My own keys are the ones I made; in signed mode every peer's are signed by a listed key."""
-    state = _state(context, header)
+    state = _state(context, header, record)
     me = int(context.node_id)
     mine = keys.get(me)
     if mine is None:
         raise SecureAggregationError(f"this node ({me}) is not among the round's participants")
     if (mine.c, mine.s) != (_public_of(_bytes(state, "c-private")), _public_of(_bytes(state, "s-private"))):
         raise SecureAggregationError("the server relays keys for this node that this node did not make")
-    if not signed_mode(context, ins.config):
+    if not signed_mode(context, cfg):
         return
     trusted = load_trusted_keys(_node_path(context, TRUSTED_KEYS))
     signers = [k.signer for k in keys.values()]
@@ -203,36 +219,59 @@ def _public_of(private: bytes) -> bytes:
 
 def handle_shares(ins: SharesIns, context: Context) -> SharesRes:
     """Shamir-share a fresh self-mask seed and the mask key among the participants."""
-    header = ins.header
-    _check_peers(context, ins, ins.keys, header)
-    cfg = ins.config
-    if len(ins.keys) < cfg.secagg_min_clients:
+    _check_dealing(context, ins.config, ins.keys, ins.header, ins.threshold)
+    dealt = _deal(context, ins.keys, ins.header, ins.threshold)
+    partition = node_partition(context.node_config, ins.config)
+    return SharesRes(
+        ins.header, partition, 0, shares=dealt.shares, commitments=dealt.commitments, secrets=dealt.secrets
+    )
+
+
+def _check_dealing(
+    context: Context,
+    cfg: RunConfig,
+    keys: Mapping[int, PublicKeys],
+    header: Header,
+    threshold: int,
+    record: str = STATE_RECORD,
+) -> None:
+    """What a shares step must pass before this node deals (a ``query.shares``, or shares ahead in
+    an unmask step, over the keys kept in ``record``): its own keys, every peer's signature, enough
+    participants, the threshold due, and no shares dealt over these keys before."""
+    _check_peers(context, cfg, keys, header, record)
+    if len(keys) < cfg.secagg_min_clients:
         raise SecureAggregationError(
-            f"secure round with {len(ins.keys)} participants; at least {cfg.secagg_min_clients} are required"
+            f"secure round with {len(keys)} participants; at least {cfg.secagg_min_clients} are required"
         )
-    due = threshold_for(len(ins.keys), cfg.secagg_min_clients, signed_mode(context, cfg))
-    if ins.threshold != due:
-        raise SecureAggregationError(f"the server asks for threshold {ins.threshold}; {due} is due")
+    due = threshold_for(len(keys), cfg.secagg_min_clients, signed_mode(context, cfg))
+    if threshold != due:
+        raise SecureAggregationError(f"the server asks for threshold {threshold}; {due} is due")
+    state = _state(context, header, record)
+    if "seed" in state or "round-nodes" in state:
+        raise SecureAggregationError(
+            f"this node already dealt its shares for this round over nodes {_list(state, 'round-nodes', int)}; "
+            "it does not deal them again: refused"
+        )
+
+
+def _deal(context: Context, keys: Mapping[int, PublicKeys], header: Header, threshold: int) -> DealtShares:
+    """Shamir-share a fresh self-mask seed and the mask key over ``keys`` (checked:
+    :func:`_check_dealing`), bound to the round's context with U1 = ``keys``' nodes."""
     state = _state(context, header)
     seed = new_seed()
-    context_bytes = round_context(
-        header.run_id, header.task, header.stage, header.server_round, header.attempt, ins.keys
-    )
+    context_bytes = round_context(header.run_id, header.task, header.stage, header.server_round, header.attempt, keys)
     dealt = make_shares(
         int(context.node_id),
         seed,
         _bytes(state, "s-private"),
         _bytes(state, "c-private"),
-        {n: k.c for n, k in ins.keys.items()},
-        ins.threshold,
+        {n: k.c for n, k in keys.items()},
+        threshold,
         context_bytes,
     )
     state["seed"] = seed
-    state["round-nodes"] = sorted(ins.keys)
-    partition = node_partition(context.node_config, cfg)
-    return SharesRes(
-        ins.header, partition, 0, shares=dealt.bundles, commitments=dealt.commitments, secrets=dealt.secrets
-    )
+    state["round-nodes"] = sorted(keys)
+    return DealtShares(dealt.bundles, dealt.commitments, dealt.secrets)
 
 
 def node_ledger(context: Context, signed: bool) -> Ledger:
@@ -275,7 +314,7 @@ def masked_upload(
     sec, header = ins.secagg, ins.header
     signed = signed_mode(job.context, job.cfg)
     state = _state(job.context, header)
-    _check_peers(job.context, ins, sec.participants, header)
+    _check_peers(job.context, job.cfg, sec.participants, header)
     if list(sec.round_nodes) != _list(state, "round-nodes", int):
         raise SecureAggregationError("the round's key-round participants changed since the shares round")
     if sec.threshold != threshold_for(len(sec.round_nodes), job.cfg.secagg_min_clients, signed):
@@ -342,7 +381,10 @@ def masked_upload(
         "signed": signed,
     }
     job.context.state.config_records[STATE_RECORD] = ConfigRecord(entries)  # the private keys and seed are gone
-    return masked, MaskedReport(signature, accused)
+    # shares ahead: the next round's fresh keys, kept apart from this round's until its unmask step
+    job.context.state.config_records.pop(NEXT_RECORD, None)
+    next_keys = None if sec.prepare is None else _fresh_keys(job.context, job.cfg, sec.prepare, NEXT_RECORD)
+    return masked, MaskedReport(signature, accused, next_keys=next_keys)
 
 
 def _float64(values: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -399,6 +441,12 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
         raise SecureAggregationError("this node's secure-aggregation state has no signed flag")
     if signed:  # as at the masked upload: the unmask request cannot switch it off
         _check_view(ins, state, participants)
+    # shares ahead, where this node is in the next round's U1 (else it deals nothing and its keys
+    # made ahead are dropped): checked as a shares step is, before anything is revealed
+    deal_ahead = ins.ahead is not None and int(context.node_id) in ins.ahead.keys
+    if deal_ahead:
+        assert ins.ahead is not None and ins.prepare is not None  # parse: no shares step without its key step
+        _check_dealing(context, ins.config, ins.ahead.keys, ins.prepare, ins.ahead.threshold, NEXT_RECORD)
     clients = dict(zip(_list(state, "client-nodes", int), _list(state, "clients", int), strict=True))
     alive = {clients[node] for node in ins.survivors}
     owed = {
@@ -424,8 +472,16 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
     # the set the sum is opened over is the survivors': each input is opened over one such set only
     node_ledger(context, signed).record(ins.header.run_id, tasks, ins.survivors, digests)
     del context.state.config_records[STATE_RECORD]  # nothing of the round stays on the node
-    # keys ahead: the next round's fresh keys, as its key step would make them (after the ledger)
-    next_keys = None if ins.prepare is None else _fresh_keys(context, ins.config, ins.prepare)
+    kept = context.state.config_records.pop(NEXT_RECORD, None)  # keys made ahead: used here or dropped
+    next_keys, next_shares = None, None
+    if deal_ahead:
+        # shares ahead: the next round's shares over the keys sent with the masked upload (after the ledger)
+        assert ins.ahead is not None and ins.prepare is not None and kept is not None  # _check_dealing read them
+        context.state.config_records[STATE_RECORD] = kept
+        next_shares = _deal(context, ins.ahead.keys, ins.prepare, ins.ahead.threshold)
+    elif ins.ahead is None and ins.prepare is not None:
+        # keys ahead: the next round's fresh keys, as its key step would make them (after the ledger)
+        next_keys = _fresh_keys(context, ins.config, ins.prepare)
     partition = node_partition(context.node_config, ins.config)
     return UnmaskRes(
         ins.header,
@@ -434,4 +490,5 @@ def handle_unmask(ins: UnmaskIns, context: Context) -> UnmaskRes:
         seed_shares={n: seed_share[n] for n in ins.survivors if n in seed_share},
         key_shares={n: key_share[n] for n in ins.dropped if n in key_share},
         next_keys=next_keys,
+        next_shares=next_shares,
     )

@@ -493,7 +493,8 @@ def exchanges_per_statistics_stage(kinds: list[str], num_tasks: int) -> float | 
     ``query.unmask``), less ``query.info`` (first contact) and the
     last stage's own ``evaluate`` at the end, over ``num_tasks`` statistics rounds (stage 1 has one
     too). Plain uploads with federated evaluation give 1 (the evaluation rides along), a secure stage
-    4 (keys, shares, statistics, unmask); None when the node received nothing."""
+    2 after the run's first secure round (statistics, unmask: its keys and shares came ahead), 4
+    without (keys, shares, statistics, unmask); None when the node received nothing."""
     if not kinds or num_tasks < 1:
         return None
     after = [i for i, kind in enumerate(kinds) if kind == "train"]

@@ -117,6 +117,7 @@ def test_messages_per_run_from_a_supernode_log() -> None:
 
 
 SECURE_ROUND = ["query.keys", "query.shares", "query.stats", "query.unmask"]
+SHARES_AHEAD = ["query.stats", "query.unmask"]
 
 
 @pytest.mark.parametrize(
@@ -128,6 +129,8 @@ SECURE_ROUND = ["query.keys", "query.shares", "query.stats", "query.unmask"]
         (["query.info", "query.stats", "query.stats"], 2, 1.0),
         # secure: two secure FedAvg rounds (keys, shares, train, unmask), then 2 secure statistics stages
         (["query.info", *(["query.keys", "query.shares", "train", "query.unmask"] * 2), *SECURE_ROUND * 2], 2, 4.0),
+        # shares ahead: after the run's first secure round, masked upload and unmask only
+        (["query.info", "query.keys", "query.shares", *(["train", "query.unmask"] * 2), *SHARES_AHEAD * 2], 2, 2.0),
         # every evaluation an exchange of its own: (1 + 2) / 2, the last stage's evaluate counted apart
         (["train", "query.stats", "evaluate", "query.stats", "evaluate"], 2, 1.5),
         ([], 2, None),

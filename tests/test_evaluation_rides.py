@@ -201,10 +201,11 @@ def test_first_contact_rides_only_while_a_round_holds_no_more_replies_than_a_str
 def test_a_secure_stage_carries_the_evaluation_beside_its_masked_statistics(secure_runs) -> None:
     """Under secure aggregation the counts ride in clear beside the masked upload: one exchange
     fewer per stage (keys, shares, masked statistics, unmask; stage 2's keys came with stage 1's
-    unmask step, strategies/secure.py), the same records and W."""
+    masked upload and its shares with stage 1's unmask step, strategies/secure.py), the same
+    records and W."""
     (separate, grid_before, w_before), (riding, grid_after, w_after) = secure_runs
-    secure = ["query.shares", "query.stats", "query.unmask"]
-    first = ["query.info", "query.keys", *secure]
+    secure = ["query.stats", "query.unmask"]
+    first = ["query.info", "query.keys", "query.shares", *secure]
     assert exchanges_per_stage(grid_before) == {1: [*first, "evaluate"], 2: [*secure, "evaluate"]}
     assert exchanges_per_stage(grid_after) == {1: first, 2: [*secure, "evaluate"]}
     assert records(riding) == records(separate)

@@ -40,7 +40,7 @@ from fcl_flower.privacy.secagg import (
     self_mask,
     view_context,
 )
-from fcl_flower.protocol import SecAggRound, StatsIns, UnmaskRes, parse_instruction, parse_reply
+from fcl_flower.protocol import MaskedReport, SecAggRound, StatsIns, UnmaskRes, parse_instruction, parse_reply
 from fcl_flower.protocol.base import Header
 from fcl_flower.restore import RestoreError
 from strategies.secure import SecureRounds
@@ -171,12 +171,13 @@ def victims_plain_gram(tmp: Path) -> np.ndarray:
 def unscreened(monkeypatch):
     """The malicious server does not screen the victim's view signature (an honest one would reject
     the upload): it relays whatever the victim signed, as an attacker would."""
-    monkeypatch.setattr(SecureRounds, "_screen", lambda self, host, message, node, *a: _signature(message))
+    monkeypatch.setattr(SecureRounds, "_screen", lambda self, host, message, node, *a: _report(message))
 
 
-def _signature(message: Message) -> bytes:
+def _report(message: Message) -> MaskedReport:
+    """What rides beside the upload as the node sent it (its view signature, the next round's keys)."""
     record = message.content.config_records.get("secagg")
-    return record["view-signature"] if record is not None else b""
+    return MaskedReport() if record is None else MaskedReport.from_entries(record)
 
 
 def test_split_view_reads_the_victims_gram_without_signed_keys(tmp_path, caplog, unscreened) -> None:

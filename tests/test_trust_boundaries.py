@@ -297,8 +297,8 @@ def test_playing_the_server_a_rejected_upload_stays_hidden(tmp_path) -> None:
     cfg = strategy.cfg
     victim_node = NODE_BASE + 1
     stage = [(p, m) for t, p, m in received if t == BAD_TASK]
-    # the round's keys came ahead, with the survivors' unmask replies of the stage before (strategies/secure.py)
-    ahead = [m for t, p, m in received if t == BAD_TASK - 1 and p == "secagg-unmask"]
+    # the round's keys came ahead, with the masked uploads of the stage before (shares ahead, strategies/secure.py)
+    ahead = [m for t, p, m in received if t == BAD_TASK - 1 and p == "stsa-stats"]
     s_public = {m.metadata.src_node_id: m.content.config_records["secagg"]["next-s"] for m in ahead}
     assert not [m for p, m in stage if p == "secagg-keys"]
     unmask = [m for p, m in stage if p == "secagg-unmask"]

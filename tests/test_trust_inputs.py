@@ -381,10 +381,11 @@ def test_a_duplicate_reply_is_recorded_in_left_out(tmp_path) -> None:
     assert float((twice.stage_weights[1] - clean.stage_weights[1]).norm()) == 0.0
 
 
-@pytest.mark.parametrize(("step", "task"), [("keys", 0), ("shares", 1), ("unmask", 1)])
+@pytest.mark.parametrize(("step", "task"), [("keys", 0), ("shares", 0), ("unmask", 1)])
 def test_a_duplicate_reply_in_a_secure_step_is_recorded_in_left_out(tmp_path, step: str, task: int) -> None:
     """Under secure aggregation the key, share and unmask steps are exchanges of their own (the
-    key step in the run's first secure round: later ones ride with an unmask step, keys ahead): a
+    key and shares steps in the run's first secure round: later ones ride with the masked upload
+    and the unmask step, shares ahead): a
     node that answers one twice is named in ``left_out`` too, and the stage is the clean one."""
     from strategies.secure import KEYS_PHASE, SHARES_PHASE, UNMASK_PHASE
 

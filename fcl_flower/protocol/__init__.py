@@ -37,11 +37,13 @@ from fcl_flower.protocol.messages import (
     parse_reply,
 )
 from fcl_flower.protocol.secure import (
+    DealtShares,
     KeysIns,
     KeysRes,
     MaskedReport,
     PublicKeys,
     SecAggRound,
+    SharesAhead,
     SharesIns,
     SharesRes,
     UnmaskIns,
@@ -51,6 +53,7 @@ from fcl_flower.protocol.secure import (
 __all__ = [
     "WIRE_DTYPES",
     "Backfill",
+    "DealtShares",
     "EvaluateIns",
     "EvaluateRes",
     "EvaluationRequest",
@@ -68,6 +71,7 @@ __all__ = [
     "PublicKeys",
     "Reply",
     "SecAggRound",
+    "SharesAhead",
     "SharesIns",
     "SharesRes",
     "StampReport",

@@ -242,7 +242,7 @@ def parse_instruction(message: Message) -> Instruction:
     if kind is Kind.TRAIN:
         optional = {attribute: content.array_records.get(name) for name, attribute in TrainIns.OPTIONAL.items()}
         lr = read_float(entry(round_, "lr", ROUND), "lr")
-        secagg = SecAggRound.from_entries(round_) if "secagg-round-nodes" in round_ else None
+        secagg = SecAggRound.from_entries(round_, header) if "secagg-round-nodes" in round_ else None
         return TrainIns(header, config, lr=lr, num_seen=num_seen, model=model, secagg=secagg, **optional)
     return StatsIns(
         header,
@@ -251,7 +251,7 @@ def parse_instruction(message: Message) -> Instruction:
         model=model,
         backfill=decode_backfill(read_str(entry(round_, "backfill", ROUND) or "-", "backfill")),
         rank=read_int(entry(round_, "rank", ROUND), "rank"),
-        secagg=SecAggRound.from_entries(round_) if "secagg-round-nodes" in round_ else None,
+        secagg=SecAggRound.from_entries(round_, header) if "secagg-round-nodes" in round_ else None,
         forget=_decode_sites(read_str(round_["forget"], "forget")) if "forget" in round_ else (),
         evaluate=_evaluation_request(round_, content.array_records.get(RIDGE), header),
     )
