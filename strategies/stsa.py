@@ -476,7 +476,8 @@ class STSAStrategy(ForgetRounds):
                 raise UploadError("a factor upload, but this run takes Gram uploads (stats-form gram)")
             return StsaFactorStats.read(record, dim=self.rf_dim, classes=classes)
         shapes = {"packed": packed_length(self.rf_dim), "dim": self.rf_dim, "classes": classes}
-        return StsaStats.read(record, **shapes, noisy_counts=self.counts_noised)
+        # every upload read here is screened before it is used (check: screen_packed_statistics)
+        return StsaStats.read(record, **shapes, noisy_counts=self.counts_noised, screened=True)
 
     def read_stats(self, plan: RoundPlan, client: str, reply: StatsRes) -> Any:
         if plan.phase == FORGET_PHASE and self.masked():  # a secure forget round (strategies/secure_unlearning.py)

@@ -78,6 +78,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -87,7 +88,7 @@ from torch import Tensor
 from fcl_flower.limits import MAGNITUDE_LIMIT  # entries beyond it could overflow float64 sums of squares
 
 from .factor import factor_gram, factor_max_rows
-from .packing import diagonal_of_packed, pack_upper, row_offset
+from .packing import diagonal_of_packed, pack_upper, row_offset, unpack_rows
 
 FALSE_REJECTION = 1e-9  # chance that the noise alone makes an honest upload fail a check (all checks together)
 _PER_BOUND = FALSE_REJECTION / 10  # fewer than ten bounds are used on one upload
@@ -168,6 +169,12 @@ def check_magnitude(name: str, tensor: Tensor, limit: float = MAGNITUDE_LIMIT) -
     if not tensor.numel():
         return 0.0
     low, high = (float(v) for v in torch.aminmax(tensor))
+    return _magnitude_verdict(name, low, high, limit)
+
+
+def _magnitude_verdict(name: str, low: float, high: float, limit: float = MAGNITUDE_LIMIT) -> float:
+    """:func:`check_magnitude`'s decision from the extremes ``low`` and ``high`` (NaN in either
+    stands for a NaN entry); returns ``low``."""
     if not (math.isfinite(low) and math.isfinite(high)):
         raise StatisticsRejected(f"{name} contains NaN or inf")
     peak = max(-low, high)
@@ -318,7 +325,7 @@ def screen_packed_statistics(
         noise=noise or NoiseLevels(),
         zero_energy=False,
     )
-    _check_cauchy_schwarz(gram_packed, scaled.c, scaled.inv, scaled.slack_rel, scaled.empty)
+    _check_cauchy_schwarz(gram_packed, scaled.c, scaled.inv, scaled.slack_rel, scaled.empty, scaled.floor_g)
 
 
 @dataclass(frozen=True)
@@ -332,6 +339,7 @@ class _Scaled:
     shift: float  # absolute slack plus the noise's spectral bound, added to J's diagonal
     slack_rel: float  # 4 (M + c) ε
     certified: float  # what a passing PSD test certifies of G (negative_bound)
+    floor_g: float | None = None  # the screen's: G's lowest entry allowed, tested in its Cauchy–Schwarz pass
 
 
 def _screen(
@@ -362,12 +370,16 @@ def _screen(
             f"counts {tuple(counts.shape)} do not fit together"
         )
     c, n = class_sums.to(torch.float64), counts.to(torch.float64)
-    low_g, low_c, _ = (check_magnitude(name, t) for name, t in (("G", gram_packed), ("class sums", c), ("counts", n)))
+    # the screen (zero_energy False) tests G's entries in its Cauchy–Schwarz pass, one read of the
+    # upload for both; here only its diagonal, which the tests below use
+    whole = gram_packed if zero_energy else diagonal_of_packed(gram_packed, dim)
+    low_g, low_c, _ = (check_magnitude(name, t) for name, t in (("G", whole), ("class sums", c), ("counts", n)))
+    floor_g = -math.inf
     if nonnegative:
         floor_g = -absolute_tolerance - noise_entry_bound(noise.gram, dim * (dim + 1) // 2)
         floor_c = -absolute_tolerance - noise_entry_bound(noise.sums, dim * classes)
         if low_g < floor_g or low_c < floor_c:
-            raise StatisticsRejected("G or the class sums have negative entries (random ReLU features are >= 0)")
+            raise StatisticsRejected(NEGATIVE_ENTRIES)
     size = dim + classes
     slack_rel = 4.0 * size * relative_tolerance
     slack_abs = 4.0 * size * absolute_tolerance
@@ -385,7 +397,10 @@ def _screen(
         _check_zero_energy(gram_packed, c, empty, packed=zero_energy)
     inv = torch.where(empty, 0.0, scale.rsqrt())
     certified = negative_bound(scale[:dim], slack_rel, shift)  # G is a principal block of J
-    return _Scaled(c, n, inv, empty, shift, slack_rel, certified)
+    return _Scaled(c, n, inv, empty, shift, slack_rel, certified, None if zero_energy else floor_g)
+
+
+NEGATIVE_ENTRIES = "G or the class sums have negative entries (random ReLU features are >= 0)"
 
 
 def negative_bound(scale: Tensor, slack: float, lift: float = 0.0) -> float:
@@ -565,6 +580,32 @@ def _low(tensor: Tensor) -> float:
     return float(tensor.min()) if tensor.numel() else 0.0
 
 
+def _extremes(low: float, high: float, values: np.ndarray) -> tuple[float, float]:
+    """(low, high) widened by ``values``' extremes; a NaN entry makes both NaN (and stays)."""
+    if not values.size:
+        return low, high
+    least, most = float(values.min()), float(values.max())
+    if math.isnan(least) or math.isnan(low):
+        return math.nan, math.nan
+    return min(low, least), max(high, most)
+
+
+@lru_cache(maxsize=8)
+def _screen_chunks(dim: int) -> tuple[tuple[int, int, int, int, np.ndarray], ...]:
+    """The O(M²) screens' passes over a packed upload of dimension ``dim``, ~1 MiB of float32 at a
+    time: (first row a, end row b, packed entries start..stop, each row's first entry relative to
+    start). The same for every upload of a run, so computed once."""
+    out = []
+    rows_per_chunk = max(1, _SCREEN_CHUNK // max(dim, 1))
+    for a in range(0, dim, rows_per_chunk):
+        b = min(dim, a + rows_per_chunk)
+        local = np.arange(b - a, dtype=np.int64)
+        starts = local * (dim - a) - local * (local - 1) // 2
+        starts.flags.writeable = False
+        out.append((a, b, row_offset(a, dim), row_offset(b, dim), starts))
+    return tuple(out)
+
+
 def _check_zero_energy(gram_packed: Tensor, c: Tensor, empty: Tensor, packed: bool = True) -> None:
     """Rows/columns of J whose diagonal is zero once lifted must be zero (before anything is
     scaled). Their diagonal entries are not tested: lifted by the slack they are exactly 0 (a
@@ -618,13 +659,7 @@ def _scaled_blocks(
     scratch = np.empty(min(_FACTOR_ROWS, max(dim, 1)) * dim, dtype=dtype)
     for a in range(0, dim, _FACTOR_ROWS):
         b = min(dim, a + _FACTOR_ROWS)
-        block = scratch[: (b - a) * (dim - a)].reshape(b - a, dim - a)
-        offset = row_offset(a, dim)
-        for r in range(b - a):
-            length = dim - a - r
-            block[r, :r] = 0.0
-            block[r, r:] = packed[offset : offset + length]
-            offset += length
+        block = unpack_rows(packed, a, b, dim, scratch)
         rows = np.arange(b - a)
         block[rows, rows] += lift
         block *= w[None, a:dim]
@@ -641,7 +676,9 @@ def _scaled_blocks(
         yield a, b, block, corner
 
 
-def _check_cauchy_schwarz(gram_packed: Tensor, c: Tensor, inv: Tensor, slack_rel: float, empty: Tensor) -> None:
+def _check_cauchy_schwarz(
+    gram_packed: Tensor, c: Tensor, inv: Tensor, slack_rel: float, empty: Tensor, floor: float | None = None
+) -> None:
     """Cauchy–Schwarz |R_ij| <= 1 + slack on every entry of R = D^{-1/2} (J + lift·I) D^{-1/2}
     (the screen's part of :func:`_positive_factor`) and the zero-energy test of G, together, in
     contiguous passes over the packed upload, one chunk of rows (~1 MiB) at a time so each pass
@@ -664,27 +701,31 @@ def _check_cauchy_schwarz(gram_packed: Tensor, c: Tensor, inv: Tensor, slack_rel
     v[rows] = np.inf
     packed = gram_packed.numpy()
     limit = 1.0 + slack_rel + (1e-6 if dtype == np.float32 else 1e-12)
-    rows_per_chunk = max(1, _SCREEN_CHUNK // dim)
-    magnitudes = np.empty(min(packed.size, rows_per_chunk * dim), dtype=dtype)
-    scaled = np.empty_like(magnitudes)
-    worst = 0.0
+    chunks = _screen_chunks(dim)
+    scaled = np.empty(max(stop - start for _, _, start, stop, _ in chunks), dtype=dtype)
+    worst, low, high = 0.0, math.inf, -math.inf
     with np.errstate(invalid="ignore", over="ignore", under="ignore"):
-        for a in range(0, dim, rows_per_chunk):
-            b = min(dim, a + rows_per_chunk)
-            start, stop = row_offset(a, dim), row_offset(b, dim)
-            magnitude, part = magnitudes[: stop - start], scaled[: stop - start]
-            np.abs(packed[start:stop], out=magnitude, dtype=dtype)
-            local = np.arange(b - a, dtype=np.int64)
-            starts = local * (dim - a) - local * (local - 1) // 2
-            magnitude[starts] = 0  # the diagonal
+        for a, b, start, stop, starts in chunks:
+            values = packed[start:stop]
+            if floor is not None:  # the screen's magnitude test, on the chunk while it is in cache
+                low, high = _extremes(low, high, values)
             # an empty row unweighted (a subnormal times a small w_j would round to 0)
-            if rows[a:b].any() and bool(np.any(np.maximum.reduceat(magnitude, starts)[rows[a:b]] > 0)):
-                raise StatisticsRejected(ZERO_ENERGY)
-            np.concatenate([v[i:dim] for i in range(a, b)], out=part)
-            part *= magnitude
+            if rows[a:b].any():
+                magnitude = np.abs(values, dtype=dtype)
+                magnitude[starts] = 0  # the diagonal
+                if bool(np.any(np.maximum.reduceat(magnitude, starts)[rows[a:b]] > 0)):
+                    raise StatisticsRejected(ZERO_ENERGY)
+            part = scaled[: stop - start]
+            np.concatenate([v[i:dim] for i in range(a, b)], out=part)  # the weights' suffixes, in C
+            part *= values  # in cache from here on: |v_j G_ij| = v_j |G_ij| (v >= 0)
+            np.abs(part, out=part)
+            part[starts] = 0  # the diagonal
             per_row = np.fmax.reduceat(part, starts)
             per_row *= v[a:b]
             worst = max(worst, float(np.fmax.reduce(per_row, initial=0.0)))
+    if floor is not None:
+        if _magnitude_verdict("G", low, high) < floor:
+            raise StatisticsRejected(NEGATIVE_ENTRIES)
     if worst == math.inf:  # a zero-energy feature with a non-zero entry, or an overflow: say which
         _check_zero_energy(gram_packed, c, empty)
     corner = np.abs(c.numpy()) * inv.numpy()[:dim, None] * inv.numpy()[None, dim:]

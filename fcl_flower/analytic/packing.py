@@ -32,6 +32,7 @@ __all__ = [
     "packed_length",
     "row_offset",
     "symmetrised",
+    "unpack_rows",
     "unpack_upper",
 ]
 
@@ -117,22 +118,42 @@ def pack_symmetrised(gram: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 
 def _copy_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
-    """Rows a.. of the upper triangle from ``block`` = G[a:a + rows, a:] into the packed ``out``,
-    one contiguous slice per row (a boolean-mask gather of the block is ~1.5x slower)."""
-    offset = row_offset(a, dim)
-    for r in range(block.shape[0]):
-        length = dim - a - r
-        out[offset : offset + length] = block[r, r:]
-        offset += length
+    """Rows a.. of the upper triangle from ``block`` = G[a:a + rows, a:] into the packed ``out``
+    (rounded to its dtype): the rows' slices laid end to end by one ``np.concatenate``, whose loop
+    runs in C (a Python slice assignment per row cost ~2 µs a row, most of a small client's packing;
+    a boolean-mask gather of the block is slower still)."""
+    rows = block.shape[0]
+    if rows:
+        np.concatenate(
+            [block[r, r:] for r in range(rows)], out=out[row_offset(a, dim) : row_offset(a + rows, dim)], casting="same_kind"
+        )
 
 
 def _add_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
-    """:func:`_copy_rows`, adding into ``out`` instead of overwriting it."""
+    """:func:`_copy_rows`, adding into ``out`` instead of overwriting it (each entry added once)."""
+    rows = block.shape[0]
+    if rows:
+        target = out[row_offset(a, dim) : row_offset(a + rows, dim)]
+        target += np.concatenate([block[r, r:] for r in range(rows)])
+
+
+def unpack_rows(packed: np.ndarray, a: int, b: int, dim: int, out: np.ndarray) -> np.ndarray:
+    """Rows a..b-1 of the upper triangle as the rectangle G[a:b, a:] (zeros below the diagonal),
+    written into ``out`` (at least (b - a)(dim - a) entries, any float dtype) and returned as a
+    (b - a) × (dim - a) view: row r of the rectangle is r zeros, then row a + r's packed slice, so
+    the rectangle's entries are those pieces laid end to end, one ``np.concatenate`` (C loop)."""
+    width = dim - a
+    zeros = np.zeros(b - a, dtype=packed.dtype)
+    pieces: list[np.ndarray] = []
     offset = row_offset(a, dim)
-    for r in range(block.shape[0]):
-        length = dim - a - r
-        out[offset : offset + length] += block[r, r:]
-        offset += length
+    for r in range(b - a):
+        pieces.append(zeros[:r])
+        pieces.append(packed[offset : offset + width - r])
+        offset += width - r
+    block = out[: (b - a) * width]
+    if pieces:
+        np.concatenate(pieces, out=block, casting="same_kind")
+    return block.reshape(b - a, width)
 
 
 def gram_packed_(out: np.ndarray, phi: Tensor, *, accumulate: bool) -> np.ndarray:
@@ -197,12 +218,8 @@ def unpack_upper(packed: Tensor, dim: int) -> Tensor:
             offset += dim - row
         return out + torch.triu(out, diagonal=1).T
     out = torch.empty(dim, dim, dtype=packed.dtype, device="cpu")  # every entry written: upper rows, then their mirror
-    o, p = out.numpy(), _np(packed)
-    offset = 0
-    for row in range(dim):  # one contiguous slice per row (a boolean-mask scatter is several times slower)
-        o[row, row:] = p[offset : offset + dim - row]
-        offset += dim - row
-    _mirror_upper(o)
+    unpack_rows(_np(packed), 0, dim, dim, out.numpy().reshape(-1))
+    _mirror_upper(out.numpy())
     return out
 
 
@@ -215,10 +232,11 @@ def add_packed_(gram: Tensor, packed: Tensor) -> Tensor:
     if gram.device.type != "cpu" or packed.device.type != "cpu":
         return gram.add_(unpack_upper(packed, dim).to(gram.device))
     g, p = _np(gram), _np(packed)
-    offset = 0
-    for row in range(dim):  # one contiguous slice per row (a boolean-mask gather is several times slower)
-        g[row, row:] += p[offset : offset + dim - row]
-        offset += dim - row
+    rows = max(1, min(dim, _TILE))
+    buffer = np.empty(rows * dim, dtype=p.dtype)
+    for a in range(0, dim, rows):  # blocks of rows, unpacked in C (zeros below the diagonal: + 0 there)
+        b = min(dim, a + rows)
+        g[a:b, a:] += unpack_rows(p, a, b, dim, buffer)
     _mirror_upper(g)
     return gram
 

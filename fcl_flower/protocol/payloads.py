@@ -76,15 +76,26 @@ class StsaStats:
         return to_record({key: cast_for_wire(value, wire_dtype) for key, value in self.arrays().items()})
 
     @classmethod
-    def read(cls, record: ArrayRecord, *, packed: int, dim: int, classes: int, noisy_counts: bool = False) -> StsaStats:
+    def read(
+        cls,
+        record: ArrayRecord,
+        *,
+        packed: int,
+        dim: int,
+        classes: int,
+        noisy_counts: bool = False,
+        screened: bool = False,
+    ) -> StsaStats:
         """G stays packed at wire precision until summed, read in place (a read-only view of the
         reply's bytes: it is only checked and added, never written to); C and the counts become
         float64 copies. ``noisy_counts``: the counts carry noise (any finite floats;
-        fcl_flower/analytic/checks.py)."""
+        fcl_flower/analytic/checks.py). ``screened``: the caller screens G before any use
+        (``screen_packed_statistics``, whose pass over it tests the same finiteness and magnitude),
+        so they are not tested here too: one read of the largest array instead of two."""
         _exact_keys(record, cls.KEYS)
         counts = read_tensor(record, "counts", shape=(classes,), nonnegative=not noisy_counts).to(torch.float64)
         return cls(
-            read_tensor(record, "gram-packed", shape=(packed,), floating=True, copy=False),
+            read_tensor(record, "gram-packed", shape=(packed,), floating=True, finite=not screened, copy=False),
             read_tensor(record, "class-sums", shape=(dim, classes), floating=True).to(torch.float64),
             counts,
         )
