@@ -580,12 +580,11 @@ def _low(tensor: Tensor) -> float:
     return float(tensor.min()) if tensor.numel() else 0.0
 
 
-def _extremes(low: float, high: float, values: np.ndarray) -> tuple[float, float]:
-    """(low, high) widened by ``values``' extremes; a NaN entry makes both NaN (and stays)."""
-    if not values.size:
+def _widened(low: float, high: float, least: float, most: float, keep: bool) -> tuple[float, float]:
+    """(low, high) widened by a chunk's extremes (``keep``; else unchanged); NaN stays NaN."""
+    if not keep:
         return low, high
-    least, most = float(values.min()), float(values.max())
-    if math.isnan(least) or math.isnan(low):
+    if math.isnan(least) or math.isnan(most) or math.isnan(low):
         return math.nan, math.nan
     return min(low, least), max(high, most)
 
@@ -702,23 +701,30 @@ def _check_cauchy_schwarz(
     packed = gram_packed.numpy()
     limit = 1.0 + slack_rel + (1e-6 if dtype == np.float32 else 1e-12)
     chunks = _screen_chunks(dim)
-    scaled = np.empty(max(stop - start for _, _, start, stop, _ in chunks), dtype=dtype)
+    size = max(stop - start for _, _, start, stop, _ in chunks)
+    magnitudes, scaled = np.empty(size, dtype=dtype), np.empty(size, dtype=dtype)
     worst, low, high = 0.0, math.inf, -math.inf
     with np.errstate(invalid="ignore", over="ignore", under="ignore"):
         for a, b, start, stop, starts in chunks:
             values = packed[start:stop]
-            if floor is not None:  # the screen's magnitude test, on the chunk while it is in cache
-                low, high = _extremes(low, high, values)
-            # an empty row unweighted (a subnormal times a small w_j would round to 0)
+            # the chunk's extremes: the screen's magnitude test (one pass, the chunk then in cache)
+            least, most = (float(x) for x in torch.aminmax(gram_packed[start:stop]))
+            low, high = _widened(low, high, least, most, floor is not None)
+            if least >= 0:  # |G_ij| = G_ij: no copy (the usual case: ReLU features)
+                magnitude = values
+            else:
+                magnitude = magnitudes[: stop - start]
+                np.abs(values, out=magnitude, dtype=dtype)
+            # an empty row unweighted (a subnormal times a small w_j would round to 0); its
+            # diagonal is 0 when the chunk has no negative entry (an empty row's G_ii <= 0)
             if rows[a:b].any():
-                magnitude = np.abs(values, dtype=dtype)
-                magnitude[starts] = 0  # the diagonal
+                if magnitude is not values:
+                    magnitude[starts] = 0
                 if bool(np.any(np.maximum.reduceat(magnitude, starts)[rows[a:b]] > 0)):
                     raise StatisticsRejected(ZERO_ENERGY)
             part = scaled[: stop - start]
             np.concatenate([v[i:dim] for i in range(a, b)], out=part)  # the weights' suffixes, in C
-            part *= values  # in cache from here on: |v_j G_ij| = v_j |G_ij| (v >= 0)
-            np.abs(part, out=part)
+            part *= magnitude
             part[starts] = 0  # the diagonal
             per_row = np.fmax.reduceat(part, starts)
             per_row *= v[a:b]
