@@ -55,7 +55,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -121,6 +121,7 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
         screen_packed_statistics,
         wire_epsilon,
     )
+    from fcl_flower.analytic.heads import Head
     from fcl_flower.analytic.packing import add_packed_
     from fcl_flower.metrics import accuracy_by_task  # noqa: F401  (same work as the strategy's evaluation)
     from fcl_flower.runtime import build_model, federated_split, iter_features
@@ -135,7 +136,9 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
     sums = torch.zeros(dim, split.bundle.num_classes, dtype=torch.float64)
     times = []
     wire = WIRE_DTYPES[cfg.wire_dtype]
-    bounds = {"norm_bound": cfg.feature_clip, "nonnegative": projection is not None}
+    norm_bound, nonnegative = cfg.feature_clip, projection is not None
+    ridge, head = cfg.ridge_value(), cast(Head, cfg.head)
+    assert ridge is not None, "the benchmark's ridge is fixed"
     for task, classes in enumerate(split.tasks):
         began = time.perf_counter()
         packed_sum = torch.zeros(packed_length(dim), dtype=torch.float64)  # the stage's G, as the server sums it
@@ -155,7 +158,12 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
                 counts = stats.counts.to(torch.float64)
                 check_counts(counts, stats.num_samples)
                 screen_packed_statistics(
-                    packed, stats.class_sums, counts, relative_tolerance=wire_epsilon(packed.dtype), **bounds
+                    packed,
+                    stats.class_sums,
+                    counts,
+                    relative_tolerance=wire_epsilon(packed.dtype),
+                    norm_bound=norm_bound,
+                    nonnegative=nonnegative,
                 )
                 packed_sum += packed
                 count_sum[classes.start : classes.stop] += counts
@@ -166,15 +174,16 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
                 sums[:, classes.start : classes.stop] - before,
                 count_sum[classes.start : classes.stop],
                 relative_tolerance=wire_epsilon(wire),
-                **bounds,
+                norm_bound=norm_bound,
+                nonnegative=nonnegative,
             )
         add_packed_(gram, packed_sum)  # into the running G once a stage, as the ridge state does
-        weights = solve_ridge(gram, sums[:, : classes.stop], cfg.ridge_value())
+        weights = solve_ridge(gram, sums[:, : classes.stop], ridge)
         phis, labels = [], []
         for features, y in iter_features(model, split.seen_test(task), cfg, device):
             phis.append(random_features(features, projection))
             labels.append(y)
-        predictions = predict(torch.cat(phis), weights, cfg.head)
+        predictions = predict(torch.cat(phis), weights, head)
         _ = float((predictions == torch.cat(labels)).double().mean())
         times.append(time.perf_counter() - began)
     return times
@@ -231,7 +240,7 @@ def server_scaling(dim: int, clients: list[int], repeats: int, rows: int = 20, c
         labels = torch.randint(0, classes, (rows,), generator=generator)
         y = torch.nn.functional.one_hot(labels, classes).to(torch.float64)
         uploads.append((pack_symmetrised(phi.T @ phi, torch.float32), phi.T @ y, y.sum(dim=0)))
-    kwargs = {"relative_tolerance": 2.0**-24, "nonnegative": True}
+    tolerance = 2.0**-24  # float32 uploads; the features are ReLU outputs (nonnegative)
     samples: dict[int, list[dict[str, float]]] = {k: [] for k in clients}
     # the running sums are allocated once and zeroed per stage (as a server's buffers are reused): a
     # fresh 64 MiB buffer's first touch (page faults) would be counted as the first upload's add
@@ -246,7 +255,7 @@ def server_scaling(dim: int, clients: list[int], repeats: int, rows: int = 20, c
                 buffer.zero_()
             for gram, c, n in uploads[:k]:
                 t0 = time.perf_counter()
-                screen_packed_statistics(gram, c, n, **kwargs)
+                screen_packed_statistics(gram, c, n, relative_tolerance=tolerance, nonnegative=True)
                 t1 = time.perf_counter()
                 np.add(packed.numpy(), gram.numpy(), out=packed.numpy())  # as TaskSum.add (strategies/stsa.py)
                 sums += c
@@ -254,7 +263,7 @@ def server_scaling(dim: int, clients: list[int], repeats: int, rows: int = 20, c
                 timing["screen"] += t1 - t0
                 timing["add"] += time.perf_counter() - t1
             t0 = time.perf_counter()
-            check_packed_statistics(packed, sums, counts, **kwargs)
+            check_packed_statistics(packed, sums, counts, relative_tolerance=tolerance, nonnegative=True)
             timing["certificate"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             full = torch.zeros(dim, dim, dtype=torch.float64)
