@@ -20,11 +20,22 @@ so every stage is exactly one statistics round + solve + evaluation), fixed ridg
 * ``local``: the real strategy and ClientApp, messages delivered in-process (LocalGrid):
   adds message construction, (de)serialisation of records, packing, validation, accounting;
 * ``ray``: Flower's Ray simulation (experiments/sim.py): adds Ray actors, inter-process
-  transfer and scheduling. Its start-up (Ray + actors) is reported separately.
+  transfer and scheduling. Its start-up (Ray + actors) is reported separately;
+* ``flower floor (local)`` and ``flower floor (ray)``: Flower's transport floor on each of those
+  two engines (experiments/transport_floor.py): a minimal Flower app (ServerApp + a ClientApp that
+  imports only flwr and numpy) with one round per stage, in which every node answers at once with
+  ONE float32 array of the real upload's length (M(M+1)/2 + M·c + c, c = the stage's classes;
+  ones, built once per process) and the server views each reply's array and adds it into float64
+  running sums, pulling replies as the project's server does. No features, checks, solve or
+  evaluation: what moving the uploads through Flower costs on that engine, on the same settings
+  (the LocalGrid with K nodes; the Ray simulation with K SuperNodes, ``--num-cpus`` per client and
+  experiments/sim.py's backend config). ``local`` and ``ray`` are also given as ratios to their
+  own transport floor (``ratio vs flower floor``) and seconds above it. ``--no-ray`` skips both
+  Ray engines.
 
-The engines run alternately, ``--repeats`` times each (A B C D E, A B C D E, ...); per-stage times
-come from results.json for the Flower engines (StageRecord.seconds: first message sent ->
-evaluation done). The figure of an engine is the median over its repeats and stages 2..T (stage 1
+The engines run alternately, ``--repeats`` times each (A B C D E F G, A B C D E F G, ...); per-stage
+times come from results.json for the Flower engines (StageRecord.seconds: first message sent ->
+evaluation done), and from the floor app's server clock (first message sent -> last reply folded). The figure of an engine is the median over its repeats and stages 2..T (stage 1
 also pays each process's first-use costs); ratios are to the floor's. The load average is written
 down before and after every run.
 
@@ -44,7 +55,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -110,6 +121,7 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
         screen_packed_statistics,
         wire_epsilon,
     )
+    from fcl_flower.analytic.heads import Head
     from fcl_flower.analytic.packing import add_packed_
     from fcl_flower.metrics import accuracy_by_task  # noqa: F401  (same work as the strategy's evaluation)
     from fcl_flower.runtime import build_model, federated_split, iter_features
@@ -124,7 +136,9 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
     sums = torch.zeros(dim, split.bundle.num_classes, dtype=torch.float64)
     times = []
     wire = WIRE_DTYPES[cfg.wire_dtype]
-    bounds = {"norm_bound": cfg.feature_clip, "nonnegative": projection is not None}
+    norm_bound, nonnegative = cfg.feature_clip, projection is not None
+    ridge, head = cfg.ridge_value(), cast(Head, cfg.head)
+    assert ridge is not None, "the benchmark's ridge is fixed"
     for task, classes in enumerate(split.tasks):
         began = time.perf_counter()
         packed_sum = torch.zeros(packed_length(dim), dtype=torch.float64)  # the stage's G, as the server sums it
@@ -144,7 +158,12 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
                 counts = stats.counts.to(torch.float64)
                 check_counts(counts, stats.num_samples)
                 screen_packed_statistics(
-                    packed, stats.class_sums, counts, relative_tolerance=wire_epsilon(packed.dtype), **bounds
+                    packed,
+                    stats.class_sums,
+                    counts,
+                    relative_tolerance=wire_epsilon(packed.dtype),
+                    norm_bound=norm_bound,
+                    nonnegative=nonnegative,
                 )
                 packed_sum += packed
                 count_sum[classes.start : classes.stop] += counts
@@ -155,15 +174,16 @@ def direct_stage_times(cfg: RunConfig, checks: bool = False) -> list[float]:
                 sums[:, classes.start : classes.stop] - before,
                 count_sum[classes.start : classes.stop],
                 relative_tolerance=wire_epsilon(wire),
-                **bounds,
+                norm_bound=norm_bound,
+                nonnegative=nonnegative,
             )
         add_packed_(gram, packed_sum)  # into the running G once a stage, as the ridge state does
-        weights = solve_ridge(gram, sums[:, : classes.stop], cfg.ridge_value())
+        weights = solve_ridge(gram, sums[:, : classes.stop], ridge)
         phis, labels = [], []
         for features, y in iter_features(model, split.seen_test(task), cfg, device):
             phis.append(random_features(features, projection))
             labels.append(y)
-        predictions = predict(torch.cat(phis), weights, cfg.head)
+        predictions = predict(torch.cat(phis), weights, head)
         _ = float((predictions == torch.cat(labels)).double().mean())
         times.append(time.perf_counter() - began)
     return times
@@ -188,6 +208,25 @@ def ray_stage_times(cfg: RunConfig, num_cpus: float) -> tuple[list[float], float
     return [s["seconds"] for s in json.loads(path.read_text())["stages"]], total
 
 
+def transport_floor_stage_times(cfg: RunConfig, engine: str, num_cpus: float = 1.0) -> tuple[list[float], float]:
+    """Flower's transport floor of ``cfg``'s stages on ``engine`` ("local" or "ray"):
+    experiments/transport_floor.py's rounds with the stages' upload sizes; (seconds, run total)."""
+    from experiments import transport_floor
+    from fcl_flower.runtime import federated_split
+
+    sizes = [(cfg.rf_dim, len(classes)) for classes in federated_split(cfg).tasks]
+    began = time.perf_counter()
+    if engine == "ray":
+        seconds = transport_floor.run_ray(sizes, cfg.num_clients, num_cpus=num_cpus)
+    else:
+        seconds = transport_floor.run_local(sizes, cfg.num_clients)
+    return seconds, time.perf_counter() - began
+
+
+#: the engines that have a transport floor of their own: engine -> its floor's engine
+TRANSPORT_FLOORS = {"local": "flower floor (local)", "ray": "flower floor (ray)"}
+
+
 def server_scaling(dim: int, clients: list[int], repeats: int, rows: int = 20, classes: int = 2) -> dict[str, Any]:
     """The server's work on one stage of synthetic honest uploads, per K (see the module doc)."""
     from fcl_flower.analytic import packed_length, solve_ridge
@@ -201,7 +240,7 @@ def server_scaling(dim: int, clients: list[int], repeats: int, rows: int = 20, c
         labels = torch.randint(0, classes, (rows,), generator=generator)
         y = torch.nn.functional.one_hot(labels, classes).to(torch.float64)
         uploads.append((pack_symmetrised(phi.T @ phi, torch.float32), phi.T @ y, y.sum(dim=0)))
-    kwargs = {"relative_tolerance": 2.0**-24, "nonnegative": True}
+    tolerance = 2.0**-24  # float32 uploads; the features are ReLU outputs (nonnegative)
     samples: dict[int, list[dict[str, float]]] = {k: [] for k in clients}
     # the running sums are allocated once and zeroed per stage (as a server's buffers are reused): a
     # fresh 64 MiB buffer's first touch (page faults) would be counted as the first upload's add
@@ -216,7 +255,7 @@ def server_scaling(dim: int, clients: list[int], repeats: int, rows: int = 20, c
                 buffer.zero_()
             for gram, c, n in uploads[:k]:
                 t0 = time.perf_counter()
-                screen_packed_statistics(gram, c, n, **kwargs)
+                screen_packed_statistics(gram, c, n, relative_tolerance=tolerance, nonnegative=True)
                 t1 = time.perf_counter()
                 np.add(packed.numpy(), gram.numpy(), out=packed.numpy())  # as TaskSum.add (strategies/stsa.py)
                 sums += c
@@ -224,7 +263,7 @@ def server_scaling(dim: int, clients: list[int], repeats: int, rows: int = 20, c
                 timing["screen"] += t1 - t0
                 timing["add"] += time.perf_counter() - t1
             t0 = time.perf_counter()
-            check_packed_statistics(packed, sums, counts, **kwargs)
+            check_packed_statistics(packed, sums, counts, relative_tolerance=tolerance, nonnegative=True)
             timing["certificate"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             full = torch.zeros(dim, dim, dtype=torch.float64)
@@ -321,9 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         "direct": lambda i: (direct_stage_times(cfg), None),
         "direct + upload checks": lambda i: (direct_stage_times(cfg, checks=True), None),
         "local": lambda i: local_stage_times(cfg.replace(run_name=f"local-{i}")),
+        "flower floor (local)": lambda i: transport_floor_stage_times(cfg, "local"),
     }
     if not args.no_ray:
         runners["ray"] = lambda i: ray_stage_times(cfg.replace(run_name=f"ray-{i}"), args.num_cpus)
+        runners["flower floor (ray)"] = lambda i: transport_floor_stage_times(cfg, "ray", args.num_cpus)
     for repeat in range(args.repeats):  # A B C D E, A B C D E, ...
         for name, run in runners.items():
             before = os.getloadavg()[0]
@@ -339,17 +380,29 @@ def main(argv: list[str] | None = None) -> int:
     figure = {name: median([s for r in e["runs"] for s in r["stages"][1:]]) for name, e in engines.items()}
     for name, result in engines.items():
         result["median_stage_s"] = figure[name]
+        transport = figure.get(TRANSPORT_FLOORS.get(name, ""))  # this engine's own transport floor
         rows.append(
             {
                 "engine": name,
                 "stages 2..T median s": figure[name],
                 "ratio vs floor": figure[name] / figure["floor"],
                 "ratio vs direct + checks": figure[name] / figure["direct + upload checks"],
+                "ratio vs flower floor": None if transport is None else figure[name] / transport,
+                "s above flower floor": None if transport is None else figure[name] - transport,
                 "run total s (median)": median([r["total"] for r in result["runs"]]),
             }
         )
-    columns = ["engine", "stages 2..T median s", "ratio vs floor", "ratio vs direct + checks", "run total s (median)"]
-    print(format_table(rows, columns, floats="{:.2f}"))
+    columns = [
+        "engine",
+        "stages 2..T median s",
+        "ratio vs floor",
+        "ratio vs direct + checks",
+        "ratio vs flower floor",
+        "s above flower floor",
+        "run total s (median)",
+    ]
+    shown = [{k: "" if v is None else v for k, v in row.items()} for row in rows]
+    print(format_table(shown, columns, floats="{:.2f}"))
     name = "bench_framework_overhead"
     if not (args.rf_dim == 1000 and args.num_clients == 5):
         name += f"-M{args.rf_dim}-K{args.num_clients}"

@@ -160,30 +160,69 @@ def simulate(
     any other exception it ended on; :class:`RunIncomplete` if it ended without completing.
 
     Flower 1.41 deprecates ``flwr.simulation.run_simulation`` in favour of the ``flwr run`` CLI and
-    offers no supported Python launcher (its simulation runtime needs a SuperLink); this is the
-    one place that calls it (docs/simulation.md, "The Python launcher").
+    offers no supported Python launcher (its simulation runtime needs a SuperLink); :func:`run_on_ray`
+    is the one place that calls it (docs/simulation.md, "The Python launcher").
     """
-    from flwr.simulation import run_simulation
-
     from clients.app import app as client_app
     from strategies.app import build_server_app
 
     check_before_start(cfg)
     share_data_root(cfg)
+    run_on_ray(
+        build_server_app(cfg.to_mapping()),
+        client_app,
+        cfg.num_clients,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        verbose=verbose,
+        ray_address=ray_address,
+    )
+    return completed_results(cfg)
+
+
+def ray_backend_config(
+    num_clients: int,
+    *,
+    num_cpus: float = 1.0,
+    num_gpus: float | None = None,
+    verbose: bool = False,
+    ray_address: str = "",
+) -> dict[str, Any]:
+    """Flower's Ray backend config of a simulation of ``num_clients`` SuperNodes: each client's
+    resources (``num_gpus`` None: the visible GPUs shared evenly, 0 on a joined cluster) and
+    :func:`ray_init_args`."""
     if num_gpus is None:  # on a cluster this machine's GPUs say nothing about the others': ask
-        num_gpus = 0.0 if ray_address else default_gpu_share(cfg.num_clients)
-    backend_config = {
+        num_gpus = 0.0 if ray_address else default_gpu_share(num_clients)
+    return {
         "client_resources": {"num_cpus": num_cpus, "num_gpus": num_gpus},
         "init_args": ray_init_args(address=ray_address, verbose=verbose),
     }
+
+
+def run_on_ray(
+    server_app: Any,
+    client_app: Any,
+    num_clients: int,
+    *,
+    num_cpus: float = 1.0,
+    num_gpus: float | None = None,
+    verbose: bool = False,
+    ray_address: str = "",
+) -> None:
+    """Run ``server_app`` with ``num_clients`` SuperNodes of ``client_app`` in Flower's Ray
+    simulation (:func:`ray_backend_config`): :func:`simulate`'s engine, also used by the
+    framework-overhead benchmark's minimal app (Flower's transport floor, on the same settings)."""
+    from flwr.simulation import run_simulation
+
     run_simulation(
-        server_app=build_server_app(cfg.to_mapping()),
+        server_app=server_app,
         client_app=client_app,
-        num_supernodes=cfg.num_clients,
-        backend_config=backend_config,
+        num_supernodes=num_clients,
+        backend_config=ray_backend_config(
+            num_clients, num_cpus=num_cpus, num_gpus=num_gpus, verbose=verbose, ray_address=ray_address
+        ),
         verbose_logging=verbose,
     )
-    return completed_results(cfg)
 
 
 class RunIncomplete(RuntimeError):
