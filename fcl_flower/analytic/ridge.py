@@ -133,6 +133,9 @@ def solve_ridge(gram: Tensor, class_sums: Tensor, ridge: float) -> Tensor:
     _check_system(gram, class_sums)
     if not math.isfinite(float(ridge)) or float(ridge) < 0:
         raise AnalyticInputError(f"ridge must be a finite number >= 0, got {ridge!r}")
+    live = live_features(gram)
+    if live is not None:  # features no sample activates: solved apart, the rest on a smaller factor
+        return _solve_live(gram, class_sums, float(ridge), live)
     # G + γI in one M × M buffer, factorised in place (the same numbers as g + γ·eye, without the
     # identity and factor temporaries: at M = 8192 each is 512 MiB)
     factor, info = shifted_cholesky(gram, float(ridge))
@@ -141,6 +144,45 @@ def solve_ridge(gram: Tensor, class_sums: Tensor, ridge: float) -> Tensor:
             f"G + {ridge:g}·I is not positive definite (Cholesky failed at column {info}); increase the ridge"
         )
     return factor_solve(factor, class_sums.to(device=factor.device))
+
+
+#: a share of dead features below which the full factorisation is kept (the gather would cost more)
+DEAD_SHARE = 0.05
+
+
+def live_features(gram: Tensor) -> np.ndarray | None:
+    """The indices of G's live features where enough are dead, else None. A feature is dead when
+    its whole row and column of G are exactly 0 (no sample ever activates it: with random ReLU
+    features a fifth to a third of them on the digits backbone). (G + γI) is then block diagonal, γI
+    on the dead ones, so the ridge solution splits exactly: W_dead = C_dead / γ, and
+    W_live = (G_live + γI)⁻¹ C_live, a factorisation of (M − dead)³/3 instead of M³/3 (half the
+    time with a fifth dead). Rows are tested before columns (contiguous first); only a CPU G
+    whose dead share is at least :data:`DEAD_SHARE` is split."""
+    if gram.device.type != "cpu" or gram.dtype != torch.float64 or gram.shape[0] < 2:
+        return None
+    g = gram.numpy()
+    dead = np.flatnonzero(np.diagonal(g) == 0)
+    if dead.size < DEAD_SHARE * g.shape[0] or g[dead].any() or g[:, dead].any():
+        return None
+    return np.flatnonzero(np.diagonal(g) != 0)
+
+
+def _solve_live(gram: Tensor, class_sums: Tensor, ridge: float, live: np.ndarray) -> Tensor:
+    """:func:`solve_ridge` of a G with dead features (:func:`live_features`): one factor of the live
+    block (gathered straight into its buffer); the dead rows of W are (C / √γ) / √γ, the two
+    triangular solves of their block √γ·I."""
+    block, info = shifted_cholesky(gram, ridge, torch.float64, live)
+    if info != 0:
+        column = int(live[info - 1]) + 1
+        raise NotPositiveDefiniteError(
+            f"G + {ridge:g}·I is not positive definite (Cholesky failed at column {column}); increase the ridge"
+        )
+    sums = class_sums.to(torch.float64)
+    root = math.sqrt(ridge)
+    weights = sums / root / root  # the dead rows: (C / √γ) / √γ
+    index = torch.from_numpy(live)
+    weights[index] = factor_solve(block, sums[index])
+    return weights
 
 
 @dataclass(frozen=True)

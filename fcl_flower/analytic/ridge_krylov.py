@@ -52,6 +52,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -91,11 +92,17 @@ class KrylovGCV:
         return self.gamma is not None
 
 
-def shifted_cholesky(gram: Tensor, shift: float, dtype: torch.dtype = torch.float64) -> tuple[Tensor, int]:
+def shifted_cholesky(
+    gram: Tensor, shift: float, dtype: torch.dtype = torch.float64, index: np.ndarray | None = None
+) -> tuple[Tensor, int]:
     """(lower Cholesky factor of G + shift·I in ``dtype``, LAPACK's info: 0 when it exists), built in
     one M × M buffer factorised in place: no identity or second M × M temporary (512 MiB each at
-    M = 8192)."""
-    factor = torch.empty_like(gram, dtype=dtype).copy_(gram)
+    M = 8192). ``index``: of the principal submatrix G[index][:, index] only (a CPU G), gathered
+    straight into the buffer (ridge.py ``live_features``); info then counts in ``index``'s order."""
+    if index is not None:
+        factor = torch.from_numpy(gram.numpy()[np.ix_(index, index)]).to(dtype)  # fresh, C-ordered
+    else:
+        factor = torch.empty_like(gram, dtype=dtype).copy_(gram)
     factor.diagonal().add_(float(shift))
     info = torch.zeros((), dtype=torch.int32, device=factor.device)
     # factorised through its transposed view, which is column-major: LAPACK then works in place
