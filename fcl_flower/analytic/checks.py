@@ -729,9 +729,8 @@ def _check_cauchy_schwarz(
             per_row = np.fmax.reduceat(part, starts)
             per_row *= v[a:b]
             worst = max(worst, float(np.fmax.reduce(per_row, initial=0.0)))
-    if floor is not None:
-        if _magnitude_verdict("G", low, high) < floor:
-            raise StatisticsRejected(NEGATIVE_ENTRIES)
+    if floor is not None and _magnitude_verdict("G", low, high) < floor:
+        raise StatisticsRejected(NEGATIVE_ENTRIES)
     if worst == math.inf:  # a zero-energy feature with a non-zero entry, or an overflow: say which
         _check_zero_energy(gram_packed, c, empty)
     corner = np.abs(c.numpy()) * inv.numpy()[:dim, None] * inv.numpy()[None, dim:]

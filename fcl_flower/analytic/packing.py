@@ -125,7 +125,9 @@ def _copy_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
     rows = block.shape[0]
     if rows:
         np.concatenate(
-            [block[r, r:] for r in range(rows)], out=out[row_offset(a, dim) : row_offset(a + rows, dim)], casting="same_kind"
+            [block[r, r:] for r in range(rows)],
+            out=out[row_offset(a, dim) : row_offset(a + rows, dim)],
+            casting="same_kind",
         )
 
 
