@@ -724,7 +724,7 @@ def _check_cauchy_schwarz(
                     raise StatisticsRejected(ZERO_ENERGY)
             part = scaled[: stop - start]
             np.concatenate([v[i:dim] for i in range(a, b)], out=part)  # the weights' suffixes, in C
-            part *= magnitude
+            np.multiply(part, magnitude, out=part)
             part[starts] = 0  # the diagonal
             per_row = np.fmax.reduceat(part, starts)
             per_row *= v[a:b]
