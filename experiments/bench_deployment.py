@@ -232,7 +232,7 @@ def main(grid: Grid, context: Context) -> None:
     nodes = online(grid, int(config["num-nodes"]))
     record = {"status": "running", "nodes": len(nodes), "rounds": []}
     for server_round in range(1, int(config["num-rounds"]) + 1):
-        began = time.perf_counter()
+        began, wall = time.perf_counter(), time.time()
         asks = [
             Message(RecordDict({"ask": ConfigRecord({"round": server_round})}), dst_node_id=node, message_type="query")
             for node in nodes
@@ -246,7 +246,7 @@ def main(grid: Grid, context: Context) -> None:
         )
         if answered != nodes:
             raise RuntimeError(f"round {server_round}: answers from {answered}, expected {nodes}")
-        record["rounds"].append({"round": server_round, "seconds": seconds})
+        record["rounds"].append({"round": server_round, "seconds": seconds, "start": wall})
     record["status"] = "completed"
     write(str(config["out"]), record)
 '''
@@ -275,6 +275,7 @@ def floor_run(federation: Any, app: Path, rounds: int, nodes: int, out: Path, ti
     record = json.loads(out.read_text())
     return {
         "round_seconds": [r["seconds"] for r in record["rounds"]],
+        "round_starts": [r.get("start") for r in record["rounds"]],  # epoch seconds, for log timestamps
         "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()),
     }
