@@ -264,16 +264,63 @@ def write_floor_app(folder: Path) -> Path:
     return folder
 
 
+def machine_cpu_seconds() -> float:
+    """CPU seconds every core of this machine has been busy since boot (/proc/stat: all but idle, iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cgroup_cpu_seconds() -> float | None:
+    """CPU seconds used so far by this process's cpuacct cgroup (cgroup v1), None in the root one.
+    Run the benchmark in a cgroup of its own and this counts it and every process it starts (the
+    SuperLink, the SuperNodes, every flwr-clientapp process, however short-lived), nobody else."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpuacct" in controllers.split(",") and path != "/":
+            usage = Path("/sys/fs/cgroup/cpuacct") / path.lstrip("/") / "cpuacct.usage"
+            if usage.is_file():
+                return int(usage.read_text()) / 1e9
+    return None
+
+
+def worker_cpu_seconds() -> dict[int, float]:
+    """CPU seconds so far of every live warm worker (``python -m clients.worker``) of this user."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"clients.worker" not in (entry / "cmdline").read_bytes():
+                continue
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        found[int(entry.name)] = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    return found
+
+
 def floor_run(federation: Any, app: Path, rounds: int, nodes: int, out: Path, timeout: float) -> dict[str, Any]:
-    """One run of the floor app on ``federation``: its rounds' seconds and the load around it."""
+    """One run of the floor app on ``federation``: its rounds' seconds and the load around it, the
+    CPU seconds the machine was busy during the run (every process: the federation's, this one's,
+    anyone else's) and those the project's warm workers, alive from earlier runs, used meanwhile."""
     out.unlink(missing_ok=True)
     load_before = os.getloadavg()
+    began, busy_before, workers_before = time.monotonic(), machine_cpu_seconds(), worker_cpu_seconds()
+    ours_before = own_cgroup_cpu_seconds()
     run_id = federation.submit({"num-rounds": rounds, "num-nodes": nodes, "out": str(out)}, app=app)
     status = federation.wait_run(run_id, timeout=timeout)
     if status != "finished:completed" or not out.is_file():
         raise SystemExit(f"error: floor run {run_id} {status}:\n{federation.run_log(run_id)[-3000:]}")
+    wall, busy = time.monotonic() - began, machine_cpu_seconds() - busy_before
+    ours_after, workers_after = own_cgroup_cpu_seconds(), worker_cpu_seconds()
     record = json.loads(out.read_text())
     return {
+        "wall_seconds": wall,
+        "machine_busy_cpu_seconds": busy,
+        # this benchmark's cgroup (when it runs in one of its own): the federation's processes and this one
+        "own_cgroup_cpu_seconds": None if ours_before is None or ours_after is None else ours_after - ours_before,
+        "warm_workers_alive": len(workers_before),
+        "warm_workers_cpu_seconds": sum(workers_after.get(pid, t) - t for pid, t in workers_before.items()),
         "round_seconds": [r["seconds"] for r in record["rounds"]],
         "round_starts": [r.get("start") for r in record["rounds"]],  # epoch seconds, for log timestamps
         "load_average_before": list(load_before),

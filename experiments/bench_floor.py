@@ -12,6 +12,13 @@ then stops. The JSON (experiments/results/bench_floor[-<tag>].json) holds every 
 each run's median, the median and spread over all rounds (and without each run's first round),
 and the load average before and after every run.
 
+Each run also records the machine's busy CPU seconds during it (every process, anyone's) and, when
+the script runs in a cpuacct cgroup of its own, the CPU seconds of that cgroup (this process and
+every process of the federation, short-lived flwr-clientapp processes included)::
+
+    mkdir /sys/fs/cgroup/cpuacct/floor && sh -c 'echo $$ > /sys/fs/cgroup/cpuacct/floor/tasks &&
+        exec python -m experiments.bench_floor' ; rmdir /sys/fs/cgroup/cpuacct/floor
+
 ``--log-level DEBUG`` gives the SuperNodes' and SuperLink's log lines timestamps
 (``FLWR_LOG_LEVEL``); with ``--keep`` the logs stay in ``<keep>/fed-<k>/federation/logs``, and
 ``--decompose`` prints, per round, when each SuperNode received its message and sent its reply
@@ -30,7 +37,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from experiments.bench_deployment import federation_module, floor_run, write_floor_app
+from experiments.bench_deployment import (
+    federation_module,
+    floor_run,
+    machine_cpu_seconds,
+    own_cgroup_cpu_seconds,
+    write_floor_app,
+)
 from experiments.benchlib import median, write_json
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -80,7 +93,9 @@ def decompose(logs: Path, starts: list[float], seconds: list[float]) -> list[dic
     its imports, and its reply left, in seconds from the round's start (the ServerApp's clock); and
     when the SuperLink got the server's push and each node's reply."""
     nodes = {log.stem: log_events(log, NODE_MARKS)[1:] for log in sorted(logs.glob("supernode-*.log"))}
-    link = log_events(logs / "superlink.log", {"Runtime.PushMessages": "server_push", "[Fleet.PushMessages]": "reply_in"})
+    link = log_events(
+        logs / "superlink.log", {"Runtime.PushMessages": "server_push", "[Fleet.PushMessages]": "reply_in"}
+    )
     rounds = []
     for k, (start, length) in enumerate(zip(starts, seconds, strict=True)):
         row: dict[str, Any] = {"round": k + 1, "seconds": length}
@@ -105,13 +120,22 @@ def one_federation(fed: Any, workdir: Path, args: argparse.Namespace) -> dict[st
         began = time.monotonic()
         federation.start()
         startup = time.monotonic() - began
-        if args.settle > 0:
+        idle: dict[str, Any] = {}
+        if args.settle > 0:  # the federation up and idle: what its polling costs, before the run
+            cpu_before, busy_before = own_cgroup_cpu_seconds(), machine_cpu_seconds()
             time.sleep(args.settle)
+            cpu_after = own_cgroup_cpu_seconds()
+            idle = {
+                "seconds": args.settle,
+                "machine_busy_cpu_seconds": machine_cpu_seconds() - busy_before,
+                "own_cgroup_cpu_seconds": None if cpu_before is None or cpu_after is None else cpu_after - cpu_before,
+            }
         run = floor_run(federation, app, args.rounds, args.num_nodes, workdir / "floor.json", args.timeout)
     survivors = federation.surviving()
     if survivors:
         raise SystemExit(f"error: processes survived the stop: {survivors}")
     run["federation_startup_seconds"] = startup
+    run["idle_before_run"] = idle
     run["median_round_seconds"] = median(run["round_seconds"])
     if args.decompose and run.get("round_starts"):
         run["decomposition"] = decompose(federation.workdir / "logs", run["round_starts"], run["round_seconds"])
@@ -148,7 +172,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"federation {k + 1}/{args.federations}: rounds "
                 + " ".join(f"{s:.2f}" for s in run["round_seconds"])
                 + f"  median {run['median_round_seconds']:.2f} s  load before {run['load_average_before'][0]:.2f}"
-                f" after {run['load_average_after'][0]:.2f}",
+                f" after {run['load_average_after'][0]:.2f}; run {run['wall_seconds']:.1f} s wall, machine busy"
+                f" {run['machine_busy_cpu_seconds']:.1f} CPU s"
+                + (
+                    f", ours {run['own_cgroup_cpu_seconds']:.1f} CPU s"
+                    if run.get("own_cgroup_cpu_seconds") is not None
+                    else ""
+                )
+                + (
+                    f"; idle federation {run['idle_before_run']['own_cgroup_cpu_seconds']:.2f} CPU s"
+                    f" in {run['idle_before_run']['seconds']:g} s"
+                    if run["idle_before_run"].get("own_cgroup_cpu_seconds") is not None
+                    else ""
+                ),
                 flush=True,
             )
             for row in run.get("decomposition", []):
