@@ -65,7 +65,7 @@ replies (``extra.server_reply_seconds`` of results.json: accept = parse + check 
 header, counting the bytes, adding to the running sums) against the ridge solve
 (``extra.solve_seconds`` less ``extra.certificate_seconds``, the factorisation of
 G + γ/2·I that certifies the fixed γ when the uploads' checks do not, reported beside it), and
-the peak memory of every process: a sampler thread walks the
+the peak memory of every process (sampled only in these runs, unless ``--sample-interval``): a sampler thread walks the
 process tree of the SuperLink and of each SuperNode every ``--sample-interval`` seconds and keeps
 each process's VmHWM (its own peak RSS, from /proc/<pid>/status), by role: ``superlink``
 (flower-superlink), ``serverapp`` (the flwr-serverapp process its SuperExec starts for the run),
@@ -901,7 +901,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the PSD check's rounding allowance for Gram uploads (run config check-tolerance; default float32)",
     )
     parser.add_argument(
-        "--sample-interval", type=float, default=0.1, help="seconds between memory samples (0: no sampling)"
+        "--sample-interval",
+        type=float,
+        default=None,
+        help="seconds between memory samples (0: no sampling; default 0.1 with --wire-dtype, else 0: the "
+        "sampler walks /proc ten times a second, ~7 ms of CPU each, which would load the rounds it times)",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for each run")
     parser.add_argument(
@@ -939,6 +943,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.wire_dtype:  # the upload runs measure bytes, memory and the server's work: one run each, no floor
         args.repeats, args.floor = 1, False
+    if args.sample_interval is None:  # memory is reported for the upload runs; elsewhere sampling only loads the rounds
+        args.sample_interval = 0.1 if args.wire_dtype else 0.0
     if args.repeats < 1:
         parser.error("need --repeats >= 1")
     if args.stage1_rounds < (0 if args.wire_dtype else 1) or args.num_tasks < 2:
