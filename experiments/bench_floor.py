@@ -101,9 +101,11 @@ def decompose(logs: Path, starts: list[float], seconds: list[float]) -> list[dic
         row: dict[str, Any] = {"round": k + 1, "seconds": length}
         window = (start - 0.05, start + length + 0.05)
         for name, events in nodes.items():
+            inside = [(t, mark) for t, mark in events if window[0] <= t <= window[1]]
+            pulled = next((t for t, mark in inside if mark == "pulled"), None)
             row[name] = {}
-            for t, mark in events:
-                if window[0] <= t <= window[1] and mark not in row[name]:
+            for t, mark in inside:  # this round's message: its marks come after its pull
+                if mark not in row[name] and (pulled is None or t >= pulled):
                     row[name][mark] = round(t - start, 3)
         row["superlink"] = {
             mark: [round(t - start, 3) for t, m in link if m == mark and window[0] <= t <= window[1]]

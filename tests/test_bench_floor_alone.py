@@ -24,6 +24,7 @@ def test_a_round_is_decomposed_from_the_supernode_and_superlink_logs(tmp_path: P
     start = 1_800_000_000.0
     node = [  # as Flower 1.41 writes them under FLWR_LOG_LEVEL=DEBUG, colours included
         (start - 60, "WARNING", "DEBUG logs enabled. Do not use this in production."),  # the SuperNode's own
+        (start - 0.02, "INFO", "Sent successfully"),  # the previous round's reply, just before this round
         (start + 3.0, "INFO", "Receiving: query message (ID: ab)"),
         (start + 4.0, "WARNING", "DEBUG logs enabled. Do not use this in production."),  # the ClientApp's
         (start + 6.5, "INFO", "Start `flwr-clientapp` process"),
@@ -41,6 +42,7 @@ def test_a_round_is_decomposed_from_the_supernode_and_superlink_logs(tmp_path: P
         f"INFO {_stamp(start + 6.95)}:      [Fleet.PushMessages] Push replies from node_id=1\n"
     )
     assert [m for _, m in log_events(logs / "supernode-0.log", NODE_MARKS)][1:] == [
+        "sent",
         "pulled",
         "proc_up",
         "app_imported",
