@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -115,8 +116,21 @@ def decompose(logs: Path, starts: list[float], seconds: list[float]) -> list[dic
     return rounds
 
 
+def clientapp_start_seconds(repeats: int = 3) -> list[float]:
+    """Wall seconds of ``flwr-clientapp --help`` (the interpreter and the imports every ClientApp
+    process pays), one at a time before the federation starts: how fast this machine is right now."""
+    exe = str(Path(sys.executable).parent / "flwr-clientapp")
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        subprocess.run([exe, "--help"], capture_output=True, check=True)
+        times.append(time.perf_counter() - began)
+    return times
+
+
 def one_federation(fed: Any, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     app = write_floor_app(workdir / "floor-app")
+    calibration = clientapp_start_seconds()
     federation = fed.LocalFederation(workdir / "federation", fed.node_configs_for(args.num_nodes, None))
     with federation:
         began = time.monotonic()
@@ -137,6 +151,7 @@ def one_federation(fed: Any, workdir: Path, args: argparse.Namespace) -> dict[st
     if survivors:
         raise SystemExit(f"error: processes survived the stop: {survivors}")
     run["federation_startup_seconds"] = startup
+    run["clientapp_start_seconds_before"] = calibration
     run["idle_before_run"] = idle
     run["median_round_seconds"] = median(run["round_seconds"])
     if args.decompose and run.get("round_starts"):
@@ -174,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"federation {k + 1}/{args.federations}: rounds "
                 + " ".join(f"{s:.2f}" for s in run["round_seconds"])
                 + f"  median {run['median_round_seconds']:.2f} s  load before {run['load_average_before'][0]:.2f}"
-                f" after {run['load_average_after'][0]:.2f}; run {run['wall_seconds']:.1f} s wall, machine busy"
+                f" after {run['load_average_after'][0]:.2f}; flwr-clientapp start alone"
+                f" {median(run['clientapp_start_seconds_before']):.2f} s; run {run['wall_seconds']:.1f} s wall, machine busy"
                 f" {run['machine_busy_cpu_seconds']:.1f} CPU s"
                 + (
                     f", ours {run['own_cgroup_cpu_seconds']:.1f} CPU s"
