@@ -65,7 +65,7 @@ replies (``extra.server_reply_seconds`` of results.json: accept = parse + check 
 header, counting the bytes, adding to the running sums) against the ridge solve
 (``extra.solve_seconds`` less ``extra.certificate_seconds``, the factorisation of
 G + γ/2·I that certifies the fixed γ when the uploads' checks do not, reported beside it), and
-the peak memory of every process: a sampler thread walks the
+the peak memory of every process (sampled only in these runs, unless ``--sample-interval``): a sampler thread walks the
 process tree of the SuperLink and of each SuperNode every ``--sample-interval`` seconds and keeps
 each process's VmHWM (its own peak RSS, from /proc/<pid>/status), by role: ``superlink``
 (flower-superlink), ``serverapp`` (the flwr-serverapp process its SuperExec starts for the run),
@@ -232,7 +232,7 @@ def main(grid: Grid, context: Context) -> None:
     nodes = online(grid, int(config["num-nodes"]))
     record = {"status": "running", "nodes": len(nodes), "rounds": []}
     for server_round in range(1, int(config["num-rounds"]) + 1):
-        began = time.perf_counter()
+        began, wall = time.perf_counter(), time.time()
         asks = [
             Message(RecordDict({"ask": ConfigRecord({"round": server_round})}), dst_node_id=node, message_type="query")
             for node in nodes
@@ -246,7 +246,7 @@ def main(grid: Grid, context: Context) -> None:
         )
         if answered != nodes:
             raise RuntimeError(f"round {server_round}: answers from {answered}, expected {nodes}")
-        record["rounds"].append({"round": server_round, "seconds": seconds})
+        record["rounds"].append({"round": server_round, "seconds": seconds, "start": wall})
     record["status"] = "completed"
     write(str(config["out"]), record)
 '''
@@ -264,17 +264,65 @@ def write_floor_app(folder: Path) -> Path:
     return folder
 
 
+def machine_cpu_seconds() -> float:
+    """CPU seconds every core of this machine has been busy since boot (/proc/stat: all but idle, iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cgroup_cpu_seconds() -> float | None:
+    """CPU seconds used so far by this process's cpuacct cgroup (cgroup v1), None in the root one.
+    Run the benchmark in a cgroup of its own and this counts it and every process it starts (the
+    SuperLink, the SuperNodes, every flwr-clientapp process, however short-lived), nobody else."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpuacct" in controllers.split(",") and path != "/":
+            usage = Path("/sys/fs/cgroup/cpuacct") / path.lstrip("/") / "cpuacct.usage"
+            if usage.is_file():
+                return int(usage.read_text()) / 1e9
+    return None
+
+
+def worker_cpu_seconds() -> dict[int, float]:
+    """CPU seconds so far of every live warm worker (``python -m clients.worker``) of this user."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"clients.worker" not in (entry / "cmdline").read_bytes():
+                continue
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        found[int(entry.name)] = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    return found
+
+
 def floor_run(federation: Any, app: Path, rounds: int, nodes: int, out: Path, timeout: float) -> dict[str, Any]:
-    """One run of the floor app on ``federation``: its rounds' seconds and the load around it."""
+    """One run of the floor app on ``federation``: its rounds' seconds and the load around it, the
+    CPU seconds the machine was busy during the run (every process: the federation's, this one's,
+    anyone else's) and those the project's warm workers, alive from earlier runs, used meanwhile."""
     out.unlink(missing_ok=True)
     load_before = os.getloadavg()
+    began, busy_before, workers_before = time.monotonic(), machine_cpu_seconds(), worker_cpu_seconds()
+    ours_before = own_cgroup_cpu_seconds()
     run_id = federation.submit({"num-rounds": rounds, "num-nodes": nodes, "out": str(out)}, app=app)
     status = federation.wait_run(run_id, timeout=timeout)
     if status != "finished:completed" or not out.is_file():
         raise SystemExit(f"error: floor run {run_id} {status}:\n{federation.run_log(run_id)[-3000:]}")
+    wall, busy = time.monotonic() - began, machine_cpu_seconds() - busy_before
+    ours_after, workers_after = own_cgroup_cpu_seconds(), worker_cpu_seconds()
     record = json.loads(out.read_text())
     return {
+        "wall_seconds": wall,
+        "machine_busy_cpu_seconds": busy,
+        # this benchmark's cgroup (when it runs in one of its own): the federation's processes and this one
+        "own_cgroup_cpu_seconds": None if ours_before is None or ours_after is None else ours_after - ours_before,
+        "warm_workers_alive": len(workers_before),
+        "warm_workers_cpu_seconds": sum(workers_after.get(pid, t) - t for pid, t in workers_before.items()),
         "round_seconds": [r["seconds"] for r in record["rounds"]],
+        "round_starts": [r.get("start") for r in record["rounds"]],  # epoch seconds, for log timestamps
         "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()),
     }
@@ -853,7 +901,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the PSD check's rounding allowance for Gram uploads (run config check-tolerance; default float32)",
     )
     parser.add_argument(
-        "--sample-interval", type=float, default=0.1, help="seconds between memory samples (0: no sampling)"
+        "--sample-interval",
+        type=float,
+        default=None,
+        help="seconds between memory samples (0: no sampling; default 0.1 with --wire-dtype, else 0: the "
+        "sampler walks /proc ten times a second, ~7 ms of CPU each, which would load the rounds it times)",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for each run")
     parser.add_argument(
@@ -891,6 +943,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.wire_dtype:  # the upload runs measure bytes, memory and the server's work: one run each, no floor
         args.repeats, args.floor = 1, False
+    if args.sample_interval is None:  # memory is reported for the upload runs; elsewhere sampling only loads the rounds
+        args.sample_interval = 0.1 if args.wire_dtype else 0.0
     if args.repeats < 1:
         parser.error("need --repeats >= 1")
     if args.stage1_rounds < (0 if args.wire_dtype else 1) or args.num_tasks < 2:

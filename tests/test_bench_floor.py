@@ -41,6 +41,8 @@ def test_the_floor_app_is_a_flower_app_that_sends_one_query_per_node_per_round(t
     record = json.loads(out.read_text())
     assert record["status"] == "completed" and record["nodes"] == 3
     assert [r["round"] for r in record["rounds"]] == [1, 2, 3, 4] and all(r["seconds"] > 0 for r in record["rounds"])
+    starts = [r["start"] for r in record["rounds"]]  # epoch seconds, to place a round in the logs
+    assert starts == sorted(starts) and all(s > 1.6e9 for s in starts)
     sent = [(m.metadata.message_type, m.metadata.dst_node_id) for m in grid.sent]
     assert sent == [("query", node) for _ in range(4) for node in (1, 2, 3)]
     assert all(not r.has_error() for r in grid.replies) and len(grid.replies) == 12
