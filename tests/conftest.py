@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from clients.app import app as client_app
 from fcl_flower.config import RunConfig
 from fcl_flower.local_grid import LocalGrid
+from fcl_flower.methods import Kind
+from fcl_flower.protocol import ProtocolError, UnmaskRes, parse_reply
 from fcl_flower.protocol.messages import HEADER, Header
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import server_split
@@ -163,6 +166,44 @@ def run_in_process(cfg: RunConfig, tamper: Tamper | None = None) -> StagedStrate
 
 def reply_partition(message: Message) -> int:
     return int(message.content.metric_records["metrics"]["partition-id"])
+
+
+def garbage_entries(entries: list[bytes]) -> list[bytes]:
+    """As many entries, each ``b"garbage"``."""
+    return [b"garbage" for _ in entries]
+
+
+def zeroed_entries(entries: list[bytes]) -> list[bytes]:
+    """The entries with every byte zeroed (same lengths)."""
+    return [bytes(len(s)) for s in entries]
+
+
+def tamper_secagg_entries(
+    phase: str, partition: int, name: str, corrupt: Callable[[Any], Any], task: int | None = 0
+) -> Tamper:
+    """A tamper hook: in ``phase`` of ``task`` (of every task when ``task`` is None), the reply of
+    client ``partition`` carries ``corrupt(entries)`` in place of its secure-aggregation entry ``name``."""
+
+    def tamper(at_task: int, at_phase: str, replies: list[Message]) -> list[Message]:
+        if at_phase == phase and (task is None or at_task == task):
+            for m in replies:
+                if not m.has_error() and reply_partition(m) == partition:
+                    record = m.content.config_records["secagg"]
+                    record[name] = corrupt(record[name])
+        return replies
+
+    return tamper
+
+
+def unmask_reply_without(reply: UnmaskRes, header: Header, delivered: Message, name: str, error: str) -> Message:
+    """``reply`` to the ``delivered`` unmask instruction parses back to itself, and without its
+    secure-aggregation entry ``name`` is refused with ``error`` (a pattern); returns that message."""
+    message = reply.reply_to(delivered)
+    assert parse_reply(message, header, Kind.UNMASK) == reply
+    del message.content.config_records["secagg"][name]
+    with pytest.raises(ProtocolError, match=error):
+        parse_reply(message, header, Kind.UNMASK)
+    return message
 
 
 def run_locally(configs: dict[str, RunConfig]) -> dict[str, tuple[RunConfig, object, dict]]:

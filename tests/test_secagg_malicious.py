@@ -44,7 +44,17 @@ from fcl_flower.protocol import MaskedReport, SecAggRound, StatsIns, UnmaskRes, 
 from fcl_flower.protocol.base import Header
 from fcl_flower.restore import RestoreError
 from strategies.secure import SecureRounds
-from tests.conftest import NODE_BASE, build, reply_partition, run_in_process, server_identity, small_config
+from tests.conftest import (
+    NODE_BASE,
+    build,
+    garbage_entries,
+    reply_partition,
+    run_in_process,
+    server_identity,
+    small_config,
+    tamper_secagg_entries,
+    zeroed_entries,
+)
 from tests.test_trust_boundaries import write_signing_keys
 
 SETTINGS = dict(num_tasks=2, num_clients=5, rf_dim=60, seed=0, secure_aggregation=True)
@@ -339,14 +349,7 @@ def test_wrong_unmask_shares_name_their_revealer_and_the_stage_opens(tmp_path) -
     its dealer's commitment, names client 4, opens over the honest shares (4 >= t = 3), and bars it."""
     plain = run_in_process(small_config(tmp_path / "plain", **{**SETTINGS, "secure_aggregation": False}))
 
-    def zeroed(task, phase, replies):
-        if phase == "secagg-unmask":
-            for m in replies:
-                if not m.has_error() and reply_partition(m) == 4:
-                    record = m.content.config_records["secagg"]
-                    record["seed-shares"] = [bytes(len(s)) for s in record["seed-shares"]]
-        return replies
-
+    zeroed = tamper_secagg_entries("secagg-unmask", 4, "seed-shares", zeroed_entries, task=None)
     strategy = run_in_process(small_config(tmp_path / "run", **SETTINGS), zeroed)
     first, second = strategy.recorder.stages
     assert "failed" not in first.extra
@@ -362,14 +365,7 @@ def test_garbage_share_bundles_are_accused_and_the_dealer_barred(tmp_path) -> No
     round again without it (a fresh attempt): stage 1 opens over the four honest clients, exactly
     like a run without client 2, and client 2 stays out of stage 2."""
 
-    def garbage(task, phase, replies):
-        if phase == "secagg-shares" and task == 0:
-            for m in replies:
-                if not m.has_error() and reply_partition(m) == 2:
-                    record = m.content.config_records["secagg"]
-                    record["shares"] = [b"garbage" for _ in record["shares"]]
-        return replies
-
+    garbage = tamper_secagg_entries("secagg-shares", 2, "shares", garbage_entries)
     strategy = run_in_process(small_config(tmp_path / "run", **SETTINGS), garbage)
     first, second = strategy.recorder.stages
     assert "failed" not in first.extra and first.clients == ["client-0", "client-1", "client-3", "client-4"]
@@ -494,14 +490,7 @@ def _by_header(tamper):
 def test_a_barred_client_stays_barred_after_a_resume(tmp_path) -> None:
     """The checkpoint keeps who was barred: a resumed run does not admit it again."""
 
-    def zeroed(task, phase, replies):
-        if phase == "secagg-unmask" and task == 0:
-            for m in replies:
-                if not m.has_error() and reply_partition(m) == 4:
-                    record = m.content.config_records["secagg"]
-                    record["seed-shares"] = [bytes(len(s)) for s in record["seed-shares"]]
-        return replies
-
+    zeroed = tamper_secagg_entries("secagg-unmask", 4, "seed-shares", zeroed_entries)
     cfg = small_config(tmp_path, **{**SETTINGS, "num_tasks": 5})
     strategy = build(cfg)
     with pytest.raises(RestoreError, match=r"^field 'state/secagg_barred/x' must name a client of this run"):
@@ -596,14 +585,7 @@ def test_an_accusation_of_a_node_that_dealt_no_shares_is_a_rejected_upload(tmp_p
 
 
 def test_commitments_of_the_wrong_size_leave_the_dealer_out_of_the_round(tmp_path) -> None:
-    def short(task, phase, replies):
-        if phase == "secagg-shares" and task == 0:
-            for m in replies:
-                if not m.has_error() and reply_partition(m) == 1:
-                    record = m.content.config_records["secagg"]
-                    record["commits"] = [c[:10] for c in record["commits"]]
-        return replies
-
+    short = tamper_secagg_entries("secagg-shares", 1, "commits", lambda commits: [c[:10] for c in commits])
     strategy = run_in_process(small_config(tmp_path, **{**SETTINGS, "num_tasks": 1}), short)
     stage = strategy.recorder.stages[0]
     assert "failed" not in stage.extra and "client-1" not in stage.clients

@@ -36,11 +36,14 @@ from strategies import loop
 from tests.conftest import (
     NODE_BASE,
     build,
+    garbage_entries,
     record_stage_weights,
     reply_partition,
     sent_header,
     server_identity,
     small_config,
+    tamper_secagg_entries,
+    unmask_reply_without,
 )
 from tests.test_protocol import CFG, _deliver
 from tests.test_trust_boundaries import write_signing_keys
@@ -279,14 +282,7 @@ def test_a_restarted_attempt_exchanges_fresh_keys_and_a_barred_dealer_s_keys_ahe
     attempt is restarted without it, with key and shares steps of its own (attempt 1); stage 3
     takes shares ahead, without client 2."""
 
-    def garbage(task, phase, replies):
-        if phase == "secagg-unmask" and task == 0:
-            for m in replies:
-                if not m.has_error() and reply_partition(m) == 2:
-                    record = m.content.config_records["secagg"]
-                    record["next-shares"] = [b"garbage" for _ in record["next-shares"]]
-        return replies
-
+    garbage = tamper_secagg_entries("secagg-unmask", 2, "next-shares", garbage_entries)
     cfg = small_config(tmp_path, **SETTINGS, num_tasks=3)
     strategy, grid, _ = run(cfg, tamper=garbage)
     _, second, third = strategy.recorder.stages
@@ -382,11 +378,13 @@ def test_an_unmask_instruction_carries_the_next_key_step_and_a_bad_one_is_refuse
 def test_an_unmask_reply_carries_the_next_keys_whole_or_not_at_all() -> None:
     keys = PublicKeys(b"c" * 32, b"s" * 32, b"signer", b"signature")
     reply = UnmaskRes(HEADER, 1, 0, seed_shares={2: b"x"}, next_keys=keys)
-    message = reply.reply_to(_deliver(UnmaskIns(HEADER, CFG)))
-    assert parse_reply(message, HEADER, Kind.UNMASK) == reply
-    del message.content.config_records["secagg"]["next-signature"]
-    with pytest.raises(ProtocolError, match=r"^unmask reply: the next round's keys only in part$"):
-        parse_reply(message, HEADER, Kind.UNMASK)
+    message = unmask_reply_without(
+        reply,
+        HEADER,
+        _deliver(UnmaskIns(HEADER, CFG)),
+        "next-signature",
+        r"^unmask reply: the next round's keys only in part$",
+    )
     message.content.config_records["secagg"]["next-signature"] = "text"
     with pytest.raises(ProtocolError, match=r"^unmask reply: the next round's keys and signature must be bytes$"):
         parse_reply(message, HEADER, Kind.UNMASK)

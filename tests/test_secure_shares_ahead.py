@@ -31,7 +31,15 @@ from fcl_flower.protocol import (
     parse_instruction,
     parse_reply,
 )
-from tests.conftest import NODE_BASE, reply_partition, sent_header, small_config
+from tests.conftest import (
+    NODE_BASE,
+    reply_partition,
+    sent_header,
+    small_config,
+    tamper_secagg_entries,
+    unmask_reply_without,
+    zeroed_entries,
+)
 from tests.test_protocol import CFG, _deliver
 from tests.test_secure_keys_ahead import KEYS_AHEAD_ROUND, SECURE_ROUND, SETTINGS, per_node, run, signed_grid
 
@@ -75,14 +83,7 @@ def test_a_dealer_barred_at_the_unmask_step_makes_the_next_round_exchange_its_ke
     ahead then does not serve (a barred node in U1): stage 2 exchanges fresh keys and shares without
     client 4, and stage 3 is two exchanges again."""
 
-    def zeroed(task, phase, replies):
-        if phase == "secagg-unmask" and task == 0:
-            for m in replies:
-                if not m.has_error() and reply_partition(m) == 4:
-                    record = m.content.config_records["secagg"]
-                    record["seed-shares"] = [bytes(len(s)) for s in record["seed-shares"]]
-        return replies
-
+    zeroed = tamper_secagg_entries("secagg-unmask", 4, "seed-shares", zeroed_entries)
     strategy, grid, _ = run(small_config(tmp_path, **SETTINGS, num_tasks=3), tamper=zeroed)
     first, second, third = strategy.recorder.stages
     stage1_unmask = [parse_instruction(m) for m in grid.sent if sent_header(m).task == 0]
@@ -310,8 +311,10 @@ def test_an_unmask_instruction_carries_the_next_shares_step_only_with_its_key_st
 def test_an_unmask_reply_carries_the_next_shares_whole_or_not_at_all() -> None:
     dealt = DealtShares({1: b"a", 2: b"b"}, {1: b"c" * 64, 2: b"d" * 64}, b"s" * 64)
     reply = UnmaskRes(UNMASK, 1, 0, seed_shares={2: b"x"}, next_shares=dealt)
-    message = reply.reply_to(_deliver(UnmaskIns(UNMASK, CFG)))
-    assert parse_reply(message, UNMASK, Kind.UNMASK) == reply
-    del message.content.config_records["secagg"]["next-secrets"]
-    with pytest.raises(ProtocolError, match=r"^unmask reply: the next round's shares only in part$"):
-        parse_reply(message, UNMASK, Kind.UNMASK)
+    unmask_reply_without(
+        reply,
+        UNMASK,
+        _deliver(UnmaskIns(UNMASK, CFG)),
+        "next-secrets",
+        r"^unmask reply: the next round's shares only in part$",
+    )
