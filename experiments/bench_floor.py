@@ -174,6 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", default=None, help="work folder to keep (default: a temporary one)")
     parser.add_argument("--tag", default="", help="suffix of the JSON's name")
     args = parser.parse_args(argv)
+    for flag, value in (
+        ("--num-nodes", args.num_nodes),
+        ("--rounds", args.rounds),
+        ("--federations", args.federations),
+    ):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if args.settle < 0 or args.timeout <= 0:
+        parser.error("--settle must be >= 0 and --timeout > 0")
+    if args.decompose and (args.log_level or "").upper() != "DEBUG":
+        parser.error("--decompose reads the DEBUG log lines: add --log-level DEBUG")
     os.environ["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     if args.log_level:
         os.environ["FLWR_LOG_LEVEL"] = args.log_level

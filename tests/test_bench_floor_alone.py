@@ -6,6 +6,8 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
 from experiments.bench_deployment import machine_cpu_seconds, own_cgroup_cpu_seconds, worker_cpu_seconds
 from experiments.bench_floor import NODE_MARKS, decompose, log_events, quantiles
 
@@ -60,3 +62,21 @@ def test_the_cpu_counters_read_this_machine() -> None:
     assert machine_cpu_seconds() >= before > 0
     assert own_cgroup_cpu_seconds() is None or own_cgroup_cpu_seconds() >= 0
     assert all(t >= 0 for t in worker_cpu_seconds().values())
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+        (["--num-nodes", "-1"], "--num-nodes must be at least 1, got -1"),
+        (["--federations", "0"], "--federations must be at least 1, got 0"),
+        (["--decompose"], "--decompose reads the DEBUG log lines"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_and_start_nothing(argv: list[str], words: str, capsys) -> None:
+    from experiments import bench_floor
+
+    with pytest.raises(SystemExit) as stop:
+        bench_floor.main(argv)
+    assert stop.value.code == 2
+    assert words in capsys.readouterr().err.strip().splitlines()[-1]

@@ -95,10 +95,22 @@ def _gram(m: Message, dim: int, make) -> None:
     )
 
 
+def _entry(m: Message, index: int, value: float) -> None:
+    """One entry of the packed upload set to ``value`` (index 1 and -2 are off-diagonal)."""
+    packed = array(m, "gram-packed")
+    packed[index] = value
+    put(m, "gram-packed", packed)
+
+
 PLAIN_ATTACKS = {
     # name: (how the upload is changed, words of the rejection)
     "gram-negative-identity": (lambda m: _gram(m, 60, lambda g: -1e4 * torch.eye(60, dtype=torch.float64)), "negative"),
     "gram-1e300": (lambda m: put(m, "gram-packed", array(m, "gram-packed") * 0 + 1e300), "magnitude"),
+    # one off-diagonal entry: the parse leaves G to the screen, whose one pass must still catch it
+    "gram-nan-off-diagonal": (lambda m: _entry(m, 1, float("nan")), "G contains NaN or inf"),
+    "gram-inf-in-the-last-chunk": (lambda m: _entry(m, -2, float("inf")), "G contains NaN or inf"),
+    "gram-2e150-off-diagonal": (lambda m: _entry(m, -2, 2e150), "G has an entry of magnitude 2e+150"),
+    "gram-negative-off-diagonal": (lambda m: _entry(m, 1, -1.0), "negative entries"),
     "class-sums-x1000": (lambda m: put(m, "class-sums", array(m, "class-sums") * 1000), "Cauchy-Schwarz"),
     "label-columns-swapped": (lambda m: put(m, "class-sums", array(m, "class-sums")[:, ::-1]), "Cauchy-Schwarz"),
     "class-sums-1.7e308": (lambda m: put(m, "class-sums", np.full_like(array(m, "class-sums"), 1.7e308)), "magnitude"),

@@ -580,10 +580,8 @@ def _low(tensor: Tensor) -> float:
     return float(tensor.min()) if tensor.numel() else 0.0
 
 
-def _widened(low: float, high: float, least: float, most: float, keep: bool) -> tuple[float, float]:
-    """(low, high) widened by a chunk's extremes (``keep``; else unchanged); NaN stays NaN."""
-    if not keep:
-        return low, high
+def _widened(low: float, high: float, least: float, most: float) -> tuple[float, float]:
+    """(low, high) widened by a chunk's extremes; NaN stays NaN."""
     if math.isnan(least) or math.isnan(most) or math.isnan(low):
         return math.nan, math.nan
     return min(low, least), max(high, most)
@@ -703,13 +701,14 @@ def _check_cauchy_schwarz(
     chunks = _screen_chunks(dim)
     size = max(stop - start for _, _, start, stop, _ in chunks)
     magnitudes, scaled = np.empty(size, dtype=dtype), np.empty(size, dtype=dtype)
-    worst, low, high = 0.0, math.inf, -math.inf
+    worst, low, high, energy = 0.0, math.inf, -math.inf, False
     with np.errstate(invalid="ignore", over="ignore", under="ignore"):
         for a, b, start, stop, starts in chunks:
             values = packed[start:stop]
             # the chunk's extremes: the screen's magnitude test (one pass, the chunk then in cache)
             least, most = (float(x) for x in torch.aminmax(gram_packed[start:stop]))
-            low, high = _widened(low, high, least, most, floor is not None)
+            if floor is not None:
+                low, high = _widened(low, high, least, most)
             if least >= 0:  # |G_ij| = G_ij: no copy (the usual case: ReLU features)
                 magnitude = values
             else:
@@ -720,8 +719,7 @@ def _check_cauchy_schwarz(
             if rows[a:b].any():
                 if magnitude is not values:
                     magnitude[starts] = 0
-                if bool(np.any(np.maximum.reduceat(magnitude, starts)[rows[a:b]] > 0)):
-                    raise StatisticsRejected(ZERO_ENERGY)
+                energy = energy or bool(np.any(np.maximum.reduceat(magnitude, starts)[rows[a:b]] > 0))
             part = scaled[: stop - start]
             np.concatenate([v[i:dim] for i in range(a, b)], out=part)  # the weights' suffixes, in C
             np.multiply(part, magnitude, out=part)
@@ -729,8 +727,11 @@ def _check_cauchy_schwarz(
             per_row = np.fmax.reduceat(part, starts)
             per_row *= v[a:b]
             worst = max(worst, float(np.fmax.reduce(per_row, initial=0.0)))
+    # the verdicts in the order of check_packed_statistics: magnitude, sign, zero energy, Cauchy–Schwarz
     if floor is not None and _magnitude_verdict("G", low, high) < floor:
         raise StatisticsRejected(NEGATIVE_ENTRIES)
+    if energy:
+        raise StatisticsRejected(ZERO_ENERGY)
     if worst == math.inf:  # a zero-energy feature with a non-zero entry, or an overflow: say which
         _check_zero_energy(gram_packed, c, empty)
     corner = np.abs(c.numpy()) * inv.numpy()[:dim, None] * inv.numpy()[None, dim:]
@@ -755,8 +756,8 @@ def _positive_factor(
     |R_ij| <= 1 + slack_rel on the way; True if it has a Cholesky factor. Rows and columns of zero
     energy (all zero: the screen's zero-energy test) are left out: R is block diagonal with a unit
     block there, so R has a factor exactly when the rest has, and the factorisation is of the rest
-    only (a quarter of the features of a stage's sum on the digits backbone: (3/4)³ of the work). ``lift``: the absolute slack plus the noise's
-    spectral bound; D is the diagonal of J + lift·I."""
+    only (a quarter of the features of a stage's sum on the digits backbone: (3/4)³ of the work).
+    ``lift``: the absolute slack plus the noise's spectral bound; D is the diagonal of J + lift·I."""
     dim = int(c.shape[0])
     w, kept = inv.numpy(), np.flatnonzero(~empty.numpy())
     features, classes = kept[kept < dim], kept[kept >= dim] - dim  # J's rows of non-zero energy
