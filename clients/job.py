@@ -19,9 +19,9 @@ from flwr.app import Context
 from clients.node_data import DatasetShape, NodeData, OwnSplit, PartitionData, node_data
 from fcl_flower.config import RunConfig
 from fcl_flower.data import FederatedSplit, LabelledDataset
-from fcl_flower.models import IncrementalClassifier, load_trainable_state, trainable_state
+from fcl_flower.models import IncrementalClassifier, load_trainable_state, trainable_state, trainable_tensors
 from fcl_flower.protocol import EvaluateIns, StatsIns, StatsRes, TrainIns, TrainRes
-from fcl_flower.tensors import record_views, tensor_record
+from fcl_flower.tensors import state_record, state_views, tensor_layout
 
 
 @dataclass
@@ -84,7 +84,7 @@ class ClientJob:
             self.ins.header,
             self.partition,
             int(num_examples),
-            model=tensor_record(trainable_state(self.model)),
+            model=state_record(trainable_state(self.model)),
             loss=float(loss),
             **reports,
         )
@@ -106,5 +106,6 @@ def make_job(ins: TrainIns | StatsIns | EvaluateIns, context: Context) -> Client
     data = node_data(context.node_config, ins.config)
     model = _cached_model(ins.config, data.shape)
     if len(ins.model):
-        load_trainable_state(model, record_views(ins.model))  # copied into the model: views suffice
+        # copied into the model: views suffice; split by this model's own layout
+        load_trainable_state(model, state_views(ins.model, tensor_layout(trainable_tensors(model))))
     return ClientJob(ins=ins, data=data, model=model, device=resolve_device(ins.config), context=context)

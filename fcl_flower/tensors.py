@@ -2,6 +2,8 @@
 only, so a message without a model never imports torch (issue 32); handlers that compute with
 torch convert here, zero-copy where the values allow.
 
+* :func:`state_record` / :func:`state_views` -- a model state in a message: one Array per dtype,
+  split again by the receiver's own layout (:func:`~fcl_flower.protocol.arrays.pack_state`);
 * :func:`tensor_record` -- tensors -> ArrayRecord (detached, on the CPU, contiguous: the same bytes
   Flower writes for a tensor, ``tensor.detach().cpu().numpy()``);
 * :func:`record_tensors` -- ArrayRecord -> tensors (``torch.from_numpy`` of Flower's
@@ -21,7 +23,17 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from fcl_flower.protocol.arrays import from_record, read_array, to_record, view_record, wire_dtype_of
+from fcl_flower.protocol.arrays import (
+    Layout,
+    from_record,
+    is_packed_state,
+    pack_state,
+    read_array,
+    to_record,
+    unpack_state,
+    view_record,
+    wire_dtype_of,
+)
 
 WIRE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -51,6 +63,28 @@ def record_views(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """:func:`record_tensors` without the copies: read-only views of the message's bytes
     (:func:`~fcl_flower.protocol.arrays.view_record`), for a reader that copies them on."""
     return {k: tensor_of(v) for k, v in view_record(record).items()}
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def tensor_layout(tensors: Mapping[str, torch.Tensor]) -> Layout:
+    """(name, NumPy dtype, shape) of every tensor, in order: what :func:`state_views` splits by."""
+    return tuple((name, numpy_dtype(t.dtype), tuple(int(s) for s in t.shape)) for name, t in tensors.items())
+
+
+def state_record(state: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """A model state for a message: one Array per dtype (:func:`~fcl_flower.protocol.arrays.pack_state`)."""
+    return pack_state({k: numpy_of(v) for k, v in state.items()})
+
+
+def state_views(record: ArrayRecord, layout: Layout) -> dict[str, torch.Tensor]:
+    """A model state of a message as read-only views of its bytes: packed for ``layout``
+    (:func:`state_record`; another layout is refused in one line), or one array per key."""
+    if is_packed_state(record):
+        return {k: tensor_of(v) for k, v in unpack_state(record, layout).items()}
+    return record_views(record)
 
 
 def cast_for_wire(tensor: torch.Tensor, wire_dtype: str) -> torch.Tensor:

@@ -64,7 +64,7 @@ from fcl_flower.protocol.payloads import MAX_CLASS_SAMPLES
 from fcl_flower.restore import RestoreError
 from fcl_flower.results import ResultsRecorder
 from fcl_flower.runtime import build_model, resolve_device
-from fcl_flower.tensors import tensor_record
+from fcl_flower.tensors import state_record, tensor_record
 from strategies.accounting import StageAccounting, client_name, client_order
 from strategies.checkpoint import CheckpointStore
 from strategies.nodes import NodeDirectory
@@ -202,8 +202,13 @@ class StagedStrategy(Strategy):
         """(predictions, labels) of the global model on the test data of all seen classes."""
 
     def global_arrays(self) -> ArrayRecord:
-        """What the clients receive: the trainable state of the global model."""
+        """The trainable state of the global model, one array per key (Flower's round result)."""
         return tensor_record(trainable_state(self.model))
+
+    def wire_state(self) -> ArrayRecord:
+        """What the clients receive: the trainable state of the global model, one array per dtype
+        (fcl_flower/tensors.py ``state_record``: a few of Flower's objects instead of one per tensor)."""
+        return state_record(trainable_state(self.model))
 
     def stage_failed(self, task: int, reason: str) -> dict[str, Any]:
         """The stage failed (:class:`StageFailed`): keep the previous classifier; result extras."""
@@ -324,9 +329,9 @@ class StagedStrategy(Strategy):
     def instruction(self, plan: RoundPlan, header: Header) -> Instruction:
         ins: Instruction
         if plan.kind is Kind.TRAIN:
-            ins = TrainIns(header, self.cfg, lr=plan.lr, num_seen=self.num_seen(plan.task), model=self.global_arrays())
+            ins = TrainIns(header, self.cfg, lr=plan.lr, num_seen=self.num_seen(plan.task), model=self.wire_state())
         else:
-            ins = StatsIns(header, self.cfg, num_seen=self.num_seen(plan.task), model=self.global_arrays())
+            ins = StatsIns(header, self.cfg, num_seen=self.num_seen(plan.task), model=self.wire_state())
         ins = self.customise(plan, ins)
         if isinstance(ins, StatsIns) and self.riding is not None and self.rides_on(plan):
             ins = dataclasses.replace(ins, evaluate=self.riding.request)

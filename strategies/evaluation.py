@@ -92,7 +92,7 @@ def collect(host: StagedStrategy, grid: Grid, task: int, request: EvaluationRequ
     num_seen = host.num_seen(task)
     header = Header(host.run_id, PHASE, task, task + 1, host.server_round, 0)
     extra = host.evaluate_arrays() if request is None else {"ridge": request.ridge}
-    ins = EvaluateIns(header, host.cfg, num_seen=num_seen, model=host.global_arrays(), **extra)
+    ins = EvaluateIns(header, host.cfg, num_seen=num_seen, model=host.wire_state(), **extra)
     mapped = host.nodes.client_of
     targets = [n for n in host.nodes.connected(grid) if n in mapped]
     scores = Scores()

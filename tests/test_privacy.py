@@ -29,7 +29,9 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 
 from fcl_flower.analytic import packed_length, random_features, solve_ridge
 from fcl_flower.models import trainable_state
+from fcl_flower.protocol.arrays import unpack_state
 from fcl_flower.runtime import iter_features
+from fcl_flower.tensors import tensor_layout
 from tests.conftest import reply_partition, run_in_process, small_config
 
 M = 120  # random-feature dimension
@@ -275,10 +277,13 @@ def test_stage1_fedavg_replies_hold_weights_only(tmp_path) -> None:
 
     strategy = run_in_process(small_config(tmp_path, **{**SETTINGS, "num_tasks": 3, "stage1_rounds": 1}), keep)
     ((task, _, replies),) = rounds
-    expected = {f"arrays/{name}": tuple(t.shape) for name, t in trainable_state(strategy.model).items()}
+    state = trainable_state(strategy.model)
     for message in replies:
-        arrays = reply_arrays(message)
-        assert {k: v.shape for k, v in arrays.items()} == expected
+        assert list(message.content.array_records) == ["arrays"]  # the model, nothing else
+        # packed one array per dtype (issue 32): exactly the model's tensors, split by its own layout
+        model = unpack_state(message.content.array_records["arrays"], tensor_layout(state))
+        assert {k: v.shape for k, v in model.items()} == {k: tuple(t.shape) for k, t in state.items()}
+        arrays = {k: np.asarray(v, dtype=np.float64) for k, v in model.items()}
         images, _ = strategy.split.client_train(task, reply_partition(message)).tensors()
         for array in arrays.values():
             for row in images.reshape(len(images), -1).double().numpy():

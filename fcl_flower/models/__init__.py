@@ -10,7 +10,7 @@ from .cnn import SmallCNN
 from .heads import HEADS, CosineHead, IncrementalClassifier
 from .registry import BACKBONES, build_backbone, build_classifier
 from .resnet import ResNet18
-from .state import freeze, full_state, load_trainable_state, pick_device, trainable_state
+from .state import freeze, full_state, load_trainable_state, pick_device, trainable_state, trainable_tensors
 from .vit import VIT_B16_TIMM_NAME, Adapter, AdapterBlock, ViTAdapterBackbone, add_adapters
 
 __all__ = [
@@ -34,4 +34,5 @@ __all__ = [
     "load_trainable_state",
     "pick_device",
     "trainable_state",
+    "trainable_tensors",
 ]

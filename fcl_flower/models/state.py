@@ -12,7 +12,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from .base import ModelError
 
-__all__ = ["freeze", "full_state", "load_trainable_state", "pick_device", "trainable_state"]
+__all__ = ["freeze", "full_state", "load_trainable_state", "pick_device", "trainable_state", "trainable_tensors"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -53,6 +53,13 @@ def trainable_state(model: nn.Module) -> dict[str, Tensor]:
     """
     sd = model.state_dict(keep_vars=True)
     return {k: sd[k].detach().to(device="cpu", copy=True) for k in _trainable_keys(model)}
+
+
+def trainable_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The tensors :func:`trainable_state` copies, themselves (no copy): their names, shapes and
+    dtypes say how a packed state splits (fcl_flower/tensors.py, ``state_views``). Read only."""
+    sd = model.state_dict(keep_vars=True)
+    return {k: sd[k] for k in _trainable_keys(model)}
 
 
 def load_trainable_state(model: nn.Module, state: Mapping[str, Tensor]) -> None:

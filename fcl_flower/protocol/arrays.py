@@ -22,7 +22,9 @@ the arrays' lengths instead of serialising it again.
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
+import json
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -130,6 +132,86 @@ def npy_view(array: Array) -> np.ndarray:
     return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
 
 
+# ------------------------------------------------------------------------------------ model states
+#: A model's state travels as one Array per dtype (issue 32). Flower moves every Array of a message
+#: as objects of its own, one request each on every hop (ServerApp -> SuperLink -> SuperNode ->
+#: ClientApp process, and back): a state of 20 tensors was ~40 requests a hop, ~20-40 ms each on a
+#: loaded node. The receiver splits the values by its own copy of the model's layout (names, dtypes,
+#: shapes in order), so nothing of the layout is parsed from the message: the key names the dtype
+#: and a digest of the layout, and a state packed for another layout does not match.
+PACKED_STATE = "state:"
+
+#: (name, dtype, shape) of every array of a state, in order
+Layout = tuple[tuple[str, np.dtype, tuple[int, ...]], ...]
+
+
+def layout_of(arrays: Mapping[str, np.ndarray]) -> Layout:
+    return tuple((name, np.dtype(values.dtype), tuple(int(s) for s in values.shape)) for name, values in arrays.items())
+
+
+@functools.lru_cache(maxsize=64)
+def packed_keys(layout: Layout) -> dict[str, tuple[int, ...]]:
+    """The record keys of ``layout``'s packed state (``state:<dtype>@<layout digest>``) and the
+    positions in ``layout`` of the arrays each one holds, in order."""
+    text = json.dumps([[name, dtype.str, list(shape)] for name, dtype, shape in layout])
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    keys: dict[str, list[int]] = {}
+    for position, (_, dtype, _) in enumerate(layout):
+        keys.setdefault(f"{PACKED_STATE}{dtype.name}@{digest}", []).append(position)
+    return {key: tuple(positions) for key, positions in keys.items()}
+
+
+def is_packed_state(record: ArrayRecord) -> bool:
+    return any(key.startswith(PACKED_STATE) for key in record)
+
+
+def pack_state(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """A state's arrays as one Array per dtype, each the concatenation of its arrays' C-ordered
+    values in the state's order (one copy of the values)."""
+    items = [_c_order(values) for values in arrays.values()]
+    keys = packed_keys(layout_of(dict(zip(arrays, items, strict=True))))
+    return ArrayRecord(
+        {key: npy_array(np.concatenate([items[p].reshape(-1) for p in positions])) for key, positions in keys.items()}
+    )
+
+
+def unpack_state(record: ArrayRecord, layout: Layout) -> dict[str, np.ndarray]:
+    """The arrays of a state packed for ``layout`` (:func:`pack_state`), as read-only views of the
+    message's bytes, in ``layout``'s order; UploadError (one line) if ``record`` is not exactly
+    that: other keys, or a packed array of another dtype, shape or length."""
+    keys = packed_keys(layout)
+    if set(record.keys()) != set(keys):
+        raise UploadError("the model state is not packed for this model's layout (another model or version)")
+    out: dict[str, np.ndarray] = {}
+    for key, positions in keys.items():
+        flat = _fetch(record, key)
+        dtype = layout[positions[0]][1]
+        sizes = [int(np.prod(layout[p][2], dtype=np.int64)) for p in positions]
+        if flat.dtype != dtype or flat.ndim != 1 or flat.size != sum(sizes):
+            raise UploadError(
+                f"packed state '{key}' holds {flat.dtype} of shape {tuple(flat.shape)}, expected {dtype} ({sum(sizes)},)"
+            )
+        offset = 0
+        for position, size in zip(positions, sizes, strict=True):
+            name, _, shape = layout[position]
+            out[name] = flat[offset : offset + size].reshape(shape)
+            offset += size
+    return {name: out[name] for name, _, _ in layout}
+
+
+def check_values(key: str, values: np.ndarray) -> None:
+    """:func:`read_array`'s finiteness and magnitude test of floating-point ``values``."""
+    if values.size and values.dtype.kind == "f":
+        _check_range(key, float(values.min()), float(values.max()))  # no temporaries; NaN propagates
+
+
+def _check_range(key: str, low: float, high: float) -> None:
+    if not (np.isfinite(low) and np.isfinite(high)):
+        raise UploadError(f"array '{key}' contains NaN or inf")
+    if max(-low, high) > MAGNITUDE_LIMIT:
+        raise UploadError(f"array '{key}' has an entry beyond {MAGNITUDE_LIMIT:g} in magnitude")
+
+
 # ------------------------------------------------------------------------------------ byte counts
 def payload_bytes(content: RecordDict) -> int:
     """Numeric payload of all arrays in a message, measured from the serialised arrays.
@@ -228,10 +310,7 @@ def read_array(
     if values.size and ((finite and is_float) or nonnegative):
         low, high = float(values.min()), float(values.max())  # no temporaries; NaN propagates to both
         if finite and is_float:
-            if not (np.isfinite(low) and np.isfinite(high)):
-                raise UploadError(f"array '{key}' contains NaN or inf")
-            if max(-low, high) > MAGNITUDE_LIMIT:
-                raise UploadError(f"array '{key}' has an entry beyond {MAGNITUDE_LIMIT:g} in magnitude")
+            _check_range(key, low, high)
         if nonnegative and low < 0:
             raise UploadError(f"array '{key}' has negative entries")
     return np.array(values, copy=True) if copy else values

@@ -21,9 +21,9 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fcl_flower.analytic.factor import factor_max_rows
-from fcl_flower.protocol.arrays import read_ring
+from fcl_flower.protocol.arrays import check_values, is_packed_state, npy_view, read_ring, unpack_state
 from fcl_flower.protocol.errors import UploadError
-from fcl_flower.tensors import cast_for_wire, read_tensor
+from fcl_flower.tensors import cast_for_wire, read_tensor, tensor_layout, tensor_of
 from fcl_flower.tensors import tensor_record as to_record
 
 Tensor = torch.Tensor
@@ -39,7 +39,16 @@ def _exact_keys(record: ArrayRecord, keys: tuple[str, ...]) -> None:
 
 
 def read_state(record: ArrayRecord, expected: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """A model state (or a Fisher) with exactly the keys and shapes of ``expected``."""
+    """A model state with exactly the keys, shapes and dtypes of ``expected``: packed for its layout
+    (fcl_flower/tensors.py, ``state_record``: one array per dtype), or one array per key (then the
+    shapes and the integer or floating kind must match). Floating-point values must be finite and
+    within the magnitude limit either way; the tensors are copies."""
+    if is_packed_state(record):
+        layout = tensor_layout(expected)
+        unpacked = unpack_state(record, layout)
+        for key in record:  # the packed arrays, each read once
+            check_values(key, npy_view(record[key]))
+        return {key: tensor_of(np.array(values, copy=True)) for key, values in unpacked.items()}
     if set(record.keys()) != set(expected):
         raise UploadError("model state keys differ from the global model's")
     return {
