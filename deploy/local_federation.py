@@ -328,13 +328,17 @@ class LocalFederation:
         return self
 
     # ------------------------------------------------------------------ runs
+    def app_folder(self, app: Path = APP_DIR) -> Path:
+        """What ``flwr run`` gets: :func:`app_snapshot` of ``app`` in this federation's workdir."""
+        return app_snapshot(app, self.workdir / "app", skip=(self.workdir,))
+
     def submit(self, run_config: Mapping[str, Any], app: Path = APP_DIR, timeout: float = 120.0) -> int:
         """``flwr run <app> <connection> --run-config ...``; returns the run id. Every node here has a
         SuperNode key and signs its secure rounds, so a secure run must say
         ``secagg-signed-keys=true`` (the nodes refuse it otherwise, each with one line)."""
         out = self.flwr(
             "run",
-            str(app),
+            str(self.app_folder(app)),
             CONNECTION,
             "--run-config",
             format_run_config(run_config),
@@ -485,6 +489,40 @@ class LocalFederation:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def app_snapshot(app: Path, into: Path, skip: Sequence[Path] = ()) -> Path:
+    """The files of ``app`` that its FAB can hold, copied to ``into`` (made afresh): every file but
+    those its ``.gitignore`` excludes, ``.git`` and ``skip``. ``flwr run`` walks and resolves every
+    file under the folder it is given before it keeps the few its FAB rules allow, a virtual
+    environment inside the app folder included: 72,000 files and 6.7 s of each submission on this
+    project's VM. Flower builds the very same FAB from the copy (tests/test_fab.py)."""
+    from flwr.cli.utils import build_pathspec, load_gitignore_patterns
+
+    app, into = app.resolve(), into.resolve()
+    ignore = app / ".gitignore"
+    spec = build_pathspec(load_gitignore_patterns(ignore.read_bytes() if ignore.is_file() else b""))
+    pruned = {into, *(Path(p).resolve() for p in skip)}
+    if into.exists():
+        shutil.rmtree(into)
+    for folder, subfolders, names in os.walk(app):
+        here = Path(folder)
+        relative = here.relative_to(app)
+        subfolders[:] = [
+            d
+            for d in subfolders
+            if d != ".git"
+            and (here / d) not in pruned
+            and not (here / d).is_symlink()
+            and not spec.match_file(f"{(relative / d).as_posix()}/")
+        ]
+        for name in names:
+            path, rel = here / name, (relative / name).as_posix()
+            if path.is_symlink() or spec.match_file(rel):
+                continue
+            (into / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, into / rel)
+    return into
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
@@ -651,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("submitting the run (flwr run builds and ships the app) ...", flush=True)
                 out = federation.flwr(
                     "run",
-                    str(APP_DIR),
+                    str(federation.app_folder()),
                     CONNECTION,
                     "--run-config",
                     with_signed_keys(args.run),

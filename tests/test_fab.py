@@ -19,6 +19,8 @@ from pathlib import Path
 from flwr.cli.build import build_fab_from_disk
 from flwr.cli.install import install_from_fab
 
+from experiments.bench_deployment import federation_module
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fcl_flower", "clients", "strategies")
 
@@ -64,3 +66,14 @@ def test_the_app_loads_from_the_installed_fab_alone(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     for loaded in out.stdout.strip().splitlines()[-3:]:
         assert Path(loaded).resolve().is_relative_to(installed.resolve()), loaded
+
+
+def test_the_launchers_app_snapshot_builds_the_very_same_fab(tmp_path) -> None:
+    """deploy/local_federation.py hands `flwr run` a copy of the app without what .gitignore
+    excludes (Flower walks every file of the folder, a virtual environment inside it included):
+    the FAB built from the copy is the repository's, byte for byte."""
+    snapshot = federation_module().app_snapshot(ROOT, tmp_path / "app", skip=(tmp_path,))
+    built = build_fab_from_disk(snapshot)
+    assert (built[0] if isinstance(built, tuple) else built) == _fab()
+    assert not (snapshot / ".git").exists() and not (snapshot / ".venv").exists()
+    assert (snapshot / "clients" / "app.py").read_bytes() == (ROOT / "clients" / "app.py").read_bytes()
