@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fcl_flower.models import load_trainable_state, trainable_state, trainable_tensors
 from fcl_flower.protocol import UploadError
@@ -42,6 +43,8 @@ def test_a_packed_state_holds_one_array_per_dtype_and_the_same_bits() -> None:
     state = _state()
     record = state_record(state)
     assert len(record) == 2  # float32 and int64, whatever the number of tensors
+    # what Flower moves, one request each per hop: the record, and each array with its chunk
+    assert len(get_all_nested_objects(record)) == 5 < len(get_all_nested_objects(tensor_record(state)))
     views = state_views(record, tensor_layout(state))
     assert list(views) == list(state)  # the state's order
     for name, value in state.items():
