@@ -484,12 +484,16 @@ class StagedStrategy(Strategy):
             try:
                 with timed("accept"):
                     item = self.accept(plan, message, set(clients))
+                with timed("bytes"):  # reads every array's header, of records the method ignores too
+                    try:
+                        sizes = payload_bytes(message.content), message_bytes(message.content)
+                    except UploadError as err:
+                        err.client = item.client
+                        raise
             except UploadError as err:
                 self.reject(message, err, server_round)
                 continue
             self.note_train_seconds(item, server_round, train_seconds)
-            with timed("bytes"):
-                sizes = payload_bytes(message.content), message_bytes(message.content)
             self.accounting.accept(item.client, *sizes)
             clients.append(item.client)
             examples += item.num_examples

@@ -15,7 +15,7 @@ import pytest
 import torch
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from flwr.app import Array, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 
 from clients.app import app as client_app
 from fcl_flower.analytic import pack_upper, random_features, random_projection, unpack_upper
@@ -455,3 +455,42 @@ def test_signed_keys_stop_a_server_that_substitutes_a_key(tmp_path, signed) -> N
         )
     else:  # without signatures no peer can notice the substitution (the docs say so)
         assert not any("signature" in e or "did not make" in e for e in errors)
+
+
+# ------------------------------------------------------------------------------ records no method reads
+LGA_REPORT = {
+    "lga-cb": 0.0,
+    "lga-sd": 0.0,
+    "lga-detected": 0,
+    "lga-new-task": 0,
+    "lga-memory": 0,
+    "lga-proto-classes": 0,
+}
+
+
+@pytest.mark.parametrize("data", [b"not an .npy buffer", b"\x93NUMPY\x01\x00\x10\x00{'descr': '<f4'"])
+def test_an_undecodable_array_in_a_record_the_method_ignores_is_rejected_not_a_crash(tmp_path, caplog, data) -> None:
+    """A FedAvg client adds LGA's report and an ``lga-proto`` record whose array is no .npy buffer:
+    the parse admits the record (LGA's own replies carry it) and FedAvg never reads it, but the
+    server's byte count of the reply does. The reply is rejected with its reason, the round goes on."""
+    victim = 1
+
+    def tamper(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        if task == 0 and phase == "fedavg":
+            for m in replies:
+                if not m.has_error() and reply_partition(m) == victim:
+                    m.content.metric_records["metrics"].update(LGA_REPORT)
+                    m.content.array_records["lga-proto"] = ArrayRecord(
+                        {"0/0": Array(dtype="float32", shape=(3,), stype="numpy.ndarray", data=data)}
+                    )
+        return replies
+
+    strategy = run_in_process(config(tmp_path, stage1_rounds=1, num_tasks=2), tamper)
+    fedavg_round = strategy.recorder.rounds[0]
+    assert (fedavg_round["replies"], fedavg_round["rejected"]) == (2, 1), fedavg_round  # 2 kept, 1 rejected
+    assert any(
+        f"Rejected upload from client-{victim}" in r.getMessage()
+        and "record 'lga-proto' cannot be decoded" in r.getMessage()
+        for r in caplog.records
+    )
+    assert len(strategy.recorder.stages) == 2 and all(s.accuracy > 0 for s in strategy.recorder.stages)

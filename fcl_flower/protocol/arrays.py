@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -150,7 +151,7 @@ def layout_of(arrays: Mapping[str, np.ndarray]) -> Layout:
 
 
 @functools.lru_cache(maxsize=64)
-def packed_keys(layout: Layout) -> dict[str, tuple[int, ...]]:
+def packed_keys(layout: Layout) -> Mapping[str, tuple[int, ...]]:
     """The record keys of ``layout``'s packed state (``state:<dtype>@<layout digest>``) and the
     positions in ``layout`` of the arrays each one holds, in order."""
     text = json.dumps([[name, dtype.str, list(shape)] for name, dtype, shape in layout])
@@ -158,7 +159,7 @@ def packed_keys(layout: Layout) -> dict[str, tuple[int, ...]]:
     keys: dict[str, list[int]] = {}
     for position, (_, dtype, _) in enumerate(layout):
         keys.setdefault(f"{PACKED_STATE}{dtype.name}@{digest}", []).append(position)
-    return {key: tuple(positions) for key, positions in keys.items()}
+    return MappingProxyType({key: tuple(positions) for key, positions in keys.items()})  # cached: read-only
 
 
 def is_packed_state(record: ArrayRecord) -> bool:
@@ -218,12 +219,15 @@ def payload_bytes(content: RecordDict) -> int:
 
     Each serialised Array is an .npy buffer: header + raw data. We count the raw data (what the
     papers' formulas count): the buffer's length less its header, read from the buffer itself, not
-    from our own bookkeeping.
+    from our own bookkeeping. UploadError (one line) for an array that is not an ``.npy`` buffer.
     """
     total = 0
-    for record in content.array_records.values():
-        for array in record.values():
-            _, _, _, offset = npy_layout(array.data)
+    for name, record in content.array_records.items():
+        for key, array in record.items():
+            try:  # every array of the reply: also those of a record its method never reads
+                _, _, _, offset = npy_layout(array.data)
+            except ValueError as exc:
+                raise UploadError(f"array '{key}' of record '{name}' cannot be decoded ({exc})") from None
             total += len(array.data) - offset
     return total
 
