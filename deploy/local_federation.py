@@ -329,8 +329,12 @@ class LocalFederation:
 
     # ------------------------------------------------------------------ runs
     def app_folder(self, app: Path = APP_DIR) -> Path:
-        """What ``flwr run`` gets: :func:`app_snapshot` of ``app`` in this federation's workdir."""
-        return app_snapshot(app, self.workdir / "app", skip=(self.workdir,))
+        """What ``flwr run`` gets: :func:`app_snapshot` of ``app`` in this federation's workdir;
+        FederationError (one line) where it cannot be copied."""
+        try:
+            return app_snapshot(app, self.workdir / "app", skip=(self.workdir,))
+        except OSError as err:
+            raise FederationError(f"cannot copy the app {app} for flwr run: {err}") from None
 
     def submit(self, run_config: Mapping[str, Any], app: Path = APP_DIR, timeout: float = 120.0) -> int:
         """``flwr run <app> <connection> --run-config ...``; returns the run id. Every node here has a
@@ -500,6 +504,8 @@ def app_snapshot(app: Path, into: Path, skip: Sequence[Path] = ()) -> Path:
     from flwr.cli.utils import build_pathspec, load_gitignore_patterns
 
     app, into = app.resolve(), into.resolve()
+    if not (app / "pyproject.toml").is_file():
+        raise FileNotFoundError(f"{app} is not a Flower app folder (no pyproject.toml)")
     ignore = app / ".gitignore"
     spec = build_pathspec(load_gitignore_patterns(ignore.read_bytes() if ignore.is_file() else b""))
     pruned = {into, *(Path(p).resolve() for p in skip)}

@@ -16,6 +16,7 @@ import zipfile
 from functools import cache
 from pathlib import Path
 
+import pytest
 from flwr.cli.build import build_fab_from_disk
 from flwr.cli.install import install_from_fab
 
@@ -27,8 +28,7 @@ PACKAGES = ("fcl_flower", "clients", "strategies")
 
 @cache
 def _fab() -> bytes:
-    built = build_fab_from_disk(ROOT)  # exactly what `flwr run .` sends
-    return built[0] if isinstance(built, tuple) else built
+    return build_fab_from_disk(ROOT)  # exactly what `flwr run .` sends
 
 
 def test_the_fab_holds_the_app_packages_code_and_nothing_else() -> None:
@@ -73,7 +73,13 @@ def test_the_launchers_app_snapshot_builds_the_very_same_fab(tmp_path) -> None:
     excludes (Flower walks every file of the folder, a virtual environment inside it included):
     the FAB built from the copy is the repository's, byte for byte."""
     snapshot = federation_module().app_snapshot(ROOT, tmp_path / "app", skip=(tmp_path,))
-    built = build_fab_from_disk(snapshot)
-    assert (built[0] if isinstance(built, tuple) else built) == _fab()
+    assert build_fab_from_disk(snapshot) == _fab()
     assert not (snapshot / ".git").exists() and not (snapshot / ".venv").exists()
     assert (snapshot / "clients" / "app.py").read_bytes() == (ROOT / "clients" / "app.py").read_bytes()
+
+
+def test_the_launcher_refuses_a_folder_that_is_no_app_in_one_line(tmp_path) -> None:
+    fed = federation_module()
+    federation = fed.LocalFederation(tmp_path / "federation", fed.node_configs_for(1, None))
+    with pytest.raises(fed.FederationError, match=r"^cannot copy the app .* for flwr run: .*no pyproject.toml\)$"):
+        federation.app_folder(tmp_path / "missing")

@@ -144,3 +144,38 @@ def test_views_are_read_only_and_unpack_keeps_the_layout_order() -> None:
     assert list(views) == ["b", "a", "c"]
     assert all(not v.flags.writeable for v in views.values())
     assert all(np.array_equal(views[k], arrays[k]) for k in arrays)
+
+
+def test_playing_the_server_a_model_packed_otherwise_fails_the_client_round_with_its_reason(tmp_path) -> None:
+    """A server's instruction is untrusted too: a train instruction whose model is packed for
+    another layout, cut short, or holds float64 under the float32 key gets Flower's error reply
+    naming the reason, from a real ClientApp; the client never trains on it."""
+    from flwr.app import Message, RecordDict
+
+    from fcl_flower.local_grid import LocalGrid
+    from strategies.app import run_experiment
+    from tests.conftest import NODE_BASE, client_app, server_identity, small_config
+
+    cfg = small_config(tmp_path, num_tasks=2, num_clients=2, stage1_rounds=1, rf_dim=20)
+    grid = LocalGrid(client_app, 2, first_node_id=NODE_BASE)
+    server_identity()
+    run_experiment(grid, cfg)
+    honest = next(m for m in grid.sent if m.metadata.message_type == "train")
+    model = honest.content.array_records["arrays"]
+    key = next(k for k in model if "float32" in k)
+    flat = np.array(model[key].numpy())
+    others = {k: v for k, v in model.items() if k != key}
+    bad = {  # the model record the client gets instead of the honest one
+        "another layout": {**others, f"{key}0": npy_array(flat)},
+        "cut short": {**others, key: npy_array(flat[:-1])},
+        "float64": {**others, key: npy_array(flat.astype(np.float64))},
+    }
+    for name, arrays in bad.items():
+        content = RecordDict(dict(honest.content.items()))
+        content.array_records["arrays"] = ArrayRecord(arrays)
+        sent = Message(content, dst_node_id=honest.metadata.dst_node_id, message_type="train")
+        (reply,) = grid.send_and_receive([sent])
+        assert reply.has_error(), name
+        reason = reply.error.reason
+        expected = "not packed for this model's layout" if name == "another layout" else "expected float32"
+        assert "UploadError" in reason and expected in reason, (name, reason)
