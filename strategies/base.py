@@ -346,17 +346,27 @@ class StagedStrategy(Strategy):
         build: Callable[[int], Instruction] | None = None,
         only: set[int] | None = None,
         side: bool = False,
+        first_contact: bool = False,
     ) -> list[Message]:
         """The round's messages for ``attempt``: one per target node not in ``exclude`` (and in
         ``only``, if given); ``build(node)`` makes each node's instruction (default: the plan's).
         ``side``: an exchange whose replies its caller parses (a secure round's key, share and
-        unmask steps), not the round's own replies that :meth:`aggregate_train` parses."""
+        unmask steps), not the round's own replies that :meth:`aggregate_train` parses.
+        ``first_contact``: a side exchange whose caller settles the claims of nodes not heard from
+        in its replies (:meth:`settle_claims`; a secure round's key step, whose small replies are
+        all read at once anyway): they get it directly where it goes to every node
+        (:meth:`reaches_every_node`), instead of a ``query.info`` exchange before it."""
         unknown: list[int] = []  # nodes not heard from that get the round itself (first contact rides)
         connected = self.nodes.connected(grid)
 
         def discover(nodes: list[int]) -> None:
-            # the round's replies are then all held at once: no more than a stream's window of them
-            if not side and len(connected) <= WINDOW and self.first_contact_rides(plan):
+            nodes = [n for n in nodes if only is None or n in only]  # a step for named nodes asks nobody else
+            if not nodes:
+                return
+            # a key step's small replies are all read at once anyway; a round's are then all held
+            # at once, so no more than a stream's window of them
+            rides = self.reaches_every_node(plan) if first_contact else not side and len(connected) <= WINDOW
+            if rides and (first_contact or self.first_contact_rides(plan)):
                 unknown.extend(nodes)
             else:
                 self.discover(grid, nodes)
@@ -391,11 +401,16 @@ class StagedStrategy(Strategy):
         without ``require-all-clients`` (which re-sends by client). Only while at most
         :data:`~strategies.stream.WINDOW` nodes are connected (a few real SuperNodes, where an
         exchange costs a Flower round; :meth:`messages`): the round's replies are then all held
-        at once, no more than a streamed round holds."""
+        at once, no more than a streamed round holds. A secure round's key step settles first
+        contact instead (``messages(first_contact=True)``)."""
+        return not self.cfg.secure_aggregation and self.reaches_every_node(plan)
+
+    def reaches_every_node(self, plan: RoundPlan) -> bool:
+        """Whether ``plan``'s round goes to every connected node, whichever client each serves: no
+        sampling, no excluded site, and no ``require-all-clients`` (which re-sends by client)."""
         cfg = self.cfg
         return (
-            not cfg.secure_aggregation
-            and not cfg.require_all_clients
+            not cfg.require_all_clients
             and (cfg.clients_per_round == 0 or plan.kind is not Kind.TRAIN)
             and not self.nodes.excluded(plan.task, plan.phase)
         )
@@ -408,22 +423,29 @@ class StagedStrategy(Strategy):
         those of a round sent after a discovery; this round holds all its (at most
         :data:`~strategies.stream.WINDOW`) replies at once."""
         received = list(replies)
+        self.settle_claims(received, self._sent.get, plan.kind)
+        order = {node: i for i, node in enumerate(self.in_client_order(list(self._sent)))}
+        received.sort(key=lambda m: order.get(m.metadata.src_node_id, len(order)))
+        return Settled(received, getattr(replies, "dropped", []))
+
+    def settle_claims(self, received: list[Message], sent: Callable[[int], Header | None], kind: Kind) -> None:
+        """Map the nodes not heard from by the clients their replies in ``received`` claim, all at
+        once, as a ``query.info`` discovery would (two claiming one client: neither is mapped, the
+        client is contested and left out). ``sent(node)``: the header the node was sent (None: it
+        was not asked, and its reply claims nothing)."""
         claims: dict[int, int] = {}
         for message in received:
             node = message.metadata.src_node_id
-            sent = self._sent.get(node)
-            if node in self.nodes.client_of or sent is None:
+            header = sent(node)
+            if node in self.nodes.client_of or header is None:
                 continue
             try:
-                claims[node] = self.client_id(parse_reply(message, sent, plan.kind))
+                claims[node] = self.client_id(parse_reply(message, header, kind))
             except ProtocolError as err:
                 log(WARNING, "node %d did not say which client it serves (%s)", node, err)
         self.nodes.first_contact(claims)
         for client, nodes in self.nodes.contested.items():
             self.accounting.reject(client_name(client), f"contested by nodes {', '.join(map(str, nodes))}")
-        order = {node: i for i, node in enumerate(self.in_client_order(list(self._sent)))}
-        received.sort(key=lambda m: order.get(m.metadata.src_node_id, len(order)))
-        return Settled(received, getattr(replies, "dropped", []))
 
     def discover(self, grid: Grid, node_ids: list[int]) -> None:
         """Ask nodes we have not heard from which client they serve (one tiny message each, no data)."""

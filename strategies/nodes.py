@@ -9,7 +9,8 @@
   anyway and at most ``strategies.stream.WINDOW`` (4) nodes are connected (plain uploads, no
   sampling, no excluded site, no ``require-all-clients``: all of
   its replies are read and the claims settled before any is used,
-  :meth:`~strategies.base.StagedStrategy.settle_first_contact`), else a tiny ``query.info``
+  :meth:`~strategies.base.StagedStrategy.settle_first_contact`) or a secure round's key step
+  that goes to every node (its small replies settled the same way), else a tiny ``query.info``
   message to every node the server has not heard from, before the round -- and the map is one-to-one
   and checkpointed (a resumed run keeps it while any of its nodes is still connected, and warns
   when none is; the simulation engine gives its nodes new ids every run, so there it starts

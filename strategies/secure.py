@@ -9,7 +9,10 @@ its step 4: *shares ahead*; :attr:`SecureRounds.shares_ahead` off, step 1 alone 
 *keys ahead*, three exchanges):
 
 1. ``query.keys``: every node makes two fresh key pairs and answers with the public halves
-   (signed with its SuperNode key in signed-keys mode). U1: the nodes that answered. Ahead: the
+   (signed with its SuperNode key in signed-keys mode). U1: the nodes that answered. Where the
+   round goes to every node, nodes not heard from get this step too and their replies are their
+   first contact (strategies/nodes.py: every claim settled at once before any reply is
+   identified), so a secure run sends no ``query.info``. Ahead: the
    previous secure round's masked upload (shares ahead) or ``query.unmask`` instruction (keys
    ahead) named this round's key step (its header: run, task, stage, round, attempt 0; the host
    names the next secure round, :meth:`SecureHost.next_secure_round`) and each node sent these
@@ -140,7 +143,10 @@ class SecureHost(Protocol):
         build: Callable[[int], Instruction] | None = None,
         only: set[int] | None = None,
         side: bool = False,
+        first_contact: bool = False,
     ) -> list[Message]: ...
+
+    def settle_claims(self, received: list[Message], sent: Callable[[int], Header | None], kind: Kind) -> None: ...
 
     def accept(self, plan: Any, message: Message, taken: set[str]) -> Any: ...
 
@@ -252,7 +258,11 @@ class SecureRounds:
         keys_header = dataclasses.replace(header, phase=KEYS_PHASE)
         instruction = KeysIns(keys_header, self.cfg)
         # the key step's messages, one per target node (not barred): sent unless keys ahead serve
-        sent = host.messages(grid, plan, 0, self._barred_nodes(host), build=lambda node: instruction, side=True)
+        # (nodes not heard from get it too, where it goes to every node: their key replies say
+        # which client they serve, settled all at once before any is identified; no query.info)
+        sent = host.messages(
+            grid, plan, 0, self._barred_nodes(host), build=lambda node: instruction, side=True, first_contact=True
+        )
         dealt = self._take_dealt(host, keys_header, prepared, {m.metadata.dst_node_id for m in sent})
         if dealt is not None:  # shares ahead: the round starts at its masked upload
             keys, clients, threshold = dict(dealt.keys), dict(dealt.clients), dealt.threshold
@@ -432,7 +442,11 @@ class SecureRounds:
         logged and left out."""
         answers: dict[int, Reply] = {}
         replies = exchange(grid, sent, timeout)
-        for message in replies:
+        received = list(replies)
+        if kind is Kind.KEYS:  # first contact: map the nodes not heard from by their claims, all at once
+            asked = {m.metadata.dst_node_id for m in sent}
+            host.settle_claims(received, lambda node: header if node in asked else None, kind)
+        for message in received:
             node = message.metadata.src_node_id
             try:
                 reply = parse_reply(message, header, kind)

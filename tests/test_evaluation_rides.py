@@ -205,7 +205,7 @@ def test_a_secure_stage_carries_the_evaluation_beside_its_masked_statistics(secu
     records and W."""
     (separate, grid_before, w_before), (riding, grid_after, w_after) = secure_runs
     secure = ["query.stats", "query.unmask"]
-    first = ["query.info", "query.keys", "query.shares", *secure]
+    first = ["query.keys", "query.shares", *secure]  # the key step is the first contact: no query.info
     assert exchanges_per_stage(grid_before) == {1: [*first, "evaluate"], 2: [*secure, "evaluate"]}
     assert exchanges_per_stage(grid_after) == {1: first, 2: [*secure, "evaluate"]}
     assert records(riding) == records(separate)

@@ -110,8 +110,7 @@ def test_two_exchanges_per_secure_round_after_the_first_with_the_same_results(fe
     # stage 1: two secure FedAvg rounds (``train`` is the masked upload), then its statistics round
     for node in nodes:
         assert after[1][node] == [
-            "query.info",  # first contact (a secure round names its participants beforehand)
-            "query.keys",  # the run's first secure round exchanges its key step ...
+            "query.keys",  # the run's first secure round exchanges its key step (first contact too) ...
             "query.shares",  # ... and its shares step
             "train",  # carries the keys of FedAvg round 2 ...
             "query.unmask",  # ... and this its shares
@@ -120,7 +119,6 @@ def test_two_exchanges_per_secure_round_after_the_first_with_the_same_results(fe
             *SECURE_ROUND,  # stage 1's statistics round
         ]
         assert keys_only[1][node] == [
-            "query.info",
             "query.keys",
             "query.shares",
             "train",
@@ -134,7 +132,7 @@ def test_two_exchanges_per_secure_round_after_the_first_with_the_same_results(fe
             assert after[stage][node] == SECURE_ROUND  # two exchanges per analytic stage
             assert keys_only[stage][node] == KEYS_AHEAD_ROUND  # three with keys ahead alone
             assert before[stage][node] == ["query.keys", *KEYS_AHEAD_ROUND]  # four without either
-        assert (len(after[1][node]), len(keys_only[1][node]), len(before[1][node])) == (9, 11, 13)
+        assert (len(after[1][node]), len(keys_only[1][node]), len(before[1][node])) == (8, 10, 12)
     assert results(ahead) == results(exchanged) == results(keys)
     assert all(not np.isnan(s.accuracy) and "failed" not in s.extra for s in ahead.recorder.stages)
     for a, b, c in zip(w_ahead, w_before, w_keys, strict=True):

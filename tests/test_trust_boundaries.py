@@ -211,6 +211,40 @@ def test_a_node_claiming_another_clients_id_cannot_take_it_over(clean, tmp_path)
     assert strategy.nodes.client_of == {NODE_BASE + 1: 1, NODE_BASE + 2: 2}
 
 
+def test_under_secure_aggregation_the_key_step_is_the_first_contact_and_an_impostor_takes_nothing(tmp_path) -> None:
+    """A secure run sends no ``query.info``: its first key step goes to the nodes not heard from and
+    their key replies are their first contact, every claim settled before any key is identified. An
+    extra node claiming client 0 and answering first gets client 0 contested, as in a plain run:
+    neither node is mapped, neither's keys are in U1, no bundle is dealt to or by them, and the
+    stages are those of clients 1..3 alone (the masked sums need no client 0)."""
+    cfg = config(tmp_path, num_clients=4, secure_aggregation=True)
+    server_identity()
+    grid = LocalGrid(client_app, 4, first_node_id=NODE_BASE)
+    impostor = NODE_BASE - 1
+    forged = Context(
+        run_id=1,
+        node_id=impostor,
+        node_config={"partition-id": 0, "num-partitions": 4},
+        state=RecordDict(),
+        run_config={},
+    )
+    grid.contexts = {impostor: forged, **grid.contexts}  # it answers first
+    strategy = build(cfg)
+    strategy.start(grid)
+    kinds = [m.metadata.message_type for m in grid.sent]
+    assert "query.info" not in kinds and kinds[0] == "query.keys"
+    for stage in strategy.recorder.stages:
+        assert stage.clients == ["client-1", "client-2", "client-3"]
+        assert stage.left_out["client-0"] == f"contested by nodes {impostor}, {NODE_BASE}"
+        assert "failed" not in stage.extra
+    assert strategy.nodes.client_of == {NODE_BASE + n: n for n in (1, 2, 3)}
+    shares = [parse_instruction(m) for m in grid.sent if m.metadata.message_type == "query.shares"]
+    assert shares and all(not {impostor, NODE_BASE} & set(ins.keys) for ins in shares if isinstance(ins, SharesIns))
+    assert {m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "query.shares"} == {
+        NODE_BASE + n for n in (1, 2, 3)
+    }
+
+
 def test_a_mapped_node_claiming_a_second_client_is_rejected_and_named(clean, tmp_path) -> None:
     def claim(m: Message) -> None:
         m.content.metric_records["metrics"]["partition-id"] = 2
