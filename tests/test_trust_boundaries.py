@@ -188,23 +188,29 @@ def test_statistics_of_task_0_replayed_in_task_1_are_rejected(clean, tmp_path) -
 
 
 # ------------------------------------------------------------------------------ identity
-def test_a_node_claiming_another_clients_id_cannot_take_it_over(clean, tmp_path) -> None:
-    """An extra node claims client 0 and answers first: at first contact both claim client 0, so
-    neither is mapped and client 0 is left out, named as contested; the forged data is never used."""
-    cfg = config(tmp_path)
+def run_with_an_impostor(cfg: RunConfig) -> tuple[object, LocalGrid, int]:
+    """Run ``cfg`` on a LocalGrid where an extra node (id NODE_BASE - 1) also serves client 0's
+    partition and answers first; (the strategy, the grid, the impostor's node id)."""
     server_identity()
-    grid = LocalGrid(client_app, 3, first_node_id=NODE_BASE)
+    grid = LocalGrid(client_app, cfg.num_clients, first_node_id=NODE_BASE)
     impostor = NODE_BASE - 1
     forged = Context(
         run_id=1,
         node_id=impostor,
-        node_config={"partition-id": 0, "num-partitions": 3},
+        node_config={"partition-id": 0, "num-partitions": cfg.num_clients},
         state=RecordDict(),
         run_config={},
     )
     grid.contexts = {impostor: forged, **grid.contexts}  # it answers first
     strategy = build(cfg)
     strategy.start(grid)
+    return strategy, grid, impostor
+
+
+def test_a_node_claiming_another_clients_id_cannot_take_it_over(clean, tmp_path) -> None:
+    """An extra node claims client 0 and answers first: at first contact both claim client 0, so
+    neither is mapped and client 0 is left out, named as contested; the forged data is never used."""
+    strategy, _, impostor = run_with_an_impostor(config(tmp_path))
     for stage in strategy.recorder.stages:
         assert stage.clients == ["client-1", "client-2"]
         assert stage.left_out["client-0"] == f"contested by nodes {impostor}, {NODE_BASE}"
@@ -217,20 +223,7 @@ def test_under_secure_aggregation_the_key_step_is_the_first_contact_and_an_impos
     extra node claiming client 0 and answering first gets client 0 contested, as in a plain run:
     neither node is mapped, neither's keys are in U1, no bundle is dealt to or by them, and the
     stages are those of clients 1..3 alone (the masked sums need no client 0)."""
-    cfg = config(tmp_path, num_clients=4, secure_aggregation=True)
-    server_identity()
-    grid = LocalGrid(client_app, 4, first_node_id=NODE_BASE)
-    impostor = NODE_BASE - 1
-    forged = Context(
-        run_id=1,
-        node_id=impostor,
-        node_config={"partition-id": 0, "num-partitions": 4},
-        state=RecordDict(),
-        run_config={},
-    )
-    grid.contexts = {impostor: forged, **grid.contexts}  # it answers first
-    strategy = build(cfg)
-    strategy.start(grid)
+    strategy, grid, impostor = run_with_an_impostor(config(tmp_path, num_clients=4, secure_aggregation=True))
     kinds = [m.metadata.message_type for m in grid.sent]
     assert "query.info" not in kinds and kinds[0] == "query.keys"
     for stage in strategy.recorder.stages:
