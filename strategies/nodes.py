@@ -15,7 +15,8 @@
   and checkpointed (a resumed run keeps it while any of its nodes is still connected, and warns
   when none is; the simulation engine gives its nodes new ids every run, so there it starts
   afresh without a warning). A node claiming a second client, or a client already served by another
-  node, is rejected; two unknown nodes claiming the same client at the same first contact leave
+  node, is rejected (however many new nodes claim it at once: two cannot take a served client
+  out); two unknown nodes claiming the same unserved client at the same first contact leave
   that client *contested*: neither node is mapped, both are named, and the client is left out
   (so an impostor that answers first cannot take over a client, it can only get it excluded).
 * Sampling: train rounds with ``clients-per-round > 0`` go only to the nodes of a seeded sample
@@ -107,11 +108,18 @@ class NodeDirectory:
             self.client_of[node] = client
 
     def first_contact(self, claims: dict[int, int]) -> None:
-        """Map the nodes of one discovery (node -> claimed client); clients claimed twice are contested."""
+        """Map the nodes of one discovery (node -> claimed client); clients claimed twice are
+        contested, unless another node already serves them: then every new claim is rejected (two
+        new nodes cannot take a served client out of the run by both claiming it)."""
         by_client: dict[int, list[int]] = {}
         for node, client in claims.items():
             by_client.setdefault(client, []).append(node)
         for client, nodes in sorted(by_client.items()):
+            holder = self.node_of(client)
+            if holder is not None and holder not in nodes:
+                for node in nodes:
+                    log(WARNING, "node %d: client-%d is served by node %d: rejected", node, client, holder)
+                continue
             if len(nodes) > 1:
                 self.contested[client] = sorted(nodes)
                 log(

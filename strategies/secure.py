@@ -442,13 +442,15 @@ class SecureRounds:
         logged and left out."""
         answers: dict[int, Reply] = {}
         replies = exchange(grid, sent, timeout)
+        asked = {m.metadata.dst_node_id for m in sent}
         received = list(replies)
         if kind is Kind.KEYS:  # first contact: map the nodes not heard from by their claims, all at once
-            asked = {m.metadata.dst_node_id for m in sent}
             host.settle_claims(received, lambda node: header if node in asked else None, kind)
         for message in received:
             node = message.metadata.src_node_id
             try:
+                if node not in asked:  # it claims nothing, whatever it says (the step went to others)
+                    raise ProtocolError("a reply from a node this step was not sent to")
                 reply = parse_reply(message, header, kind)
                 client = host.identify(node, reply)
             except ProtocolError as err:

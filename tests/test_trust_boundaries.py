@@ -521,3 +521,72 @@ def test_an_undecodable_array_in_a_record_the_method_ignores_is_rejected_not_a_c
         for r in caplog.records
     )
     assert len(strategy.recorder.stages) == 2 and all(s.accuracy > 0 for s in strategy.recorder.stages)
+
+
+def test_a_key_reply_from_a_node_that_was_not_asked_claims_nothing(tmp_path) -> None:
+    """A reply to the first key step whose sender is a node the step was not sent to (a forged
+    sender: Flower's SuperLink refuses one, a compromised one would not) is rejected before it is
+    parsed: it maps no node and brings no keys into the round, and the client whose reply it was
+    stays with its own node."""
+    ghost = NODE_BASE - 5
+    forged: list[int] = []
+
+    def tamper(delivered: list[Message], replies: list[Message]) -> list[Message]:
+        if not forged and delivered[0].metadata.message_type == "query.keys":
+            for m in replies:
+                if m.metadata.src_node_id == NODE_BASE:  # client 0's node's reply, sent as from the ghost
+                    m.metadata.__dict__["_src_node_id"] = ghost
+                    forged.append(ghost)
+        return replies
+
+    server_identity()
+    cfg = config(tmp_path, num_tasks=2, num_clients=4, secure_aggregation=True)
+    grid = LocalGrid(client_app, 4, first_node_id=NODE_BASE, tamper=tamper)
+    strategy = build(cfg)
+    strategy.start(grid)
+    assert forged
+    assert ghost not in strategy.nodes.client_of
+    shares = [parse_instruction(m) for m in grid.sent if m.metadata.message_type == "query.shares"]
+    assert all(isinstance(ins, SharesIns) and ghost not in ins.keys for ins in shares)
+    left_out = strategy.recorder.stages[0].left_out  # client 0's own reply never came: it sits stage 1 out
+    assert left_out[f"node-{ghost}"] == "secagg-keys: a reply from a node this step was not sent to"
+    assert set(left_out) == {f"node-{ghost}", "client-0"}
+    assert strategy.recorder.stages[1].clients == [f"client-{c}" for c in range(4)]
+    assert strategy.nodes.client_of[NODE_BASE] == 0
+
+
+def test_two_new_nodes_claiming_a_served_client_cannot_take_it_out(tmp_path) -> None:
+    """Two nodes that join after client 0's node was mapped and both claim client 0 are rejected
+    (a client already served by another node is not theirs to contest): client 0 keeps its node and
+    every stage."""
+    cfg = config(tmp_path, num_tasks=2)
+    server_identity()
+    grid = LocalGrid(client_app, cfg.num_clients, first_node_id=NODE_BASE)
+    joined: list[int] = []
+
+    def join(task: int) -> None:
+        if task == 1 and not joined:
+            for node in (NODE_BASE - 1, NODE_BASE - 2):
+                grid.contexts[node] = Context(
+                    run_id=1,
+                    node_id=node,
+                    node_config={"partition-id": 0, "num-partitions": cfg.num_clients},
+                    state=RecordDict(),
+                    run_config={},
+                )
+                joined.append(node)
+
+    strategy = build(cfg)
+    begin = strategy.begin_round
+
+    def begin_round(plan):
+        join(plan.task)
+        return begin(plan)
+
+    strategy.begin_round = begin_round
+    strategy.start(grid)
+    assert joined
+    assert strategy.nodes.contested == {}
+    assert strategy.nodes.client_of[NODE_BASE] == 0 and not set(joined) & set(strategy.nodes.client_of)
+    for stage in strategy.recorder.stages:
+        assert stage.clients == [f"client-{c}" for c in range(cfg.num_clients)]
