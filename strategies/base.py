@@ -363,10 +363,11 @@ class StagedStrategy(Strategy):
             nodes = [n for n in nodes if only is None or n in only]  # a step for named nodes asks nobody else
             if not nodes:
                 return
-            # a key step's small replies are all read at once anyway; a round's are then all held
-            # at once, so no more than a stream's window of them
-            rides = self.reaches_every_node(plan) if first_contact else not side and len(connected) <= WINDOW
-            if rides and (first_contact or self.first_contact_rides(plan)):
+            if first_contact:  # a key step's small replies are all read at once anyway
+                rides = self.reaches_every_node(plan)
+            else:  # a round's replies are then all held at once: no more than a stream's window
+                rides = not side and len(connected) <= WINDOW and self.first_contact_rides(plan)
+            if rides:
                 unknown.extend(nodes)
             else:
                 self.discover(grid, nodes)

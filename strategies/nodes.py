@@ -115,8 +115,8 @@ class NodeDirectory:
         for node, client in claims.items():
             by_client.setdefault(client, []).append(node)
         for client, nodes in sorted(by_client.items()):
-            holder = self.node_of(client)
-            if holder is not None and holder not in nodes:
+            holder = self.node_of(client)  # (the nodes claiming here are all unmapped)
+            if holder is not None:
                 for node in nodes:
                     log(WARNING, "node %d: client-%d is served by node %d: rejected", node, client, holder)
                 continue

@@ -523,28 +523,38 @@ def test_an_undecodable_array_in_a_record_the_method_ignores_is_rejected_not_a_c
     assert len(strategy.recorder.stages) == 2 and all(s.accuracy > 0 for s in strategy.recorder.stages)
 
 
+def secure_run_with_first_key_reply_changed(tmp_path: Path, change) -> tuple[object, LocalGrid]:
+    """A secure run of 4 clients, 2 tasks, in which ``change`` alters client 0's node's reply to the
+    run's first key step (its first contact); (the strategy, the grid)."""
+    changed: list[int] = []
+
+    def tamper(delivered: list[Message], replies: list[Message]) -> list[Message]:
+        if not changed and delivered[0].metadata.message_type == "query.keys":
+            for m in replies:
+                if m.metadata.src_node_id == NODE_BASE:
+                    change(m)
+                    changed.append(NODE_BASE)
+        return replies
+
+    server_identity()
+    grid = LocalGrid(client_app, 4, first_node_id=NODE_BASE, tamper=tamper)
+    strategy = build(config(tmp_path, num_tasks=2, num_clients=4, secure_aggregation=True))
+    strategy.start(grid)
+    assert changed
+    return strategy, grid
+
+
 def test_a_key_reply_from_a_node_that_was_not_asked_claims_nothing(tmp_path) -> None:
     """A reply to the first key step whose sender is a node the step was not sent to (a forged
     sender: Flower's SuperLink refuses one, a compromised one would not) is rejected before it is
     parsed: it maps no node and brings no keys into the round, and the client whose reply it was
     stays with its own node."""
     ghost = NODE_BASE - 5
-    forged: list[int] = []
 
-    def tamper(delivered: list[Message], replies: list[Message]) -> list[Message]:
-        if not forged and delivered[0].metadata.message_type == "query.keys":
-            for m in replies:
-                if m.metadata.src_node_id == NODE_BASE:  # client 0's node's reply, sent as from the ghost
-                    m.metadata.__dict__["_src_node_id"] = ghost
-                    forged.append(ghost)
-        return replies
+    def forge(m: Message) -> None:  # client 0's node's reply, sent as from the ghost
+        m.metadata.__dict__["_src_node_id"] = ghost
 
-    server_identity()
-    cfg = config(tmp_path, num_tasks=2, num_clients=4, secure_aggregation=True)
-    grid = LocalGrid(client_app, 4, first_node_id=NODE_BASE, tamper=tamper)
-    strategy = build(cfg)
-    strategy.start(grid)
-    assert forged
+    strategy, grid = secure_run_with_first_key_reply_changed(tmp_path, forge)
     assert ghost not in strategy.nodes.client_of
     shares = [parse_instruction(m) for m in grid.sent if m.metadata.message_type == "query.shares"]
     assert all(isinstance(ins, SharesIns) and ghost not in ins.keys for ins in shares)
@@ -590,3 +600,28 @@ def test_two_new_nodes_claiming_a_served_client_cannot_take_it_out(tmp_path) -> 
     assert strategy.nodes.client_of[NODE_BASE] == 0 and not set(joined) & set(strategy.nodes.client_of)
     for stage in strategy.recorder.stages:
         assert stage.clients == [f"client-{c}" for c in range(cfg.num_clients)]
+
+
+def _drop_header(m: Message) -> None:
+    del m.content.config_records["header"]
+
+
+def _earlier_round(m: Message) -> None:
+    m.content.config_records["header"]["round"] = 0  # a reply to another round, replayed
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [(_drop_header, "message has no 'header' record"), (_earlier_round, "reply is for server round 0")],
+)
+def test_a_bad_key_reply_at_first_contact_maps_nothing_and_the_node_joins_later(tmp_path, change, reason) -> None:
+    """The first key step is a node's first contact under secure aggregation: a reply to it that
+    does not parse (no header, or a replay of another round) maps nobody, brings no keys and is
+    named with its reason; the round runs on the others and the node is mapped at the next key step."""
+    strategy, grid = secure_run_with_first_key_reply_changed(tmp_path, change)
+    first = strategy.recorder.stages[0]
+    assert "client-0" not in first.clients and reason in first.left_out[f"node-{NODE_BASE}"]
+    shares = [parse_instruction(m) for m in grid.sent if m.metadata.message_type == "query.shares"]
+    assert isinstance(shares[0], SharesIns) and NODE_BASE not in shares[0].keys
+    assert strategy.recorder.stages[1].clients == [f"client-{c}" for c in range(4)]
+    assert strategy.nodes.client_of[NODE_BASE] == 0
