@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .errors import AnalyticInputError
-from .packing import packed_blocks, packed_length, row_offset
+from .packing import copy_rows, packed_length
 
 __all__ = [
     "FactorGram",
@@ -119,9 +119,13 @@ class FactorGram:
 def factor_gram(factor: Tensor, dim: int) -> FactorGram:
     """The statistics of ``factor`` (rows × (M + c)), M = ``dim``, in float64.
 
-    G is built straight into its packed upper triangle, one block of rows at a time (a product of
-    the factor's columns a..b-1 with columns a..M-1), so no M × M matrix is formed: n M² flops
-    for n rows, against (M + c)³/3 for a Cholesky factorisation of J.
+    G is built straight into its packed upper triangle, one block of ``_ROWS`` rows at a time (a
+    product of the factor's columns a..b-1 with columns a..M-1 into one reused buffer, whose rows
+    go to their packed slices; ``packing.gram_packed_``'s layout), so no M × M matrix is formed:
+    n M² flops for n rows, against (M + c)³/3 for a Cholesky factorisation of J. The signs are
+    read from the same block while it is in cache (issue 30: the whole M × M product, its boolean
+    mask and its scaled copies as fresh 32 MiB buffers cost ~55 ms an upload at M = 2000, n = 14;
+    ~10 ms now).
     """
     if factor.dim() != 2 or not 0 <= dim <= int(factor.shape[1]):
         raise AnalyticInputError(f"factor must be rows x (M + c) with M = {dim}, got shape {tuple(factor.shape)}")
@@ -130,21 +134,34 @@ def factor_gram(factor: Tensor, dim: int) -> FactorGram:
     inv = _inverse_or_zero(torch.linalg.vector_norm(phi, dim=0)).numpy()
     packed = torch.empty(packed_length(dim), dtype=torch.float64)
     out, lowest, energy = packed.numpy(), 0.0, 0.0
-    for a, b, mask in packed_blocks(dim):
-        block = (phi[:, a:b].T @ phi[:, a:]).numpy()
-        out[row_offset(a, dim) : row_offset(b, dim)] = block[mask]
-        if float(block.min()) < 0:  # scaled only where some entry is negative (a block is never empty)
-            scaled = block * inv[a:b, None]
+    rows = min(_ROWS, max(dim, 1))
+    buffer = torch.empty(rows * dim, dtype=torch.float64)
+    scratch = np.empty(rows * dim, dtype=np.float64)
+    transposed = phi.T
+    for a in range(0, dim, _ROWS):
+        b = min(dim, a + _ROWS)
+        block = buffer[: (b - a) * (dim - a)].view(b - a, dim - a)
+        torch.mm(transposed[a:b], phi[:, a:], out=block)
+        values = block.numpy()
+        copy_rows(values, a, dim, out)
+        if float(values.min()) < 0:  # scaled only where some entry is negative
+            scaled = np.minimum(values, 0.0, out=scratch[: values.size].reshape(values.shape))
+            scaled *= inv[a:b, None]
             scaled *= inv[None, a:]
             lowest = min(lowest, float(scaled.min()))
-            upper = np.minimum(scaled[mask], 0.0)  # each entry once (the diagonal is never negative)
-            energy += 2.0 * float(upper @ upper)
+            scaled *= scaled
+            # the block's leading (b - a) square is G[a:b, a:b], both triangles (its diagonal is a
+            # sum of squares, never negative); the columns beyond it are upper entries, doubled
+            energy += float(scaled[:, : b - a].sum()) + 2.0 * float(scaled[:, b - a :].sum())
     sums = phi.T @ y
     label_gram = y.T @ y
     label_inv = _inverse_or_zero(torch.sqrt(torch.diagonal(label_gram)))  # a diagonal of squares: >= 0
     scaled_sums = sums * torch.from_numpy(inv)[:, None] * label_inv[None, :]
     lowest_sums = min(0.0, float(scaled_sums.min())) if scaled_sums.numel() else 0.0
     return FactorGram(packed, sums, label_gram, lowest, lowest_sums, energy)
+
+
+_ROWS = 64  # rows of G per product block: 64 × M float64 (1 MiB at M = 2000), one reused buffer
 
 
 def _inverse_or_zero(norms: Tensor) -> Tensor:

@@ -24,6 +24,7 @@ from .errors import AnalyticInputError
 
 __all__ = [
     "add_packed_",
+    "copy_rows",
     "diagonal_of_packed",
     "gram_packed_",
     "pack_symmetrised",
@@ -113,11 +114,11 @@ def pack_symmetrised(gram: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         for c in range(a, dim, _TILE):  # + Gᵀ, one square tile at a time (cache-friendly transposes)
             block[:, c - a : c - a + _TILE] += g[c : c + _TILE, a:b].T
         block *= 0.5
-        _copy_rows(block, a, dim, o)
+        copy_rows(block, a, dim, o)
     return out
 
 
-def _copy_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
+def copy_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
     """Rows a.. of the upper triangle from ``block`` = G[a:a + rows, a:] into the packed ``out``
     (rounded to its dtype): the rows' slices laid end to end by one ``np.concatenate``, whose loop
     runs in C (a Python slice assignment per row cost ~2 µs a row, most of a small client's packing;
@@ -132,7 +133,7 @@ def _copy_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
 
 
 def _add_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
-    """:func:`_copy_rows`, adding into ``out`` instead of overwriting it (each entry added once)."""
+    """:func:`copy_rows`, adding into ``out`` instead of overwriting it (each entry added once)."""
     rows = block.shape[0]
     if rows:
         target = out[row_offset(a, dim) : row_offset(a + rows, dim)]
@@ -176,7 +177,7 @@ def gram_packed_(out: np.ndarray, phi: Tensor, *, accumulate: bool) -> np.ndarra
         if not accumulate:
             out[:] = 0
         return out
-    write = _add_rows if accumulate else _copy_rows
+    write = _add_rows if accumulate else copy_rows
     buffer = torch.empty(min(_GRAM_ROWS, dim) * dim, dtype=torch.float64, device="cpu")
     transposed = phi.T
     for a in range(0, dim, _GRAM_ROWS):
