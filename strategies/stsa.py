@@ -52,15 +52,15 @@ from fcl_flower.analytic.checks import (
     NOT_PSD,
     StatisticsRejected,
     check_counts,
-    check_factor_statistics,
     check_packed_statistics,
     gram_check_epsilon,
     negative_bound,
+    screen_factor_statistics,
     screen_packed_statistics,
     wire_epsilon,
 )
 from fcl_flower.analytic.kernel import FactorStack
-from fcl_flower.analytic.packing import diagonal_of_packed
+from fcl_flower.analytic.packing import diagonal_of_packed, gram_packed_
 from fcl_flower.analytic.ridge import RidgeState, product_rounding_bound, sum_rounding_bound
 from fcl_flower.analytic.unlearning import replace_upload
 from fcl_flower.config import RunConfig
@@ -120,16 +120,31 @@ class Upload:
     bound: float | None
 
 
+NO_GRAM = torch.empty(0, dtype=torch.float64)  # the G of a checked factor upload: never made alone (TaskSum)
+
+
 class TaskSum:
     """Running Σ_k of one task's uploads: packed G, class sums and counts in float64, n, and (for
     noisy counts) the running sum of the counts and the number of uploads whose noise went in; with
     factor uploads also the factors themselves (for the kernel solve), up to ``max_rows`` rows
     (None once one upload came without a factor or the cap is passed). With a ``spool`` every
-    upload is kept until :meth:`STSAStrategy.certify_round` has certified the sum."""
+    upload is kept until :meth:`STSAStrategy.certify_round` has certified the sum (a factor upload
+    as its class sums and counts: its factor is kept anyway).
 
-    def __init__(self, dim: int, classes: int, max_rows: int = 0, spool: UploadSpool | None = None) -> None:
+    A factor upload's G is never made on its own (issue 30): its feature rows F_Φ are stacked as
+    they come, and G gets the sum of the stacked rows' products by one product
+    (``packing.gram_packed_``: one block of rows at a time) whenever G is read or M/2 rows wait,
+    with its negative rounding clamped to 0 where the features are ReLU (``clamp``, as the factor
+    check clamps one upload's, :func:`~fcl_flower.analytic.factor.factor_packed_gram`). The same
+    uploads in the same order make the same numbers. What this adds to the sum's certified bound:
+    the product's rounding and that of the clamp, each at most γ_N tr(Φ_stackᵀΦ_stack) for its
+    N rows (:func:`~fcl_flower.analytic.ridge.product_rounding_bound`), and one float64 addition."""
+
+    def __init__(
+        self, dim: int, classes: int, max_rows: int = 0, spool: UploadSpool | None = None, clamp: bool = False
+    ) -> None:
         self.dim = dim
-        self.gram = torch.zeros(packed_length(dim), dtype=torch.float64)
+        self._gram = torch.zeros(packed_length(dim), dtype=torch.float64)
         self.sums = torch.zeros(dim, classes, dtype=torch.float64)
         self.counts = torch.zeros(classes, dtype=torch.float64)
         self.count = 0
@@ -140,7 +155,18 @@ class TaskSum:
         self.max_rows = max_rows
         self.factors: list[torch.Tensor] | None = [] if max_rows > 0 else None
         self.spool = spool
+        self.clamp = clamp
         self.kept: list[Upload] = []
+        self._stacked: list[torch.Tensor] = []  # factor rows F_Φ (float64) whose product G still lacks
+        self._stacked_rows = 0
+        self._stacked_trace = 0.0
+        self.stacked_bound = 0.0  # what the products of stacked factor rows added to negative_bound
+
+    @property
+    def gram(self) -> torch.Tensor:
+        """The packed float64 G of every upload added so far."""
+        self._flush()
+        return self._gram
 
     def add(
         self,
@@ -150,13 +176,24 @@ class TaskSum:
         factor: torch.Tensor | None = None,
         negative_bound: float | None = math.inf,
     ) -> None:
-        # summed in float64, with that addition's rounding (NumPy adds a float32 upload in one
-        # pass, the same numbers as torch's mixed-dtype add at a third of its time)
-        np.add(self.gram.numpy(), stats.gram_packed.numpy(), out=self.gram.numpy())
+        """Add one checked upload: ``stats`` (for a factor upload, its G unused) and, for a factor
+        upload, its ``factor``."""
+        exact = None if factor is None else factor.to(torch.float64, copy=True)
+        if exact is None:
+            # summed in float64, with that addition's rounding (NumPy adds a float32 upload in one
+            # pass, the same numbers as torch's mixed-dtype add at a third of its time)
+            np.add(self._gram.numpy(), stats.gram_packed.numpy(), out=self._gram.numpy())
+        else:
+            rows = exact[:, : self.dim]
+            self._stacked.append(rows)
+            self._stacked_rows += int(rows.shape[0])
+            self._stacked_trace += float((rows * rows).sum())
+            if self._stacked_rows >= max(self.dim // 2, 1):
+                self._flush()
         if negative_bound is None:
             self.screened += 1
         else:
-            trace = float(diagonal_of_packed(self.gram, self.dim).sum())
+            trace = float(diagonal_of_packed(self._gram, self.dim).sum()) + self._stacked_trace
             self.negative_bound += negative_bound + sum_rounding_bound(trace)
         self.sums += stats.class_sums
         self.counts += stats.counts
@@ -164,18 +201,36 @@ class TaskSum:
         self.noisy_count += float(stats.counts.to(torch.float64).sum())
         self.uploads += 1
         if self.factors is not None:
-            rows = sum(int(f.shape[0]) for f in self.factors)
-            if factor is None or rows + int(factor.shape[0]) > self.max_rows:
+            rows_so_far = sum(int(f.shape[0]) for f in self.factors)
+            if exact is None or rows_so_far + int(exact.shape[0]) > self.max_rows:
                 self.factors = None  # this round's sums can no longer be stacked: G solves
             else:
-                self.factors.append(factor.to(torch.float64, copy=True))
+                self.factors.append(exact)
         if self.spool is not None:
-            handle = self.spool.put((stats.gram_packed, stats.class_sums, stats.counts))
-            self.kept.append(Upload(client, num_examples, handle, factor, negative_bound))
+            kept = (
+                (stats.class_sums, stats.counts)
+                if exact is not None
+                else (stats.gram_packed, stats.class_sums, stats.counts)
+            )
+            self.kept.append(Upload(client, num_examples, self.spool.put(kept), factor, negative_bound))
+
+    def _flush(self) -> None:
+        """G += the product of the stacked factor rows (see the class doc)."""
+        if not self._stacked:
+            return
+        gram_packed_(self._gram.numpy(), torch.cat(self._stacked), accumulate=True, clamp=self.clamp)
+        trace = float(diagonal_of_packed(self._gram, self.dim).sum())
+        products = 2.0 * product_rounding_bound(self._stacked_rows, self._stacked_trace)
+        self.stacked_bound += products
+        self.negative_bound += products + sum_rounding_bound(trace)
+        self._stacked, self._stacked_rows, self._stacked_trace = [], 0, 0.0
 
     def stats_of(self, upload: Upload) -> StsaStats:
         assert self.spool is not None
-        gram, sums, counts = self.spool.get(upload.handle)
+        kept = self.spool.get(upload.handle)
+        if len(kept) == 2:  # a factor upload: its G comes from its factor when it is added again
+            return StsaStats(NO_GRAM, *kept)
+        gram, sums, counts = kept
         return StsaStats(gram, sums, counts)
 
     def rebuilt(self, uploads: list[Upload], fresh: TaskSum) -> TaskSum:
@@ -190,7 +245,8 @@ class TaskSum:
         sum (:func:`~strategies.analytic.noisy_total`), and the sums' noise is noted for GCV."""
         assert not self.screened, "a sum of screened uploads goes into the ridge state only once certified"
         samples = rounded_count(self.noisy_count) if strategy.counts_noised else self.count
-        strategy.ridge.add_packed(classes, self.gram, self.sums, samples, self.negative_bound)
+        gram = self.gram  # made whole first: its last product adds to the bound
+        strategy.ridge.add_packed(classes, gram, self.sums, samples, self.negative_bound)
         strategy.note_sums_noise(classes, self.uploads)
         strategy.stack_factors(classes, self.factors)
 
@@ -442,7 +498,7 @@ class STSAStrategy(ForgetRounds):
         if isinstance(stats, StsaFactorStats):
             with upload_checks():
                 check_counts(stats.counts, num_examples)
-                gram, sums = check_factor_statistics(
+                screen = screen_factor_statistics(
                     stats.factor,
                     stats.counts,
                     num_examples,
@@ -451,12 +507,13 @@ class STSAStrategy(ForgetRounds):
                     **self.feature_bounds,
                 )
             # FᵀF is PSD but for the server's float64 product; the factor check's changes to it (label
-            # block, clamped rounding) stay within the Gram check's slack (its doc)
-            diagonal = diagonal_of_packed(gram, self.rf_dim)
+            # block, clamped rounding) stay within the Gram check's slack (its doc). G itself is made
+            # once for the round's stacked factors (TaskSum), which adds that product's rounding.
+            diagonal = screen.diagonal
             slack = 4.0 * (self.rf_dim + int(stats.counts.numel())) * wire_epsilon(wire)
             rows = int(stats.factor.shape[0])
             rounding = product_rounding_bound(rows, float(diagonal.sum()) + float(stats.counts.sum()))
-            return StsaStats(gram, sums, stats.counts), negative_bound(diagonal, slack) + rounding
+            return StsaStats(NO_GRAM, screen.class_sums, stats.counts), negative_bound(diagonal, slack) + rounding
         with upload_checks():
             check_counts(stats.counts, num_examples, noise=noise.counts if noise else 0.0)
             screen_packed_statistics(
@@ -528,7 +585,8 @@ class STSAStrategy(ForgetRounds):
         """Empty running sums of ``task``'s statistics (keeping factors while the stack takes them,
         and every upload in the round's spool until the sum is certified)."""
         room = self.stack.max_rows - self.stack.rows if self.stack is not None else 0
-        return TaskSum(self.rf_dim, len(self.split.tasks[task]), room, self._spool)
+        clamp = bool(self.feature_bounds["nonnegative"])
+        return TaskSum(self.rf_dim, len(self.split.tasks[task]), room, self._spool, clamp)
 
     def open_sums(self, task: int) -> None:
         """Start a round's running sums (those of a failed round are dropped): ``task``'s at once."""
@@ -590,7 +648,7 @@ class STSAStrategy(ForgetRounds):
 
     def certify_subset(self, total: TaskSum, uploads: Sequence[Upload]) -> bool:
         """Whether the sum of ``uploads`` (kept by ``total``) passes the PSD test."""
-        part = total.rebuilt(list(uploads), TaskSum(total.dim, int(total.sums.shape[1])))
+        part = total.rebuilt(list(uploads), TaskSum(total.dim, int(total.sums.shape[1]), clamp=total.clamp))
         return self.certify_sum(part.gram, part.sums, part.counts, part.uploads) is not None
 
     def certify_round(self, fold: PlainFold) -> None:
@@ -644,6 +702,7 @@ class STSAStrategy(ForgetRounds):
                 bounds += bound
         if not found:  # every upload passes alone: the sum keeps the sum of their certificates
             trace = float(diagonal_of_packed(total.gram, total.dim).sum())
+            bounds += total.stacked_bound  # the products of stacked factor rows (TaskSum)
             total.negative_bound, total.screened = bounds + total.uploads * sum_rounding_bound(trace), 0
         return found
 
@@ -660,8 +719,8 @@ class STSAStrategy(ForgetRounds):
         if factors is None or not self.stack.fits(rows):
             self.stack = None
             return
-        for factor in factors:
-            self.stack.add(factor, classes)
+        if factors:  # the round's rows at once: the stack's arrays are copied once a round, not once an upload
+            self.stack.add(torch.cat(factors), classes)
 
     def close_sums(self, task: int) -> None:
         """Add the round's running sums of ``task`` to the ridge state and drop them."""

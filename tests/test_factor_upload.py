@@ -34,11 +34,14 @@ from fcl_flower.analytic.factor import (
     haar_rotation,
     rotated_factor,
 )
+from fcl_flower.analytic.kernel import FactorStack
 from fcl_flower.analytic.packing import diagonal_of_packed
+from fcl_flower.analytic.ridge import product_rounding_bound
 from fcl_flower.config import ConfigError
 from fcl_flower.privacy.noise import noise_generator
 from fcl_flower.protocol import UploadError
-from fcl_flower.protocol.payloads import StsaFactorStats
+from fcl_flower.protocol.payloads import StsaFactorStats, StsaStats
+from strategies.stsa import NO_GRAM, TaskSum
 from tests.conftest import reply_partition, run_in_process, small_config
 
 F64 = torch.float64
@@ -319,9 +322,9 @@ def test_forged_label_block_is_refused_before_the_feature_gram(monkeypatch: pyte
     calls: list[int] = []
     real = checks.factor_gram
 
-    def counted(factor: torch.Tensor, dim: int):
+    def counted(factor: torch.Tensor, dim: int, **options: bool):
         calls.append(dim)
-        return real(factor, dim)
+        return real(factor, dim, **options)
 
     monkeypatch.setattr(checks, "factor_gram", counted)
     _, _, factor, counts = honest()
@@ -531,6 +534,56 @@ def test_an_accepted_factor_always_passes_the_gram_check() -> None:
                 accepted += 1
                 check_packed_statistics(gram, sums, counts, relative_tolerance=eps, **options)
     assert accepted > 20 and refused > 20  # both sides of the line were exercised
+
+
+# --------------------------------------------------------------------------- the server's sum
+def stacked_sum(uploads: list[tuple[torch.Tensor, torch.Tensor]], dim: int, gram_upload=None) -> TaskSum:
+    """A TaskSum of factor uploads (checked as the server checks them), after an optional Gram upload."""
+    total = TaskSum(dim, int(uploads[0][1].numel()), clamp=True)
+    if gram_upload is not None:
+        total.add("gram", gram_upload, int(gram_upload.counts.sum()), None, 0.0)
+    for k, (factor, counts) in enumerate(uploads):
+        _, sums = check(factor, counts, dim, nonnegative=True)
+        total.add(f"client-{k}", StsaStats(NO_GRAM, sums, counts), factor.shape[0], factor, 0.0)
+    return total
+
+
+def test_the_sum_of_factor_uploads_is_one_product_of_their_rows_within_its_bound() -> None:
+    """The server never makes one factor upload's G (issue 30): it stacks their rows and adds one
+    product of them, clamped, whenever G is read or M/2 rows wait. That equals the sum of the
+    uploads' own clamped G to the products' rounding, which the sum's certified bound covers; the
+    same uploads in the same order give the same numbers bit for bit (a rebuilt sum after a
+    culprit); a Gram upload in the same round simply adds."""
+    dim = 50
+    uploads = [honest(rows=12, dim=dim, seed=s)[2:] for s in range(5)]  # 60 rows: flushed at 25 and 50
+    total = stacked_sum(uploads, dim)
+    direct = sum(check(f, c, dim, nonnegative=True)[0] for f, c in uploads)
+    gram = total.gram
+    trace = float(diagonal_of_packed(gram, dim).sum())
+    assert float((gram - direct).abs().max()) <= 2 * product_rounding_bound(60, trace)
+    assert float(gram.min()) >= 0.0  # ReLU features: the clamp leaves no negative rounding
+    assert 0 < total.stacked_bound <= total.negative_bound
+    assert total.stacked_bound >= 2 * product_rounding_bound(12, trace)
+    assert torch.equal(stacked_sum(uploads, dim).gram, gram)
+
+    phi, labels, _, counts = honest(rows=30, dim=dim, seed=9)
+    packed = pack_upper(phi.T @ phi)
+    sums = phi.T @ torch.nn.functional.one_hot(labels, 3).to(F64)
+    mixed = stacked_sum(uploads, dim, StsaStats(packed, sums, counts)).gram
+    assert torch.allclose(mixed, gram + packed, rtol=1e-12, atol=0.0)
+
+
+def test_the_kernel_stack_takes_a_rounds_factors_at_once() -> None:
+    """A round's factors go into the kernel stack as one block (its arrays copied once a round):
+    the same rows and labels as one upload at a time, the kernel to rounding."""
+    dim, classes = 50, 3
+    factors = [honest(rows=10, dim=dim, seed=s)[2] for s in range(4)]
+    one_by_one, at_once = FactorStack.empty(dim, 5, 100), FactorStack.empty(dim, 5, 100)
+    for factor in factors:
+        one_by_one.add(factor, range(2, 2 + classes))
+    at_once.add(torch.cat(factors), range(2, 2 + classes))
+    assert torch.equal(at_once.phi, one_by_one.phi) and torch.equal(at_once.labels, one_by_one.labels)
+    assert torch.allclose(at_once.kernel, one_by_one.kernel, rtol=1e-13, atol=1e-13)
 
 
 # --------------------------------------------------------------------------- the payload

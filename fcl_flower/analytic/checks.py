@@ -87,7 +87,7 @@ from torch import Tensor
 
 from fcl_flower.limits import MAGNITUDE_LIMIT  # entries beyond it could overflow float64 sums of squares
 
-from .factor import factor_gram, factor_max_rows
+from .factor import factor_gram, factor_max_rows, factor_packed_gram
 from .packing import diagonal_of_packed, pack_upper, row_offset, unpack_rows
 
 FALSE_REJECTION = 1e-9  # chance that the noise alone makes an honest upload fail a check (all checks together)
@@ -452,8 +452,44 @@ def check_factor_statistics(
     norm_bound: float = 0.0,
     nonnegative: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """A factor upload F = O[Φ Y] (fcl_flower/analytic/factor.py): check it and return the packed
-    G and C it stands for (float64). Raise StatisticsRejected with the violated property.
+    """:func:`screen_factor_statistics`, then the packed G and the C the factor stands for (float64;
+    with ``nonnegative`` G's negative rounding clamped to 0 as C's): the statistics a Gram upload
+    would have carried."""
+    screen = screen_factor_statistics(
+        factor,
+        counts,
+        num_samples,
+        dim=dim,
+        relative_tolerance=relative_tolerance,
+        norm_bound=norm_bound,
+        nonnegative=nonnegative,
+    )
+    return factor_packed_gram(factor, dim, clamp=nonnegative), screen.class_sums
+
+
+@dataclass(frozen=True)
+class FactorScreen:
+    """What :func:`screen_factor_statistics` accepted: G's diagonal (each feature column's sum of
+    squares) and C (float64; with ReLU features its negative rounding clamped to 0)."""
+
+    diagonal: Tensor
+    class_sums: Tensor
+
+
+def screen_factor_statistics(
+    factor: Tensor,
+    counts: Tensor,
+    num_samples: int,
+    *,
+    dim: int,
+    relative_tolerance: float,
+    norm_bound: float = 0.0,
+    nonnegative: bool = False,
+) -> FactorScreen:
+    """A factor upload F = O[Φ Y] (fcl_flower/analytic/factor.py): check it without making the
+    packed G (its signs come from a product read block by block, ~3 ms an upload at M = 2000,
+    n = 14; the server makes the sum of a round's factors by one product of their stacked rows).
+    Raise StatisticsRejected with the violated property.
 
     FᵀF is positive semidefinite by construction, so no factorisation is needed. What the server
     keeps differs from FᵀF in two places only: the label block is replaced by diag(n_c), and with
@@ -507,9 +543,9 @@ def check_factor_statistics(
     budget = 2.0 * (dim + classes) * relative_tolerance  # half the Gram check's PSD slack
     label_shift = _check_label_block(factor[:, dim:], n, tau, budget)
     _check_no_underflow(factor)
-    stats = factor_gram(factor, dim)
-    gram, sums = stats.gram_packed, stats.class_sums
-    diagonal = diagonal_of_packed(gram, dim)
+    stats = factor_gram(factor, dim, packed=False)
+    sums, diagonal = stats.class_sums, stats.diagonal
+    assert diagonal is not None
     empty = diagonal <= 0
     # Zero energy holds by construction here, so it is not tested again (issue 30: that pass over
     # G was ~5 ms an upload at M = 2000). Every entry is finite, and non-zero ones are at least
@@ -530,12 +566,11 @@ def check_factor_statistics(
                 f"G or the class sums have negative entries beyond a rotation's rounding (scaled norm "
                 f"{math.sqrt(energy):.3g} > {budget - label_shift:.3g}; random ReLU features are >= 0)"
             )
-        gram.clamp_min_(0.0)  # what is left is rounding of true zeros: the Gram form's sign test holds
-        sums.clamp_min_(0.0)
+        sums.clamp_min_(0.0)  # what is left is rounding of true zeros (G's: factor_packed_gram's clamp)
     if norm_bound > 0:
         slack = 4.0 * (dim + classes) * relative_tolerance  # the Gram upload's, exactly
         _check_norm_bound(diagonal, sums, n, norm_bound, slack, 0.0, 0.0, NoiseLevels())
-    return gram, sums
+    return FactorScreen(diagonal, sums)
 
 
 FACTOR_FLOOR = 2.0**-500  # smallest non-zero |F_ij|: products of two entries stay normal (>= 2^-1000)

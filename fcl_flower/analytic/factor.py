@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .errors import AnalyticInputError
-from .packing import copy_rows, packed_length
+from .packing import gram_packed_, packed_length
 
 __all__ = [
     "FactorGram",
@@ -43,6 +43,8 @@ __all__ = [
     "factor_is_smaller",
     "factor_length",
     "factor_max_rows",
+    "factor_packed_gram",
+    "factor_signs",
     "haar_rotation",
     "rotated_factor",
 ]
@@ -101,12 +103,13 @@ def rotated_factor(features: Tensor, labels: Tensor, classes: int, rng: np.rando
 
 @dataclass(frozen=True)
 class FactorGram:
-    """What a factor F = [F_Φ F_Y] stands for: G = F_Φᵀ F_Φ as its packed upper triangle,
-    C = F_Φᵀ F_Y, the label block F_Yᵀ F_Y (diag(n_c) for one-hot labels), all float64, and the
-    most negative entry of G and of C relative to its Cauchy-Schwarz bound: min G_ij / √(G_ii G_jj)
-    and min C_ic / √(G_ii (F_YᵀF_Y)_cc) (0 where a diagonal is 0). ``negative_gram_energy``: the
-    squared Frobenius norm of the negative part of the scaled G, Σ_{i≠j} min(G_ij, 0)² / (G_ii G_jj)
-    over both triangles (what clamping G's negative entries to 0 moves the scaled matrix by)."""
+    """What a factor F = [F_Φ F_Y] stands for: G = F_Φᵀ F_Φ as its packed upper triangle (empty
+    where not asked for), its diagonal, C = F_Φᵀ F_Y, the label block F_Yᵀ F_Y (diag(n_c) for
+    one-hot labels), all float64, and the most negative entry of G and of C relative to its
+    Cauchy-Schwarz bound: min G_ij / √(G_ii G_jj) and min C_ic / √(G_ii (F_YᵀF_Y)_cc) (0 where a
+    diagonal is 0). ``negative_gram_energy``: the squared Frobenius norm of the negative part of the
+    scaled G, Σ_{i≠j} min(G_ij, 0)² / (G_ii G_jj) over both triangles (what clamping G's negative
+    entries to 0 moves the scaled matrix by)."""
 
     gram_packed: Tensor
     class_sums: Tensor
@@ -114,54 +117,83 @@ class FactorGram:
     lowest_gram: float
     lowest_sums: float
     negative_gram_energy: float = 0.0
+    diagonal: Tensor | None = None
 
 
-def factor_gram(factor: Tensor, dim: int) -> FactorGram:
-    """The statistics of ``factor`` (rows × (M + c)), M = ``dim``, in float64.
+def factor_gram(factor: Tensor, dim: int, *, packed: bool = True) -> FactorGram:
+    """The statistics of ``factor`` (rows × (M + c)), M = ``dim``, in float64; G packed only with
+    ``packed`` (the server's check needs G's signs, not G: a sum of factors is made by one product
+    of their stacked rows, strategies/stsa.py).
 
-    G is built straight into its packed upper triangle, one block of ``_ROWS`` rows at a time (a
-    product of the factor's columns a..b-1 with columns a..M-1 into one reused buffer, whose rows
-    go to their packed slices; ``packing.gram_packed_``'s layout), so no M × M matrix is formed:
-    n M² flops for n rows, against (M + c)³/3 for a Cholesky factorisation of J. The signs are
-    read from the same block while it is in cache (issue 30: the whole M × M product, its boolean
-    mask and its scaled copies as fresh 32 MiB buffers cost ~55 ms an upload at M = 2000, n = 14;
-    ~10 ms now).
+    G's diagonal is each feature column's sum of squares. Its signs come from the product of the
+    non-zero columns scaled to unit norm (:func:`factor_signs`; a zero column, a feature no sample
+    activates, has exactly zero products: a third of the features at M = 2000 on digits), G itself from ``packing.gram_packed_``: one
+    block of rows at a time into a reused buffer, no M × M matrix, n M² flops for n rows against
+    (M + c)³/3 for a Cholesky factorisation of J (issue 30: the whole M × M product, its boolean
+    mask and its scaled copies as fresh 32 MiB buffers cost ~55 ms an upload at M = 2000, n = 14).
     """
     if factor.dim() != 2 or not 0 <= dim <= int(factor.shape[1]):
         raise AnalyticInputError(f"factor must be rows x (M + c) with M = {dim}, got shape {tuple(factor.shape)}")
     f = factor.to(torch.float64)
-    phi, y = f[:, :dim], f[:, dim:]
-    inv = _inverse_or_zero(torch.linalg.vector_norm(phi, dim=0)).numpy()
-    packed = torch.empty(packed_length(dim), dtype=torch.float64)
-    out, lowest, energy = packed.numpy(), 0.0, 0.0
-    rows = min(_ROWS, max(dim, 1))
-    buffer = torch.empty(rows * dim, dtype=torch.float64)
-    scratch = np.empty(rows * dim, dtype=np.float64)
-    transposed = phi.T
-    for a in range(0, dim, _ROWS):
-        b = min(dim, a + _ROWS)
-        block = buffer[: (b - a) * (dim - a)].view(b - a, dim - a)
-        torch.mm(transposed[a:b], phi[:, a:], out=block)
-        values = block.numpy()
-        copy_rows(values, a, dim, out)
-        if float(values.min()) < 0:  # scaled only where some entry is negative
-            scaled = np.minimum(values, 0.0, out=scratch[: values.size].reshape(values.shape))
-            scaled *= inv[a:b, None]
-            scaled *= inv[None, a:]
-            lowest = min(lowest, float(scaled.min()))
-            scaled *= scaled
-            # the block's leading (b - a) square is G[a:b, a:b], both triangles (its diagonal is a
-            # sum of squares, never negative); the columns beyond it are upper entries, doubled
-            energy += float(scaled[:, : b - a].sum()) + 2.0 * float(scaled[:, b - a :].sum())
+    phi, y = f[:, :dim].contiguous(), f[:, dim:]
+    diagonal = (phi * phi).sum(dim=0)
+    inv = _inverse_or_zero(diagonal.sqrt())
+    live = diagonal > 0  # a zero column's products are exactly 0: no sign to read there
+    lowest, energy = factor_signs(phi[:, live] * inv[live][None, :])
+    gram = _packed(phi) if packed else torch.empty(0, dtype=torch.float64)
     sums = phi.T @ y
     label_gram = y.T @ y
     label_inv = _inverse_or_zero(torch.sqrt(torch.diagonal(label_gram)))  # a diagonal of squares: >= 0
-    scaled_sums = sums * torch.from_numpy(inv)[:, None] * label_inv[None, :]
+    scaled_sums = sums * inv[:, None] * label_inv[None, :]
     lowest_sums = min(0.0, float(scaled_sums.min())) if scaled_sums.numel() else 0.0
-    return FactorGram(packed, sums, label_gram, lowest, lowest_sums, energy)
+    return FactorGram(gram, sums, label_gram, lowest, lowest_sums, energy, diagonal)
 
 
-_ROWS = 64  # rows of G per product block: 64 × M float64 (1 MiB at M = 2000), one reused buffer
+def factor_packed_gram(factor: Tensor, dim: int, *, clamp: bool = False) -> Tensor:
+    """G = F_Φᵀ F_Φ of ``factor`` (rows × (M + c)), M = ``dim``, packed, float64; with ``clamp`` its
+    negative entries set to 0 (for random ReLU features, whose G is non-negative: what is left is
+    rounding of true zeros, once the signs passed their check)."""
+    if factor.dim() != 2 or not 0 <= dim <= int(factor.shape[1]):
+        raise AnalyticInputError(f"factor must be rows x (M + c) with M = {dim}, got shape {tuple(factor.shape)}")
+    return _packed(factor[:, :dim].to(torch.float64).contiguous(), clamp)
+
+
+def _packed(phi: Tensor, clamp: bool = False) -> Tensor:
+    gram = torch.empty(packed_length(int(phi.shape[1])), dtype=torch.float64)
+    gram_packed_(gram.numpy(), phi, accumulate=False, clamp=clamp)
+    return gram
+
+
+def factor_signs(scaled: Tensor) -> tuple[float, float]:
+    """(the smallest off-diagonal-or-not entry of S = XᵀX, if negative, else 0; Σ_{i≠j} min(S_ij,
+    0)² over both triangles) for ``scaled`` X (n × M float64, its columns scaled to unit norm or
+    zero, so S is G scaled by its diagonal). S is formed one block of ``_ROWS`` rows at a time
+    (rows a..b-1 × columns a..M-1) into one reused buffer and read while the block is in cache:
+    the product, a minimum, a clamp and a dot product. A block holds its leading square S[a:b, a:b]
+    whole (both triangles; the diagonal, a sum of squares, is never negative) and the columns beyond
+    once, so its share is 2 Σ min(S, 0)² less the square's."""
+    if scaled.dim() != 2 or scaled.dtype != torch.float64:
+        raise AnalyticInputError(f"factor_signs needs n x M float64, got {tuple(scaled.shape)} {scaled.dtype}")
+    x = scaled.contiguous()
+    dim = int(x.shape[1])
+    buffer = torch.empty(min(_ROWS, max(dim, 1)) * dim, dtype=torch.float64)
+    lowest, energy, transposed = 0.0, 0.0, x.T
+    for a in range(0, dim, _ROWS):
+        b = min(dim, a + _ROWS)
+        flat = buffer[: (b - a) * (dim - a)]
+        block = flat.view(b - a, dim - a)
+        torch.mm(transposed[a:b], x[:, a:], out=block)
+        low = float(block.min())
+        if low >= 0:
+            continue
+        lowest = min(lowest, low)
+        block.clamp_max_(0.0)
+        square = block[:, : b - a]
+        energy += 2.0 * float(torch.dot(flat, flat)) - float((square * square).sum())
+    return lowest, energy
+
+
+_ROWS = 64  # rows of S per product block: 64 × M float64 (1 MiB at M = 2000), one reused buffer
 
 
 def _inverse_or_zero(norms: Tensor) -> Tensor:

@@ -24,7 +24,6 @@ from .errors import AnalyticInputError
 
 __all__ = [
     "add_packed_",
-    "copy_rows",
     "diagonal_of_packed",
     "gram_packed_",
     "pack_symmetrised",
@@ -114,11 +113,11 @@ def pack_symmetrised(gram: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         for c in range(a, dim, _TILE):  # + Gᵀ, one square tile at a time (cache-friendly transposes)
             block[:, c - a : c - a + _TILE] += g[c : c + _TILE, a:b].T
         block *= 0.5
-        copy_rows(block, a, dim, o)
+        _copy_rows(block, a, dim, o)
     return out
 
 
-def copy_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
+def _copy_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
     """Rows a.. of the upper triangle from ``block`` = G[a:a + rows, a:] into the packed ``out``
     (rounded to its dtype): the rows' slices laid end to end by one ``np.concatenate``, whose loop
     runs in C (a Python slice assignment per row cost ~2 µs a row, most of a small client's packing;
@@ -133,7 +132,7 @@ def copy_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
 
 
 def _add_rows(block: np.ndarray, a: int, dim: int, out: np.ndarray) -> None:
-    """:func:`copy_rows`, adding into ``out`` instead of overwriting it (each entry added once)."""
+    """:func:`_copy_rows`, adding into ``out`` instead of overwriting it (each entry added once)."""
     rows = block.shape[0]
     if rows:
         target = out[row_offset(a, dim) : row_offset(a + rows, dim)]
@@ -159,7 +158,7 @@ def unpack_rows(packed: np.ndarray, a: int, b: int, dim: int, out: np.ndarray) -
     return block.reshape(b - a, width)
 
 
-def gram_packed_(out: np.ndarray, phi: Tensor, *, accumulate: bool) -> np.ndarray:
+def gram_packed_(out: np.ndarray, phi: Tensor, *, accumulate: bool, clamp: bool = False) -> np.ndarray:
     """The packed upper triangle of G = ΦᵀΦ written (or, with ``accumulate``, added) into ``out``
     (1-D, dim(dim+1)/2 entries, any float dtype), straight from the n × dim float64 features.
 
@@ -167,7 +166,9 @@ def gram_packed_(out: np.ndarray, phi: Tensor, *, accumulate: bool) -> np.ndarra
     (one ``torch.mm`` into a reused buffer), whose rows go to their packed slices. So each G_ij
     (i ≤ j) is computed exactly once and G is symmetric by construction (no 0.5·(G + Gᵀ) pass), in
     half the products of ΦᵀΦ, and no M × M matrix is ever formed (issue 30: a fresh 32 MiB buffer,
-    its symmetrisation and packing were most of a small client's cost at M = 2000)."""
+    its symmetrisation and packing were most of a small client's cost at M = 2000). With ``clamp``
+    the negative entries of the product are set to 0 first, block by block (the products of
+    non-negative features' rows turned by a rotation: their negative entries are rounding)."""
     if phi.dim() != 2 or phi.dtype != torch.float64 or phi.device.type != "cpu":
         raise AnalyticInputError(f"gram_packed_ needs 2-D float64 CPU features, got {tuple(phi.shape)} {phi.dtype}")
     dim = int(phi.shape[1])
@@ -177,13 +178,15 @@ def gram_packed_(out: np.ndarray, phi: Tensor, *, accumulate: bool) -> np.ndarra
         if not accumulate:
             out[:] = 0
         return out
-    write = _add_rows if accumulate else copy_rows
+    write = _add_rows if accumulate else _copy_rows
     buffer = torch.empty(min(_GRAM_ROWS, dim) * dim, dtype=torch.float64, device="cpu")
     transposed = phi.T
     for a in range(0, dim, _GRAM_ROWS):
         b = min(dim, a + _GRAM_ROWS)
         block = buffer[: (b - a) * (dim - a)].view(b - a, dim - a)
         torch.mm(transposed[a:b], phi[:, a:], out=block)
+        if clamp:
+            block.clamp_min_(0.0)
         write(block.numpy(), a, dim, out)
     return out
 
