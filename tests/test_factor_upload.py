@@ -41,8 +41,10 @@ from fcl_flower.config import ConfigError
 from fcl_flower.privacy.noise import noise_generator
 from fcl_flower.protocol import UploadError
 from fcl_flower.protocol.payloads import StsaFactorStats, StsaStats
+from strategies import stsa as stsa_strategy
 from strategies.stsa import NO_GRAM, TaskSum
 from tests.conftest import reply_partition, run_in_process, small_config
+from tests.test_sum_certificate import _indefinite_within_cauchy_schwarz
 
 F64 = torch.float64
 
@@ -584,6 +586,80 @@ def test_the_kernel_stack_takes_a_rounds_factors_at_once() -> None:
     at_once.add(torch.cat(factors), range(2, 2 + classes))
     assert torch.equal(at_once.phi, one_by_one.phi) and torch.equal(at_once.labels, one_by_one.labels)
     assert torch.allclose(at_once.kernel, one_by_one.kernel, rtol=1e-13, atol=1e-13)
+
+
+def _as_breaking_gram_upload(reply: Message) -> None:
+    """Turn a factor reply into a Gram upload of the same samples with three features rewired to an
+    indefinite block inside Cauchy–Schwarz, scaled up so that it breaks any sum (it passes the
+    O(M²) screen; only the stage's certificate sees it)."""
+    arrays = reply.content.array_records["arrays"]
+    factor = torch.from_numpy(arrays["gram-factor"].numpy().copy()).to(F64)
+    counts = arrays["counts"].numpy().copy()
+    dim = int(factor.shape[1]) - counts.shape[0]
+    phi, labels = factor[:, :dim], factor[:, dim:]
+    gram = np.maximum((phi.T @ phi).numpy(), 0.0)  # ReLU statistics, without the rotation's rounding
+    active = tuple(int(i) for i in np.argsort(-np.diag(gram))[:3])
+    bad = _indefinite_within_cauchy_schwarz(gram, active, 1e8)  # type: ignore[arg-type]
+    sums = np.maximum((phi.T @ labels).numpy(), 0.0)
+    sums[list(active)] = 0.0
+    for key in list(arrays.keys()):
+        del arrays[key]
+    arrays["gram-packed"] = Array(np.ascontiguousarray(pack_upper(torch.from_numpy(bad)).numpy()))
+    arrays["class-sums"] = Array(np.ascontiguousarray(sums))
+    arrays["counts"] = Array(counts)
+
+
+def test_a_gram_upload_that_breaks_a_round_of_factors_is_named_without_redoing_their_products(
+    out_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A factor run where client 1 sends, in stage 2, a Gram upload that passes the screen but
+    breaks the sum: the certificate fails, and halving runs over the screened (Gram) uploads only
+    (a factor upload is PSD by construction and carries its bound), so no product of factor rows
+    is made while a subset is tested (they are made for the sum, and for the sum rebuilt without
+    the culprit); the culprit is named and the stage's W is exactly that of a run where its reply
+    never came."""
+    products: list[int] = []
+    real = stsa_strategy.gram_packed_
+
+    def counted(out: np.ndarray, phi: torch.Tensor, **options: bool) -> np.ndarray:
+        products.append(int(phi.shape[0]))
+        return real(out, phi, **options)
+
+    halving: list[int] = []  # products made while a subset is tested
+    subset = stsa_strategy.STSAStrategy.certify_subset
+
+    def certify_subset(self: stsa_strategy.STSAStrategy, total: TaskSum, uploads: list) -> bool:
+        before = len(products)
+        try:
+            return subset(self, total, uploads)
+        finally:
+            halving.append(len(products) - before)
+
+    monkeypatch.setattr(stsa_strategy, "gram_packed_", counted)
+    monkeypatch.setattr(stsa_strategy.STSAStrategy, "certify_subset", certify_subset)
+    cfg = small_config(
+        out_dir, rf_dim=FACTOR_DIM, stats_form="factor", noise_seeded=True
+    )  # every other upload a factor
+
+    def tamper(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        for reply in replies:
+            if task == 1 and phase == "stsa-stats" and not reply.has_error() and reply_partition(reply) == 1:
+                _as_breaking_gram_upload(reply)
+        return replies
+
+    bad = run_in_process(cfg.replace(run_name="breaks"), tamper)
+    stage = bad.recorder.stages[1]
+    assert stage.extra["sum_certificate"]["culprits"] == ["client-1"]
+    assert "PSD certificate" in stage.left_out["client-1"]
+    assert halving and halving == [0] * len(halving)  # the one screened upload, tested alone
+    assert products  # the factors' sums were made
+
+    def dropped(task: int, phase: str, replies: list[Message]) -> list[Message]:
+        keep = task != 1 or phase != "stsa-stats"
+        return [r for r in replies if keep or r.has_error() or reply_partition(r) != 1]
+
+    reference = run_in_process(cfg.replace(run_name="dropped"), dropped)
+    assert torch.equal(bad.stage_weights[1], reference.stage_weights[1])
 
 
 # --------------------------------------------------------------------------- the payload
