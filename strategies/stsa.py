@@ -136,7 +136,8 @@ class TaskSum:
     (``packing.gram_packed_``: one block of rows at a time) whenever G is read or M/2 rows wait,
     with its negative rounding clamped to 0 where the features are ReLU (``clamp``, as the factor
     check clamps one upload's, :func:`~fcl_flower.analytic.factor.factor_packed_gram`). The same
-    uploads in the same order make the same numbers. What this adds to the sum's certified bound:
+    uploads added in the same order, G read only once they are all in (as the server does), make
+    the same numbers. What this adds to the sum's certified bound:
     the product's rounding and that of the clamp, each at most γ_N tr(Φ_stackᵀΦ_stack) for its
     N rows (:func:`~fcl_flower.analytic.ridge.product_rounding_bound`), and one float64 addition."""
 
