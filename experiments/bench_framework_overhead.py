@@ -4,6 +4,8 @@
     python experiments/bench_framework_overhead.py --no-ray   # skip the Ray simulation
     python -m experiments.bench_framework_overhead --rf-dim 2000 --num-clients 20   # issue 30's target
     python -m experiments.bench_framework_overhead --server-scaling --rf-dim 4000   # server work, K = 10..50
+    python -m experiments.bench_framework_overhead --rf-dim 2000 --num-clients 20 --stats-form factor
+        # the same with factor uploads (stats-form factor: ~14 rows of F = O[Φ Y] a client and stage)
 
 Config: STSA on digits, 5 tasks, 5 clients, stage1-rounds 0 (the seeded backbone stays frozen,
 so every stage is exactly one statistics round + solve + evaluation), fixed ridge.
@@ -44,7 +46,8 @@ each n = 20 random ReLU feature rows, packed float32 as on the wire) for K = 10,
 per upload screen + add, then the certificate of the sum and one solve; least-squares fit
 T(K) = a + b·K, next to the time of adding alone (writes bench_server_scaling-M<M>.json).
 Writes experiments/results/bench_framework_overhead.json (other sizes:
-bench_framework_overhead-M<M>-K<clients>.json).
+bench_framework_overhead-M<M>-K<clients>.json; ``-threads<T>`` with ``--threads``, ``-factor``
+with ``--stats-form factor``).
 """
 
 from __future__ import annotations
@@ -210,17 +213,41 @@ def ray_stage_times(cfg: RunConfig, num_cpus: float) -> tuple[list[float], float
 
 def transport_floor_stage_times(cfg: RunConfig, engine: str, num_cpus: float = 1.0) -> tuple[list[float], float]:
     """Flower's transport floor of ``cfg``'s stages on ``engine`` ("local" or "ray"):
-    experiments/transport_floor.py's rounds with the stages' upload sizes; (seconds, run total)."""
+    experiments/transport_floor.py's rounds with the stages' upload sizes; (seconds, run total).
+    With ``stats-form factor`` each node's array has the length of the stage's mean factor upload,
+    n̄ (M + c) + c for the clients' mean number of samples n̄ (the floor app's array has a Gram
+    upload's length for some dimension: the smallest whose length is at least that)."""
     from experiments import transport_floor
     from fcl_flower.runtime import federated_split
 
-    sizes = [(cfg.rf_dim, len(classes)) for classes in federated_split(cfg).tasks]
+    split = federated_split(cfg)
+    sizes = [(cfg.rf_dim, len(classes)) for classes in split.tasks]
+    if cfg.stats_form == "factor":
+        sizes = [_same_length(factor_upload_length(cfg, split, task), c) for task, (_, c) in enumerate(sizes)]
     began = time.perf_counter()
     if engine == "ray":
         seconds = transport_floor.run_ray(sizes, cfg.num_clients, num_cpus=num_cpus)
     else:
         seconds = transport_floor.run_local(sizes, cfg.num_clients)
     return seconds, time.perf_counter() - began
+
+
+def factor_upload_length(cfg: RunConfig, split: Any, task: int) -> int:
+    """The numbers of a factor upload of ``task`` from a client with the mean number of samples."""
+    from fcl_flower.analytic.factor import factor_length
+
+    rows = [len(split.client_train(task, k)) for k in range(cfg.num_clients)]
+    return factor_length(round(sum(rows) / len(rows)), cfg.rf_dim, len(split.tasks[task]))
+
+
+def _same_length(length: int, classes: int) -> tuple[int, int]:
+    """(the smallest dimension m whose Gram upload with ``classes`` classes has >= ``length`` numbers, classes)."""
+    from experiments.transport_floor import upload_length
+
+    dim = 1
+    while upload_length(dim, classes) < length:
+        dim += 1
+    return dim, classes
 
 
 #: the engines that have a transport floor of their own: engine -> its floor's engine
@@ -324,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=("gram", "factor"),
         default="gram",
         help="The uploads of the local and ray engines (run config stats-form). With factor, the engines that "
-        "model Gram uploads (direct, direct + upload checks and both transport floors) are not run.",
+        "model Gram uploads (direct, direct + upload checks) are not run, and the transport floors move arrays "
+        "of a factor upload's length (the clients' mean number of samples).",
     )
     parser.add_argument("--out", help="JSON path (default experiments/results/bench_framework_overhead.json).")
     args = parser.parse_args(argv)
@@ -374,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         runners["ray"] = lambda i: ray_stage_times(cfg.replace(run_name=f"ray-{i}"), args.num_cpus)
         runners["flower floor (ray)"] = lambda i: transport_floor_stage_times(cfg, "ray", args.num_cpus)
     if args.stats_form == "factor":  # these model Gram uploads
-        for gram_only in ("direct", "direct + upload checks", "flower floor (local)", "flower floor (ray)"):
+        for gram_only in ("direct", "direct + upload checks"):
             runners.pop(gram_only, None)
     for repeat in range(args.repeats):  # A B C D E, A B C D E, ...
         for name, run in runners.items():
