@@ -443,28 +443,13 @@ FLOAT64_UNIT = 2.0**-53  # unit roundoff of the server's own float64 products
 
 
 def check_factor_statistics(
-    factor: Tensor,
-    counts: Tensor,
-    num_samples: int,
-    *,
-    dim: int,
-    relative_tolerance: float,
-    norm_bound: float = 0.0,
-    nonnegative: bool = False,
+    factor: Tensor, counts: Tensor, num_samples: int, *, dim: int, **options: Any
 ) -> tuple[Tensor, Tensor]:
-    """:func:`screen_factor_statistics`, then the packed G and the C the factor stands for (float64;
-    with ``nonnegative`` G's negative rounding clamped to 0 as C's): the statistics a Gram upload
-    would have carried."""
-    screen = screen_factor_statistics(
-        factor,
-        counts,
-        num_samples,
-        dim=dim,
-        relative_tolerance=relative_tolerance,
-        norm_bound=norm_bound,
-        nonnegative=nonnegative,
-    )
-    return factor_packed_gram(factor, dim, clamp=nonnegative), screen.class_sums
+    """:func:`screen_factor_statistics` (``options``: its ``relative_tolerance``, ``norm_bound`` and
+    ``nonnegative``), then the packed G and the C the factor stands for (float64; with
+    ``nonnegative`` G's negative rounding clamped to 0 as C's): what a Gram upload would carry."""
+    screen = screen_factor_statistics(factor, counts, num_samples, dim=dim, **options)
+    return factor_packed_gram(factor, dim, clamp=bool(options.get("nonnegative", False))), screen.class_sums
 
 
 @dataclass(frozen=True)
