@@ -10,8 +10,9 @@ Untrusted uploads. Every upload (G, C, class counts) is checked before it is add
 (fcl_flower/analytic/checks.py: the statistics of *some* dataset, magnitudes that cannot overflow,
 the feature norm bound); a failing upload is rejected alone, with its reason. A factor upload
 (``stats-form factor``: F = O[Φ Y], FᵀF = J) is PSD by construction: it is checked without a
-factorisation (:func:`~fcl_flower.analytic.checks.check_factor_statistics`) and then added as the
-packed G and C it stands for. While every upload of the run is a factor and their rows number at
+factorisation and without making its G (:func:`~fcl_flower.analytic.checks.screen_factor_statistics`
+reads G's signs only); its C is added, its rows are stacked, and G gets one product of a round's
+stacked rows (:class:`TaskSum`). While every upload of the run is a factor and their rows number at
 most M/2, the server also keeps those rows in memory (never in a checkpoint) and solves with a
 fixed γ through the N × N kernel (:mod:`fcl_flower.analytic.kernel`: the same W, N³ instead of M³).
 
