@@ -530,7 +530,6 @@ def screen_factor_statistics(
     _check_no_underflow(factor)
     stats = factor_gram(factor, dim, packed=False)
     sums, diagonal = stats.class_sums, stats.diagonal
-    assert diagonal is not None
     empty = diagonal <= 0
     # Zero energy holds by construction here, so it is not tested again (issue 30: that pass over
     # G was ~5 ms an upload at M = 2000). Every entry is finite, and non-zero ones are at least

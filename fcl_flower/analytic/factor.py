@@ -116,8 +116,8 @@ class FactorGram:
     label_gram: Tensor
     lowest_gram: float
     lowest_sums: float
-    negative_gram_energy: float = 0.0
-    diagonal: Tensor | None = None
+    negative_gram_energy: float
+    diagonal: Tensor
 
 
 def factor_gram(factor: Tensor, dim: int, *, packed: bool = True) -> FactorGram:
@@ -127,9 +127,9 @@ def factor_gram(factor: Tensor, dim: int, *, packed: bool = True) -> FactorGram:
 
     G's diagonal is each feature column's sum of squares. Its signs come from the product of the
     non-zero columns scaled to unit norm (:func:`factor_signs`; a zero column, a feature no sample
-    activates, has exactly zero products: a third of the features at M = 2000 on digits), G itself from ``packing.gram_packed_``: one
-    block of rows at a time into a reused buffer, no M × M matrix, n M² flops for n rows against
-    (M + c)³/3 for a Cholesky factorisation of J (issue 30: the whole M × M product, its boolean
+    activates, has exactly zero products: a third of the features at M = 2000 on digits), G itself
+    from ``packing.gram_packed_``: one block of rows at a time into a reused buffer, no M × M
+    matrix, n M² flops for n rows against (M + c)³/3 for a Cholesky factorisation of J (issue 30: the whole M × M product, its boolean
     mask and its scaled copies as fresh 32 MiB buffers cost ~55 ms an upload at M = 2000, n = 14).
     """
     if factor.dim() != 2 or not 0 <= dim <= int(factor.shape[1]):
